@@ -1,0 +1,86 @@
+#pragma once
+/// Run-time numbers of a trainer: everything that is not a type. The policies choose *what*
+/// happens in a step; these structs say *how much*. Fluent setters as in torch::optim
+/// (`TrainerOptions().max_grad_norm(1.0).accumulation_steps(4)`); checked by `validate()`
+/// before any work, with the option's name in the message.
+#include <torch/arg.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainkit {
+
+/// End of epoch with a partial window (step.md): `flush` steps on the k micro-batches it has
+/// (mean over them), `span` carries the window into the next epoch, `drop` discards it.
+enum class PartialWindow { flush, span, drop };
+/// FP32/BF16 non-finite gradient: `skip` the step and count it, or `abort` with a diagnostic.
+enum class NonFinite { skip, abort };
+
+/// Loss-scale settings. Dynamic defaults are torch.amp.GradScaler's; the extras (hysteresis,
+/// clamps, collapse check) are off by default, and then the scale follows GradScaler exactly.
+struct LossScaleOptions {
+  TORCH_ARG(double, init_scale) = 65536.0;      ///< FP16Dynamic initial scale
+  TORCH_ARG(double, growth_factor) = 2.0;       ///< scale *= growth after growth_interval clean steps
+  TORCH_ARG(double, backoff_factor) = 0.5;      ///< scale *= backoff on overflow
+  TORCH_ARG(std::int64_t, growth_interval) = 2000;
+  TORCH_ARG(std::int64_t, hysteresis) = 1;      ///< overflows in a row before the scale is cut
+  TORCH_ARG(double, min_scale) = 0.0;           ///< 0: no lower clamp
+  TORCH_ARG(double, max_scale) = std::numeric_limits<double>::infinity();  ///< inf: no clamp
+  /// > 0: throw when the scale sits at min_scale and overflows this many windows in a row.
+  TORCH_ARG(std::int64_t, collapse_windows) = 0;
+  TORCH_ARG(double, static_scale) = 128.0;      ///< FP16Static's fixed scale
+};
+
+/// Everything a Trainer needs at run time besides the model and the optimizer.
+struct TrainerOptions {
+  TORCH_ARG(LossScaleOptions, loss_scale) = {};
+  TORCH_ARG(double, max_grad_norm) = 1.0;            ///< ClipNorm's max norm
+  TORCH_ARG(double, clip_value) = 1.0;               ///< ClipValue's bound
+  TORCH_ARG(std::int64_t, accumulation_steps) = 1;   ///< AccumulationPolicy<Dynamic>'s N
+  TORCH_ARG(PartialWindow, partial_window) = PartialWindow::flush;
+  TORCH_ARG(NonFinite, nonfinite) = NonFinite::skip;
+  /// Parameter groups: the first name-substring that matches a parameter's name sets its LR
+  /// multiplier (VL-BERT's LR_MULT); unmatched parameters have multiplier 1.
+  TORCH_ARG(std::vector<std::pair<std::string, double>>, lr_mult) = {};
+  /// Human-readable configuration of the run (the resolved config as JSON), stored in checkpoints.
+  TORCH_ARG(std::string, config_json) = {};
+
+  /// Throws std::invalid_argument naming the first option out of range.
+  void validate() const {
+    auto fail = [](const std::string& what) {
+      throw std::invalid_argument("trainkit::TrainerOptions: " + what);
+    };
+    const auto& s = loss_scale_;
+    if (!(s.init_scale() > 0) || !std::isfinite(s.init_scale()))
+      fail("loss_scale.init_scale must be finite and > 0, got " + std::to_string(s.init_scale()));
+    if (!(s.growth_factor() > 1))
+      fail("loss_scale.growth_factor must be > 1, got " + std::to_string(s.growth_factor()));
+    if (!(s.backoff_factor() > 0 && s.backoff_factor() < 1))
+      fail("loss_scale.backoff_factor must be in (0, 1), got " + std::to_string(s.backoff_factor()));
+    if (s.growth_interval() < 1)
+      fail("loss_scale.growth_interval must be >= 1, got " + std::to_string(s.growth_interval()));
+    if (s.hysteresis() < 1)
+      fail("loss_scale.hysteresis must be >= 1, got " + std::to_string(s.hysteresis()));
+    if (!(s.min_scale() >= 0) || !(s.max_scale() > s.min_scale()))
+      fail("loss_scale.min_scale/max_scale must satisfy 0 <= min < max");
+    if (s.collapse_windows() < 0)
+      fail("loss_scale.collapse_windows must be >= 0 (0 disables the check)");
+    if (!(s.static_scale() > 0) || !std::isfinite(s.static_scale()))
+      fail("loss_scale.static_scale must be finite and > 0, got " + std::to_string(s.static_scale()));
+    if (!(max_grad_norm_ > 0))
+      fail("max_grad_norm must be > 0, got " + std::to_string(max_grad_norm_));
+    if (!(clip_value_ > 0)) fail("clip_value must be > 0, got " + std::to_string(clip_value_));
+    if (accumulation_steps_ < 1)
+      fail("accumulation_steps must be >= 1, got " + std::to_string(accumulation_steps_));
+    for (const auto& [name, mult] : lr_mult_)
+      if (!(mult >= 0) || !std::isfinite(mult))
+        fail("lr_mult[\"" + name + "\"] must be finite and >= 0, got " + std::to_string(mult));
+  }
+};
+
+}  // namespace trainkit
