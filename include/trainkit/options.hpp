@@ -46,9 +46,12 @@ struct TrainerOptions {
   TORCH_ARG(NonFinite, nonfinite) = NonFinite::skip;
   /// Parameter groups: the first name-substring that matches a parameter's name sets its LR
   /// multiplier (VL-BERT's LR_MULT); unmatched parameters have multiplier 1.
-  TORCH_ARG(std::vector<std::pair<std::string, double>>, lr_mult) = {};
+  using LrMult = std::vector<std::pair<std::string, double>>;
+  TORCH_ARG(LrMult, lr_mult) = {};
   /// Human-readable configuration of the run (the resolved config as JSON), stored in checkpoints.
   TORCH_ARG(std::string, config_json) = {};
+
+ public:
 
   /// Throws std::invalid_argument naming the first option out of range.
   void validate() const {

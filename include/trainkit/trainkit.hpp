@@ -1,5 +1,12 @@
 #pragma once
 /// Umbrella header: the core of trainkit (policies, trainer, optimizers, schedules).
-/// Optional parts have their own headers and are not pulled in here.
+/// Optional parts (YAML configs, distributed training, TensorBoard logs) have their own
+/// headers and are not pulled in here.
 #include <trainkit/version.hpp>
+#include <trainkit/options.hpp>
+#include <trainkit/precision.hpp>
+#include <trainkit/accumulation.hpp>
+#include <trainkit/clip.hpp>
+#include <trainkit/optim.hpp>
 #include <trainkit/schedule.hpp>
+#include <trainkit/trainer.hpp>

@@ -1,0 +1,91 @@
+#pragma once
+/// Clip policies: what happens to the window's gradient between the norm and the update.
+///
+/// Contract — what the trainer calls, and when (optimizer phase 8):
+///   ClipPolicy<Mode>(const TrainerOptions&)                    once, at construction
+///   divisor(flat_grad, divisor, true_norm) -> torch::Tensor
+///       flat_grad:  the accumulated gradient, equal to the true gradient times `divisor`
+///       divisor:    device scalar (loss scale / rescale); true_norm: device scalar, the global
+///                   L2 norm of the true gradient (computed once by the trainer, reused here)
+///       returns the device scalar the optimizer must divide the gradient by. A policy either
+///       folds itself into that scalar (ClipNorm: divisor / coef, no pass over the gradient)
+///       or acts on the gradient and returns 1 (ClipValue, which needs true values to clamp).
+/// Guarantees: clipping never sees scaled gradients; a non-finite norm gives a non-finite
+/// result, and the trainer skips the update then; nothing is read back to the host.
+#include <trainkit/detail/type_traits.hpp>
+#include <trainkit/options.hpp>
+
+#include <torch/types.h>
+
+namespace trainkit {
+
+struct NoClip {
+  static constexpr const char* name = "NoClip";
+};
+struct ClipNorm {
+  static constexpr const char* name = "ClipNorm";
+};
+struct ClipValue {
+  static constexpr const char* name = "ClipValue";
+};
+
+template <class Mode>
+class ClipPolicy {
+  static_assert(detail::always_false<Mode>,
+                "trainkit::ClipPolicy<T>: T must be one of tk::NoClip, tk::ClipNorm or "
+                "tk::ClipValue");
+};
+
+template <>
+class ClipPolicy<NoClip> {
+ public:
+  using mode = NoClip;
+  explicit ClipPolicy(const TrainerOptions&) {}
+  torch::Tensor divisor(torch::Tensor&, const torch::Tensor& divisor, const torch::Tensor&) const {
+    return divisor;
+  }
+};
+
+/// ClipNorm: gradient *= min(1, max_norm / (norm + 1e-6)), folded into the optimizer's divisor.
+template <>
+class ClipPolicy<ClipNorm> {
+ public:
+  using mode = ClipNorm;
+  explicit ClipPolicy(const TrainerOptions& options) : max_norm_(options.max_grad_norm()) {}
+  torch::Tensor divisor(torch::Tensor&, const torch::Tensor& divisor,
+                        const torch::Tensor& true_norm) const {
+    // The same coefficient as torch::nn::utils::clip_grad_norm_ (eps 1e-6, capped at 1).
+    const auto coef = (max_norm_ / (true_norm + 1e-6)).clamp_max(1.0);
+    return divisor / coef;
+  }
+  double max_norm() const { return max_norm_; }
+
+ private:
+  double max_norm_;
+};
+
+/// ClipValue: clamp the true gradient to [-v, v]; needs one pass to unscale and clamp.
+template <>
+class ClipPolicy<ClipValue> {
+ public:
+  using mode = ClipValue;
+  explicit ClipPolicy(const TrainerOptions& options) : value_(options.clip_value()) {}
+  torch::Tensor divisor(torch::Tensor& flat_grad, const torch::Tensor& divisor,
+                        const torch::Tensor&) const {
+    flat_grad.div_(divisor).clamp_(-value_, value_);
+    return torch::ones_like(divisor);
+  }
+  double value() const { return value_; }
+
+ private:
+  double value_;
+};
+
+template <class T>
+struct is_clip_policy : std::false_type {};
+template <class Mode>
+struct is_clip_policy<ClipPolicy<Mode>>
+    : std::bool_constant<std::is_same_v<Mode, NoClip> || std::is_same_v<Mode, ClipNorm> ||
+                         std::is_same_v<Mode, ClipValue>> {};
+
+}  // namespace trainkit

@@ -1,0 +1,86 @@
+#pragma once
+// Atomic archive files: write to a temporary file in the destination's directory, fsync it,
+// rename it over the final name, fsync the directory. A crash at any instant leaves either
+// the old file or the new one under the final name, never a partial one.
+#include <torch/serialize/archive.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <stdexcept>
+#include <string>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace trainkit::detail {
+
+inline std::string directory_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+inline void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd < 0) throw std::runtime_error("cannot open '" + path + "' to flush it: " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) throw std::runtime_error("cannot flush '" + path + "' to disk: " + std::strerror(err));
+}
+
+/// RAII: a temporary file that is removed unless released.
+class TemporaryFile {
+ public:
+  explicit TemporaryFile(std::string path) : path_(std::move(path)) {}
+  ~TemporaryFile() {
+    if (!released_) ::unlink(path_.c_str());
+  }
+  TemporaryFile(const TemporaryFile&) = delete;
+  TemporaryFile& operator=(const TemporaryFile&) = delete;
+  const std::string& path() const { return path_; }
+  void release() { released_ = true; }
+
+ private:
+  std::string path_;
+  bool released_ = false;
+};
+
+inline void write_archive_atomically(torch::serialize::OutputArchive& archive,
+                                     const std::string& path) {
+  const auto dir = directory_of(path);
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    throw std::runtime_error("cannot write checkpoint '" + path + "': directory '" + dir +
+                             "' does not exist");
+  if (::access(dir.c_str(), W_OK) != 0)
+    throw std::runtime_error("cannot write checkpoint '" + path + "': directory '" + dir +
+                             "' is not writable (" + std::strerror(errno) + ")");
+  TemporaryFile tmp(path + ".tmp." + std::to_string(::getpid()));
+  try {
+    archive.save_to(tmp.path());
+    fsync_path(tmp.path(), false);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("cannot write checkpoint '" + path +
+                             "' (disk full or I/O error?); the previous checkpoint is intact: " +
+                             e.what());
+  }
+  if (::rename(tmp.path().c_str(), path.c_str()) != 0)
+    throw std::runtime_error("cannot rename '" + tmp.path() + "' to '" + path +
+                             "': " + std::strerror(errno));
+  tmp.release();
+  fsync_path(dir, true);
+}
+
+inline void read_archive(torch::serialize::InputArchive& archive, const std::string& path) {
+  if (::access(path.c_str(), R_OK) != 0)
+    throw std::runtime_error("cannot read checkpoint '" + path + "': " + std::strerror(errno));
+  try {
+    archive.load_from(path);
+  } catch (const std::exception& e) {
+    throw std::runtime_error("checkpoint '" + path +
+                             "' is truncated or corrupt (not a complete archive): " + e.what());
+  }
+}
+
+}  // namespace trainkit::detail

@@ -1,0 +1,273 @@
+#pragma once
+/// Optimizers: SGD (momentum, Nesterov), Adam and AdamW, fused over all parameters, plus any
+/// torch::optim::Optimizer as the unfused alternative.
+///
+/// The option structs (`tk::AdamW{1e-4, 1e-2}.betas(0.9, 0.999).eps(1e-6)`) say what to run.
+/// The trainer turns them into an update rule over its flat parameter storage: one fused ATen
+/// call per parameter group and step (`at::_fused_adamw_` and friends; each group is one
+/// contiguous tensor), with the gradient divisor (loss scale / clip coefficient) and the
+/// overflow flag handed to the kernel, so unscaling, clipping and skipping happen inside the
+/// update and nothing is read back to the host.
+///
+/// Update-rule contract (detail::UpdateRule), called by the trainer in optimizer phase 9:
+///   step(groups, divisor, found_inf, lr)  divisor, found_inf, lr: device scalars. The true
+///       gradient is grad / divisor; found_inf = 1 means: change nothing, bit for bit.
+///   save / load                           state (moments, step counts) for checkpoints.
+#include <trainkit/detail/type_traits.hpp>
+
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainkit {
+
+/// SGD with optional momentum, Nesterov momentum and L2 weight decay (torch::optim::SGD's rule;
+/// dampening is 0).
+struct SGD {
+  explicit SGD(double lr, double momentum = 0.0, double weight_decay = 0.0, bool nesterov = false)
+      : lr_(lr), momentum_(momentum), weight_decay_(weight_decay), nesterov_(nesterov) {}
+  TORCH_ARG(double, lr);
+  TORCH_ARG(double, momentum);
+  TORCH_ARG(double, weight_decay);
+  TORCH_ARG(bool, nesterov);
+};
+
+/// Adam with L2 weight decay added to the gradient (torch::optim::Adam's rule).
+struct Adam {
+  explicit Adam(double lr, double weight_decay = 0.0) : lr_(lr), weight_decay_(weight_decay) {}
+  Adam& betas(double beta1, double beta2) {
+    beta1_ = beta1;
+    beta2_ = beta2;
+    return *this;
+  }
+  TORCH_ARG(double, lr);
+  TORCH_ARG(double, weight_decay);
+  TORCH_ARG(double, beta1) = 0.9;
+  TORCH_ARG(double, beta2) = 0.999;
+  TORCH_ARG(double, eps) = 1e-8;
+};
+
+/// AdamW with decoupled weight decay (torch::optim::AdamW's rule), on every parameter as in
+/// VL-BERT. VL-BERT's own settings: `AdamW{lr, wd}.eps(1e-6)`.
+struct AdamW {
+  explicit AdamW(double lr, double weight_decay = 1e-2) : lr_(lr), weight_decay_(weight_decay) {}
+  AdamW& betas(double beta1, double beta2) {
+    beta1_ = beta1;
+    beta2_ = beta2;
+    return *this;
+  }
+  TORCH_ARG(double, lr);
+  TORCH_ARG(double, weight_decay);
+  TORCH_ARG(double, beta1) = 0.9;
+  TORCH_ARG(double, beta2) = 0.999;
+  TORCH_ARG(double, eps) = 1e-8;
+};
+
+namespace detail {
+
+/// One parameter group: a contiguous slice of the flat parameter and gradient storage.
+struct ParamGroup {
+  torch::Tensor params;  ///< 1-D view into the flat parameter storage
+  torch::Tensor grads;   ///< 1-D view into the flat gradient storage, same extent
+  double lr_mult = 1.0;
+};
+
+class UpdateRule {
+ public:
+  virtual ~UpdateRule() = default;
+  /// `lrs[g]`: learning rate of group g, a device scalar.
+  virtual void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
+                    const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) = 0;
+  virtual double base_lr() const = 0;
+  virtual std::string name() const = 0;
+  virtual bool fused() const { return true; }
+  virtual void save(torch::serialize::OutputArchive& archive) const = 0;
+  virtual void load(torch::serialize::InputArchive& archive) = 0;
+};
+
+inline void check_lr(double lr, const char* who) {
+  TORCH_CHECK(lr > 0 && std::isfinite(lr), who, ": the learning rate must be finite and > 0, got ", lr);
+}
+
+/// State tensors of one kind (exp_avg, momentum...) for every group, saved under `prefix.g`.
+inline void save_states(torch::serialize::OutputArchive& archive, const std::string& prefix,
+                        const std::vector<torch::Tensor>& states) {
+  for (size_t g = 0; g < states.size(); ++g)
+    archive.write(prefix + "." + std::to_string(g), states[g], /*is_buffer=*/true);
+}
+inline void load_states(torch::serialize::InputArchive& archive, const std::string& prefix,
+                        std::vector<torch::Tensor>& states) {
+  for (size_t g = 0; g < states.size(); ++g) {
+    torch::Tensor saved;
+    archive.read(prefix + "." + std::to_string(g), saved, /*is_buffer=*/true);
+    TORCH_CHECK(saved.sizes() == states[g].sizes(), "optimizer state '", prefix, ".", g,
+                "': checkpoint has shape ", saved.sizes(), ", the model needs ", states[g].sizes());
+    states[g].copy_(saved);
+  }
+}
+
+/// Adam and AdamW share moments and the step count; only the decay rule differs.
+template <class Options, bool Decoupled>
+class FusedAdam final : public UpdateRule {
+ public:
+  FusedAdam(const Options& options, const std::vector<ParamGroup>& groups) : options_(options) {
+    check_lr(options.lr(), Decoupled ? "AdamW" : "Adam");
+    TORCH_CHECK(options.beta1() >= 0 && options.beta1() < 1 && options.beta2() >= 0 &&
+                    options.beta2() < 1,
+                "Adam(W): betas must be in [0, 1), got (", options.beta1(), ", ", options.beta2(), ")");
+    TORCH_CHECK(options.eps() > 0, "Adam(W): eps must be > 0, got ", options.eps());
+    TORCH_CHECK(options.weight_decay() >= 0, "Adam(W): weight_decay must be >= 0, got ",
+                options.weight_decay());
+    for (const auto& g : groups) {
+      exp_avg_.push_back(torch::zeros_like(g.params));
+      exp_avg_sq_.push_back(torch::zeros_like(g.params));
+    }
+    // One step count for all groups (they always step together); fp32 as the kernels expect.
+    step_ = torch::zeros({}, groups.front().params.options());
+  }
+
+  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
+            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) override {
+    // torch.optim's fused path: count the step, let the kernel skip, take the count back.
+    step_.add_(1.0).sub_(found_inf);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const torch::Tensor& lr = lrs[g];
+      if constexpr (Decoupled)
+        at::_fused_adamw_({groups[g].params}, {groups[g].grads}, {exp_avg_[g]}, {exp_avg_sq_[g]},
+                          {}, {step_}, lr, options_.beta1(), options_.beta2(),
+                          options_.weight_decay(), options_.eps(), /*amsgrad=*/false,
+                          /*maximize=*/false, divisor, found_inf);
+      else
+        at::_fused_adam_({groups[g].params}, {groups[g].grads}, {exp_avg_[g]}, {exp_avg_sq_[g]},
+                         {}, {step_}, lr, options_.beta1(), options_.beta2(),
+                         options_.weight_decay(), options_.eps(), /*amsgrad=*/false,
+                         /*maximize=*/false, divisor, found_inf);
+    }
+  }
+  double base_lr() const override { return options_.lr(); }
+  std::string name() const override { return Decoupled ? "AdamW(fused)" : "Adam(fused)"; }
+  void save(torch::serialize::OutputArchive& archive) const override {
+    archive.write("optim.step", step_, true);
+    save_states(archive, "optim.exp_avg", exp_avg_);
+    save_states(archive, "optim.exp_avg_sq", exp_avg_sq_);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    torch::Tensor step;
+    archive.read("optim.step", step, true);
+    step_.copy_(step);
+    load_states(archive, "optim.exp_avg", exp_avg_);
+    load_states(archive, "optim.exp_avg_sq", exp_avg_sq_);
+  }
+
+  const std::vector<torch::Tensor>& exp_avg() const { return exp_avg_; }
+  const std::vector<torch::Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
+  const torch::Tensor& step_count() const { return step_; }
+
+ private:
+  Options options_;
+  std::vector<torch::Tensor> exp_avg_, exp_avg_sq_;
+  torch::Tensor step_;
+};
+
+class FusedSGD final : public UpdateRule {
+ public:
+  FusedSGD(const SGD& options, const std::vector<ParamGroup>& groups) : options_(options) {
+    check_lr(options.lr(), "SGD");
+    TORCH_CHECK(options.momentum() >= 0, "SGD: momentum must be >= 0, got ", options.momentum());
+    TORCH_CHECK(!options.nesterov() || options.momentum() > 0,
+                "SGD: nesterov needs momentum > 0");
+    TORCH_CHECK(options.weight_decay() >= 0, "SGD: weight_decay must be >= 0, got ",
+                options.weight_decay());
+    if (options.momentum() > 0)
+      for (const auto& g : groups) momentum_.push_back(torch::zeros_like(g.params));
+  }
+
+  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
+            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) override {
+    for (size_t g = 0; g < groups.size(); ++g) {
+      // A zero-initialised buffer with dampening 0 equals torch's "buffer = grad on the first
+      // step", without the host needing to know which step was the first applied one.
+      const auto buffers = momentum_.empty() ? std::vector<torch::Tensor>{}
+                                             : std::vector<torch::Tensor>{momentum_[g]};
+      at::_fused_sgd_({groups[g].params}, {groups[g].grads}, buffers, options_.weight_decay(),
+                      options_.momentum(), lrs[g], /*dampening=*/0.0, options_.nesterov(),
+                      /*maximize=*/false, /*is_first_step=*/false, divisor, found_inf);
+    }
+  }
+  double base_lr() const override { return options_.lr(); }
+  std::string name() const override { return "SGD(fused)"; }
+  void save(torch::serialize::OutputArchive& archive) const override {
+    save_states(archive, "optim.momentum", momentum_);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    load_states(archive, "optim.momentum", momentum_);
+  }
+  const std::vector<torch::Tensor>& momentum_buffers() const { return momentum_; }
+
+ private:
+  SGD options_;
+  std::vector<torch::Tensor> momentum_;
+};
+
+/// Any torch::optim::Optimizer: gradients are unscaled and clipped in place, and the overflow
+/// flag is read on the host (one sync per window) because torch::optim cannot skip on device.
+class TorchOptimizer final : public UpdateRule {
+ public:
+  explicit TorchOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer)
+      : optimizer_(std::move(optimizer)) {
+    TORCH_CHECK(optimizer_ != nullptr, "Trainer: the torch::optim::Optimizer is null");
+    for (auto& group : optimizer_->param_groups()) base_lrs_.push_back(group.options().get_lr());
+  }
+  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
+            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) override {
+    if (found_inf.item<float>() != 0.0f) return;
+    for (const auto& g : groups) g.grads.div_(divisor);
+    // The schedule's factor relative to the base LR, applied to each group's own LR.
+    const double factor = lrs.front().item<double>() / base_lr();
+    auto& param_groups = optimizer_->param_groups();
+    for (size_t i = 0; i < param_groups.size(); ++i)
+      param_groups[i].options().set_lr(base_lrs_[i] * factor);
+    optimizer_->step();
+  }
+  double base_lr() const override { return base_lrs_.empty() ? 1.0 : base_lrs_.front(); }
+  std::string name() const override { return "torch::optim(unfused)"; }
+  bool fused() const override { return false; }
+  void save(torch::serialize::OutputArchive& archive) const override {
+    torch::serialize::OutputArchive nested;
+    optimizer_->save(nested);
+    archive.write("optim.torch", nested);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    torch::serialize::InputArchive nested;
+    archive.read("optim.torch", nested);
+    optimizer_->load(nested);
+  }
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+
+ private:
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  std::vector<double> base_lrs_;
+};
+
+inline std::unique_ptr<UpdateRule> make_rule(const SGD& o, const std::vector<ParamGroup>& g) {
+  return std::make_unique<FusedSGD>(o, g);
+}
+inline std::unique_ptr<UpdateRule> make_rule(const Adam& o, const std::vector<ParamGroup>& g) {
+  return std::make_unique<FusedAdam<Adam, false>>(o, g);
+}
+inline std::unique_ptr<UpdateRule> make_rule(const AdamW& o, const std::vector<ParamGroup>& g) {
+  return std::make_unique<FusedAdam<AdamW, true>>(o, g);
+}
+template <class O, class = std::enable_if_t<std::is_base_of_v<torch::optim::Optimizer, O>>>
+std::unique_ptr<UpdateRule> make_rule(std::shared_ptr<O> o, const std::vector<ParamGroup>&) {
+  return std::make_unique<TorchOptimizer>(std::move(o));
+}
+
+}  // namespace detail
+}  // namespace trainkit

@@ -1,0 +1,264 @@
+#pragma once
+/// Precision policies: where the forward runs (autocast region) and how the loss is scaled.
+///
+/// Contract — what the trainer calls, and when:
+///   PrecisionPolicy<Mode>(const LossScaleOptions&, torch::Device)   once, at construction
+///   region()            micro-step phase 1: an RAII guard; the closure runs inside it
+///   scales_loss         constexpr; when true, the loss is multiplied by scale() before backward
+///   scale()             a device scalar (fp32), the current loss scale (1 when not scaling)
+///   update(found_inf)   optimizer phase 10, once per window, with found_inf a device scalar
+///                       (1.0 = a non-finite gradient was found); no host sync
+///   check(step)         the host-side checks that need a value (the collapse error); called
+///                       by the trainer only at windows where it reads values anyway
+///   save / load         the scaler's state, for checkpoints
+/// Guarantees: scale() and every counter stay on the device; with all extras of
+/// LossScaleOptions off, FP16Dynamic's scale follows torch.amp.GradScaler exactly.
+#include <trainkit/detail/type_traits.hpp>
+#include <trainkit/options.hpp>
+
+#include <ATen/autocast_mode.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <sstream>
+#include <stdexcept>
+
+namespace trainkit {
+
+/// Precision tags: plain types naming a mode, used as `PrecisionPolicy<Tag>`.
+struct FP32 {
+  static constexpr const char* name = "FP32";
+};
+struct BF16 {
+  static constexpr const char* name = "BF16";
+};
+struct FP16Static {
+  static constexpr const char* name = "FP16Static";
+};
+struct FP16Dynamic {
+  static constexpr const char* name = "FP16Dynamic";
+};
+
+/// Thrown when the dynamic loss scale has collapsed (see LossScaleOptions::collapse_windows).
+class LossScaleCollapsed : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// RAII autocast region for one device type: enables autocast to `dtype` and restores the
+/// previous state (enabled flag, dtype, cache) on exit, so regions nest and never leak.
+class AutocastRegion {
+ public:
+  AutocastRegion(c10::DeviceType device_type, at::ScalarType dtype)
+      : device_type_(device_type),
+        was_enabled_(at::autocast::is_autocast_enabled(device_type)),
+        previous_dtype_(at::autocast::get_autocast_dtype(device_type)) {
+    at::autocast::set_autocast_enabled(device_type_, true);
+    at::autocast::set_autocast_dtype(device_type_, dtype);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastRegion() {
+    // The weight-cast cache lives as long as the outermost region, as in torch.autocast.
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device_type_, was_enabled_);
+    at::autocast::set_autocast_dtype(device_type_, previous_dtype_);
+  }
+  AutocastRegion(const AutocastRegion&) = delete;
+  AutocastRegion& operator=(const AutocastRegion&) = delete;
+
+ private:
+  c10::DeviceType device_type_;
+  bool was_enabled_;
+  at::ScalarType previous_dtype_;
+};
+
+/// The region of FP32: nothing happens.
+struct NoRegion {};
+
+/// Primary template: only the four tags are precision modes.
+template <class Mode>
+class PrecisionPolicy {
+  static_assert(detail::always_false<Mode>,
+                "trainkit::PrecisionPolicy<T>: T must be one of tk::FP32, tk::BF16, "
+                "tk::FP16Static or tk::FP16Dynamic");
+};
+
+namespace detail {
+
+/// Shared by the modes without loss scaling: the scale is the constant 1.
+class UnitScale {
+ public:
+  static constexpr bool scales_loss = false;
+  UnitScale(const LossScaleOptions&, torch::Device device)
+      : device_(device), one_(torch::ones({}, torch::dtype(torch::kFloat).device(device))) {}
+  const torch::Tensor& scale() const { return one_; }
+  void update(const torch::Tensor& /*found_inf*/) {}
+  void check(std::int64_t /*step*/) const {}
+  void save(torch::serialize::OutputArchive&) const {}
+  void load(torch::serialize::InputArchive&) {}
+  torch::Device device() const { return device_; }
+
+ private:
+  torch::Device device_;
+  torch::Tensor one_;
+};
+
+}  // namespace detail
+
+/// FP32: no autocast, no scaling.
+template <>
+class PrecisionPolicy<FP32> : public detail::UnitScale {
+ public:
+  using mode = FP32;
+  using detail::UnitScale::UnitScale;
+  NoRegion region() const { return {}; }
+};
+
+/// BF16: autocast to bfloat16; bf16 has fp32's range, so no loss scaling.
+template <>
+class PrecisionPolicy<BF16> : public detail::UnitScale {
+ public:
+  using mode = BF16;
+  using detail::UnitScale::UnitScale;
+  AutocastRegion region() const { return {device().type(), at::kBFloat16}; }
+};
+
+/// FP16Static: autocast to float16 with a fixed loss scale; an overflowing window is skipped
+/// (never applied, unlike Apex's static mode).
+template <>
+class PrecisionPolicy<FP16Static> {
+ public:
+  using mode = FP16Static;
+  static constexpr bool scales_loss = true;
+  PrecisionPolicy(const LossScaleOptions& options, torch::Device device)
+      : device_(device),
+        scale_(torch::full({}, options.static_scale(),
+                           torch::dtype(torch::kFloat).device(device))) {}
+  AutocastRegion region() const { return {device_.type(), at::kHalf}; }
+  const torch::Tensor& scale() const { return scale_; }
+  void update(const torch::Tensor& /*found_inf*/) {}
+  void check(std::int64_t /*step*/) const {}
+  void save(torch::serialize::OutputArchive& archive) const {
+    archive.write("scaler.scale", scale_, /*is_buffer=*/true);
+  }
+  void load(torch::serialize::InputArchive& archive) {
+    torch::Tensor scale;
+    archive.read("scaler.scale", scale, /*is_buffer=*/true);
+    scale_.copy_(scale);
+  }
+
+ private:
+  torch::Device device_;
+  torch::Tensor scale_;
+};
+
+/// FP16Dynamic: autocast to float16 with torch.amp.GradScaler's dynamic loss scale, plus
+/// DeepSpeed/Apex-style extras (hysteresis, min/max clamps, collapse error), all off by default.
+template <>
+class PrecisionPolicy<FP16Dynamic> {
+ public:
+  using mode = FP16Dynamic;
+  static constexpr bool scales_loss = true;
+
+  PrecisionPolicy(const LossScaleOptions& options, torch::Device device)
+      : options_(options), device_(device) {
+    const auto f32 = torch::dtype(torch::kFloat).device(device);
+    const auto i32 = torch::dtype(torch::kInt).device(device);
+    // Shapes and dtypes are GradScaler's: scale fp32 [1], growth tracker int32 [1].
+    scale_ = torch::full({1}, options.init_scale(), f32);
+    growth_tracker_ = torch::zeros({1}, i32);
+    overflows_in_a_row_ = torch::zeros({1}, i32);
+    collapsed_windows_ = torch::zeros({1}, i32);
+    extras_ = options.hysteresis() > 1 || options.min_scale() > 0 ||
+              std::isfinite(options.max_scale()) || options.collapse_windows() > 0;
+  }
+
+  AutocastRegion region() const { return {device_.type(), at::kHalf}; }
+  const torch::Tensor& scale() const { return scale_; }
+  const torch::Tensor& growth_tracker() const { return growth_tracker_; }
+  const torch::Tensor& overflows_in_a_row() const { return overflows_in_a_row_; }
+
+  /// Phase 10: the scale update. Without extras this is ATen's own GradScaler kernel.
+  void update(const torch::Tensor& found_inf) {
+    const auto inf = found_inf.reshape({1}).to(torch::kFloat);
+    if (!extras_) {
+      at::_amp_update_scale_(scale_, growth_tracker_, inf, options_.growth_factor(),
+                             options_.backoff_factor(), options_.growth_interval());
+      return;
+    }
+    update_with_extras(inf);
+  }
+
+  /// Host-side check of the collapse error; reads one device value.
+  void check(std::int64_t step) const {
+    const auto windows = options_.collapse_windows();
+    if (windows <= 0) return;
+    if (collapsed_windows_.item<int>() >= windows) {
+      std::ostringstream msg;
+      msg << "loss scale collapsed at step " << step << ": the scale is at its minimum "
+          << options_.min_scale() << " and the gradients still overflowed " << windows
+          << " windows in a row. The loss or the gradients are non-finite at any scale: look "
+             "for log(0), a division by zero or an exploding activation; lower the learning "
+             "rate, clip gradients, or train in BF16 (fp32's range).";
+      throw LossScaleCollapsed(msg.str());
+    }
+  }
+
+  void save(torch::serialize::OutputArchive& archive) const {
+    archive.write("scaler.scale", scale_, true);
+    archive.write("scaler.growth_tracker", growth_tracker_, true);
+    archive.write("scaler.overflows_in_a_row", overflows_in_a_row_, true);
+    archive.write("scaler.collapsed_windows", collapsed_windows_, true);
+  }
+  void load(torch::serialize::InputArchive& archive) {
+    for (auto [key, tensor] : {std::pair{"scaler.scale", scale_},
+                               {"scaler.growth_tracker", growth_tracker_},
+                               {"scaler.overflows_in_a_row", overflows_in_a_row_},
+                               {"scaler.collapsed_windows", collapsed_windows_}}) {
+      torch::Tensor saved;
+      archive.read(key, saved, true);
+      tensor.copy_(saved);
+    }
+  }
+
+ private:
+  // The same arithmetic as _amp_update_scale_ (fp32 products, the growth only when finite),
+  // with hysteresis (cut only after H overflows in a row), clamps, and the collapse counter,
+  // written as element-wise tensor ops so that nothing leaves the device.
+  void update_with_extras(const torch::Tensor& inf) {
+    const auto overflow = inf > 0;
+    const auto at_min = scale_ <= static_cast<float>(options_.min_scale());
+    collapsed_windows_.copy_(torch::where(overflow & at_min, collapsed_windows_ + 1, 0));
+
+    const auto in_a_row = torch::where(overflow, overflows_in_a_row_ + 1, 0);
+    const auto cut = overflow & (in_a_row >= options_.hysteresis());
+    const auto backed_off =
+        (scale_ * static_cast<float>(options_.backoff_factor()))
+            .clamp_min(static_cast<float>(options_.min_scale()));
+
+    const auto successful = growth_tracker_ + 1;
+    const auto grow = overflow.logical_not() & (successful >= options_.growth_interval());
+    auto grown = scale_ * static_cast<float>(options_.growth_factor());
+    grown = torch::where(grown.isfinite(),
+                         grown.clamp_max(static_cast<float>(options_.max_scale())), scale_);
+
+    scale_.copy_(torch::where(cut, backed_off, torch::where(grow, grown, scale_)));
+    growth_tracker_.copy_(torch::where(overflow | grow, 0, successful));
+    overflows_in_a_row_.copy_(torch::where(cut, 0, in_a_row));
+  }
+
+  LossScaleOptions options_;
+  torch::Device device_;
+  bool extras_ = false;
+  torch::Tensor scale_, growth_tracker_, overflows_in_a_row_, collapsed_windows_;
+};
+
+/// True for PrecisionPolicy<Tag> with a valid tag.
+template <class T>
+struct is_precision_policy : std::false_type {};
+template <class Mode>
+struct is_precision_policy<PrecisionPolicy<Mode>>
+    : std::bool_constant<std::is_same_v<Mode, FP32> || std::is_same_v<Mode, BF16> ||
+                         std::is_same_v<Mode, FP16Static> || std::is_same_v<Mode, FP16Dynamic>> {};
+
+}  // namespace trainkit

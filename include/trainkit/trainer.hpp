@@ -1,0 +1,624 @@
+#pragma once
+/// The Trainer: a training configuration as a type.
+///
+///   using Trainer = tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>,
+///                               tk::AccumulationPolicy<4>, tk::ClipPolicy<tk::ClipNorm>>;
+///   Trainer trainer(model, tk::AdamW{1e-4, 1e-4}, tk::TrainerOptions().max_grad_norm(1.0));
+///   for (auto& batch : loader) {
+///     auto r = trainer.micro_step([&] { return loss_of(model, batch); });
+///     if (r.window_closed && want_log) log(r.report.loss());
+///   }
+///   trainer.flush();
+///
+/// The step's order is written once, in micro_step() and optimizer_phase() below, with the
+/// phases numbered as in step.md. Each policy is a member whose calls compile to straight-line
+/// code for its configuration: there is no branch on a policy inside the step.
+///
+/// Storage: at construction the trainable parameters are moved into one flat fp32 buffer per
+/// trainer (parameters become views into it, grouped by LR multiplier), and their .grad into a
+/// second flat buffer that autograd accumulates into in place. The optimizer phase therefore
+/// reads the gradient as one tensor (norm, update, zeroing, a bucketed all-reduce). Move the
+/// model to its device *before* constructing the trainer, and do not replace parameters or
+/// their .grad afterwards (the trainer checks and says so).
+#include <trainkit/accumulation.hpp>
+#include <trainkit/clip.hpp>
+#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/optim.hpp>
+#include <trainkit/options.hpp>
+#include <trainkit/precision.hpp>
+#include <trainkit/schedule.hpp>
+#include <trainkit/version.hpp>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace trainkit {
+
+/// Thrown with NonFinite::abort when an FP32/BF16 window has a non-finite gradient.
+class NonFiniteGradient : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// What one optimizer phase did. Holds device scalars; the first value asked for copies all of
+/// them to the host at once (one sync), so a report that is never read costs no sync.
+class StepReport {
+ public:
+  StepReport() = default;
+
+  bool applied() const { return value(kFoundInf) == 0.0; }
+  bool skipped() const { return !applied(); }
+  /// Applied optimizer steps so far, including this one when applied.
+  std::int64_t step() const { return static_cast<std::int64_t>(value(kApplied)); }
+  /// Optimizer phases run so far (applied + skipped), known on the host without a sync.
+  std::int64_t window() const { return window_; }
+  /// The loss of the window: the mean over its micro-batches (or items).
+  double loss() const { return value(kLoss); }
+  /// Global L2 norm of the (unscaled) gradient before clipping.
+  double grad_norm() const { return value(kNorm); }
+  /// The loss scale used for this window (1 without loss scaling).
+  double loss_scale() const { return value(kScale); }
+  /// Learning rate of the first parameter group for this window.
+  double lr() const { return value(kLr); }
+  /// Skipped steps so far, including this one when skipped.
+  std::int64_t skipped_steps() const { return static_cast<std::int64_t>(value(kSkipped)); }
+  /// Micro-batches in the window (fewer than N for a flushed partial window).
+  std::int64_t micro_batches() const { return micro_batches_; }
+  /// Items in the window when item counts were given, else 0.
+  std::int64_t items() const { return items_; }
+  bool empty() const { return values_ == nullptr; }
+
+ private:
+  template <class, class, class>
+  friend class Trainer;
+  enum Field { kLoss, kNorm, kScale, kLr, kFoundInf, kSkipped, kApplied, kFields };
+  struct Values {
+    std::array<torch::Tensor, kFields> device;
+    std::optional<std::array<double, kFields>> host;
+  };
+
+  double value(Field f) const {
+    TORCH_CHECK(values_ != nullptr, "StepReport: this report is empty (no window closed)");
+    if (!values_->host) {
+      std::vector<torch::Tensor> parts;
+      for (const auto& t : values_->device) parts.push_back(t.reshape({1}).to(torch::kDouble));
+      const auto host = torch::cat(parts).cpu();
+      std::array<double, kFields> v{};
+      for (int i = 0; i < kFields; ++i) v[i] = host[i].item<double>();
+      values_->host = v;
+    }
+    return (*values_->host)[f];
+  }
+
+  std::shared_ptr<Values> values_;
+  std::int64_t window_ = 0, micro_batches_ = 0, items_ = 0;
+};
+
+/// The result of one micro_step: whether it closed a window, and if so that window's report.
+struct MicroStepResult {
+  bool window_closed = false;
+  StepReport report;
+};
+
+namespace detail {
+
+template <class T, class = void>
+struct is_module_holder : std::false_type {};
+template <class T>
+struct is_module_holder<T, std::void_t<decltype(std::declval<T&>().ptr())>>
+    : std::is_base_of<torch::nn::Module, typename T::ContainedType> {};
+
+/// The model as a shared Module, from a ModuleHolder (`Linear`), a shared_ptr, or a Module
+/// owned by a shared_ptr.
+template <class M>
+std::shared_ptr<torch::nn::Module> module_of(M& model) {
+  if constexpr (is_module_holder<M>::value) {
+    return model.ptr();
+  } else if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
+    try {
+      return model.shared_from_this();
+    } catch (const std::bad_weak_ptr&) {
+      throw std::invalid_argument(
+          "Trainer: the model must be owned by a std::shared_ptr (or be a torch::nn::ModuleHolder "
+          "such as a TORCH_MODULE type)");
+    }
+  } else {
+    static_assert(always_false<M>,
+                  "Trainer(model, ...): model must be a torch::nn::ModuleHolder (a TORCH_MODULE "
+                  "type), a std::shared_ptr<Module>, or a Module owned by a shared_ptr");
+  }
+}
+template <class M>
+std::shared_ptr<torch::nn::Module> module_of(std::shared_ptr<M>& model) {
+  static_assert(std::is_base_of_v<torch::nn::Module, M>,
+                "Trainer(model, ...): model must derive from torch::nn::Module");
+  TORCH_CHECK(model != nullptr, "Trainer: the model is null");
+  return model;
+}
+
+inline std::string shape_string(c10::IntArrayRef sizes) {
+  std::ostringstream s;
+  s << sizes;
+  return s.str();
+}
+
+}  // namespace detail
+
+/// A training configuration as a type. See the file comment for use; step.md for semantics.
+template <class Precision = PrecisionPolicy<FP32>, class Accumulation = AccumulationPolicy<1>,
+          class Clip = ClipPolicy<NoClip>>
+class Trainer {
+  static_assert(is_precision_policy<Precision>::value,
+                "trainkit::Trainer<P, A, C>: P (the first argument) must be "
+                "tk::PrecisionPolicy<tk::FP32 | tk::BF16 | tk::FP16Static | tk::FP16Dynamic>");
+  static_assert(is_accumulation_policy<Accumulation>::value,
+                "trainkit::Trainer<P, A, C>: A (the second argument) must be "
+                "tk::AccumulationPolicy<N> with N >= 1, or tk::AccumulationPolicy<tk::Dynamic>");
+  static_assert(is_clip_policy<Clip>::value,
+                "trainkit::Trainer<P, A, C>: C (the third argument) must be "
+                "tk::ClipPolicy<tk::NoClip | tk::ClipNorm | tk::ClipValue>");
+
+ public:
+  using precision = Precision;
+  using accumulation = Accumulation;
+  using clip = Clip;
+  using precision_mode = typename Precision::mode;
+  using clip_mode = typename Clip::mode;
+  /// Micro-batches per window; tk::Dynamic when chosen at run time.
+  static constexpr int accumulation_steps = Accumulation::steps;
+  static constexpr bool scales_loss = Precision::scales_loss;
+
+  /// "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>": for logs, and checked on load().
+  static std::string name() {
+    const std::string n = accumulation_steps == Dynamic ? std::string("Dynamic")
+                                                        : std::to_string(accumulation_steps);
+    return std::string("Trainer<") + precision_mode::name + ", Accumulate<" + n + ">, " +
+           clip_mode::name + ">";
+  }
+
+  /// `optimizer`: tk::SGD, tk::Adam, tk::AdamW (fused), or a std::shared_ptr to any
+  /// torch::optim::Optimizer built over the model's parameters (unfused).
+  template <class Model, class Optimizer>
+  Trainer(Model& model, Optimizer optimizer, TrainerOptions options = {})
+      : options_(validated(std::move(options))),
+        module_(detail::module_of(model)),
+        device_(first_device(*module_)),
+        precision_(options_.loss_scale(), device_),
+        accumulation_(options_),
+        clip_(options_) {
+    flatten_parameters();
+    rule_ = detail::make_rule(std::move(optimizer), groups_);
+    const auto long_opts = torch::dtype(torch::kLong).device(device_);
+    applied_ = torch::zeros({1}, long_opts);
+    skipped_ = torch::zeros({1}, long_opts);
+    window_loss_ = torch::zeros({}, torch::dtype(torch::kFloat).device(device_));
+    set_schedule(std::make_shared<ConstantSchedule>());
+  }
+
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  /// One micro-batch: `closure` computes the loss (forward) and returns it as a scalar tensor.
+  /// Closes the window on its N-th call and then runs the optimizer phase.
+  template <class Closure>
+  MicroStepResult micro_step(Closure&& closure) {
+    return micro_step_impl(std::forward<Closure>(closure), -1);
+  }
+  /// As above, with the micro-batch's item count (tokens, samples): the window's gradient is
+  /// then the gradient of the mean over all its items, whatever the counts are.
+  template <class Closure>
+  MicroStepResult micro_step(Closure&& closure, std::int64_t items) {
+    TORCH_CHECK(items >= 0, "micro_step: the item count must be >= 0, got ", items);
+    return micro_step_impl(std::forward<Closure>(closure), items);
+  }
+
+  /// End of epoch: handle a partial window by TrainerOptions::partial_window (step.md).
+  /// Returns the report when an optimizer phase ran.
+  std::optional<StepReport> flush() {
+    if (accumulation_.position() == 0) return std::nullopt;
+    switch (options_.partial_window()) {
+      case PartialWindow::flush:
+        return optimizer_phase();
+      case PartialWindow::span:
+        return std::nullopt;
+      case PartialWindow::drop:
+        flat_grad_.zero_();
+        window_loss_.zero_();
+        accumulation_.reset();
+        return std::nullopt;
+    }
+    return std::nullopt;
+  }
+
+  /// Attaches an LR schedule (its factor multiplies the optimizer's LR); it advances only on
+  /// applied steps. Call schedule_changed() after changing a schedule's values (plateau).
+  void set_schedule(std::shared_ptr<Schedule> schedule) {
+    TORCH_CHECK(schedule != nullptr, "set_schedule: the schedule is null");
+    schedule_ = std::move(schedule);
+    schedule_changed();
+  }
+  void schedule_changed() { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
+  const Schedule& schedule() const { return *schedule_; }
+
+  // --- state ----------------------------------------------------------------------------
+  /// Optimizer phases run (applied + skipped); host value, no sync.
+  std::int64_t windows() const { return windows_; }
+  /// Micro-batches in the current, open window.
+  std::int64_t window_position() const { return accumulation_.position(); }
+  /// Applied optimizer steps (device scalar; `.item()` syncs).
+  const torch::Tensor& applied_steps() const { return applied_; }
+  const torch::Tensor& skipped_steps() const { return skipped_; }
+  /// The current loss scale (device scalar; 1 without loss scaling).
+  const torch::Tensor& loss_scale() const { return precision_.scale(); }
+  Precision& precision_policy() { return precision_; }
+  Accumulation& accumulation_policy() { return accumulation_; }
+  const Clip& clip_policy() const { return clip_; }
+  detail::UpdateRule& update_rule() { return *rule_; }
+  const TrainerOptions& options() const { return options_; }
+  torch::nn::Module& model() { return *module_; }
+  torch::Device device() const { return device_; }
+  /// The flat gradient storage (every trainable parameter's .grad is a view into it).
+  const torch::Tensor& gradients() const { return flat_grad_; }
+  const torch::Tensor& parameters() const { return flat_params_; }
+  const std::vector<detail::ParamGroup>& groups() const { return groups_; }
+
+  /// Writes the whole trainer state to `path` atomically (temporary file in the same
+  /// directory, flushed, renamed). `extra` adds the caller's state (epoch, sampler...).
+  void save(const std::string& path,
+            const std::function<void(torch::serialize::OutputArchive&)>& extra = {}) const {
+    torch::serialize::OutputArchive archive;
+    archive.write("meta.trainer", c10::IValue(name()));
+    archive.write("meta.version", c10::IValue(std::string(TRAINKIT_VERSION_STRING)));
+    archive.write("meta.optimizer", c10::IValue(rule_->name()));
+    archive.write("meta.config", c10::IValue(options_.config_json()));
+    torch::NoGradGuard no_grad;
+    for (const auto& p : module_->named_parameters(true))
+      archive.write("model.param." + p.key(), p.value(), /*is_buffer=*/true);
+    for (const auto& b : module_->named_buffers(true))
+      archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
+    rule_->save(archive);
+    precision_.save(archive);
+    archive.write("counters.applied", applied_, true);
+    archive.write("counters.skipped", skipped_, true);
+    archive.write("counters.windows", c10::IValue(windows_));
+    const auto acc = accumulation_.state();
+    archive.write("window.position", c10::IValue(acc.position));
+    archive.write("window.items", c10::IValue(acc.items));
+    archive.write("window.reference", c10::IValue(acc.reference));
+    archive.write("window.counted", c10::IValue(acc.counted));
+    // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
+    if (acc.position > 0) {
+      archive.write("window.gradient", flat_grad_, true);
+      archive.write("window.loss", window_loss_, true);
+    }
+    archive.write("schedule.state", c10::IValue(schedule_->state()));
+    {
+      auto generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      archive.write("rng.cpu", generator.get_state(), true);
+    }
+    if (extra) extra(archive);
+    detail::write_archive_atomically(archive, path);
+  }
+
+  /// Restores the state written by save(). Refuses, changing nothing, a checkpoint of another
+  /// trainer type or with other parameter names or shapes (the message names the first).
+  void load(const std::string& path,
+            const std::function<void(torch::serialize::InputArchive&)>& extra = {}) {
+    torch::serialize::InputArchive archive;
+    detail::read_archive(archive, path);
+    const auto what = [&](const std::string& s) { return "checkpoint '" + path + "': " + s; };
+    c10::IValue type;
+    if (!archive.try_read("meta.trainer", type))
+      throw std::runtime_error(what("not a trainkit checkpoint (no meta.trainer record)"));
+    if (type.toStringRef() != name())
+      throw std::runtime_error(what("written by " + type.toStringRef() + ", this trainer is " +
+                                    name() + "; resume with the same configuration"));
+    // Check every parameter and buffer before changing anything.
+    std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
+    auto collect = [&](const std::string& prefix, const std::string& key,
+                       const torch::Tensor& target) {
+      torch::Tensor saved;
+      if (!archive.try_read(prefix + key, saved, true))
+        throw std::runtime_error(what("has no " + prefix.substr(6, prefix.size() - 7) + " '" +
+                                      key + "' that the model has"));
+      if (saved.sizes() != target.sizes())
+        throw std::runtime_error(what("'" + key + "' has shape " +
+                                      detail::shape_string(saved.sizes()) + ", the model's is " +
+                                      detail::shape_string(target.sizes())));
+      copies.emplace_back(target, saved);
+    };
+    for (const auto& p : module_->named_parameters(true)) collect("model.param.", p.key(), p.value());
+    for (const auto& b : module_->named_buffers(true)) collect("model.buffer.", b.key(), b.value());
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& [target, saved] : copies) target.copy_(saved);
+    }
+    rule_->load(archive);
+    precision_.load(archive);
+    torch::Tensor t;
+    archive.read("counters.applied", t, true);
+    applied_.copy_(t);
+    archive.read("counters.skipped", t, true);
+    skipped_.copy_(t);
+    c10::IValue v;
+    archive.read("counters.windows", v);
+    windows_ = v.toInt();
+    typename Accumulation::State acc{};
+    archive.read("window.position", v);
+    acc.position = v.toInt();
+    archive.read("window.items", v);
+    acc.items = v.toInt();
+    archive.read("window.reference", v);
+    acc.reference = v.toDouble();
+    archive.read("window.counted", v);
+    acc.counted = v.toBool();
+    accumulation_.load_state(acc);
+    if (acc.position > 0) {
+      archive.read("window.gradient", t, true);
+      flat_grad_.copy_(t);
+      archive.read("window.loss", t, true);
+      window_loss_.copy_(t);
+    } else {
+      flat_grad_.zero_();
+      window_loss_.zero_();
+    }
+    archive.read("schedule.state", v);
+    schedule_->load_state(v.toStringRef());
+    schedule_changed();
+    archive.read("rng.cpu", t, true);
+    {
+      auto generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(t);
+    }
+    if (extra) extra(archive);
+  }
+
+ private:
+  static TrainerOptions validated(TrainerOptions options) {
+    options.validate();
+    return options;
+  }
+
+  static torch::Device first_device(torch::nn::Module& module) {
+    for (const auto& p : module.parameters(true))
+      if (p.requires_grad()) return p.device();
+    throw std::invalid_argument(
+        "Trainer: the model has no trainable parameters (none has requires_grad=true)");
+  }
+
+  // Moves every trainable parameter into one flat fp32 buffer (grouped by LR multiplier) and
+  // points its .grad at a slice of a flat gradient buffer.
+  void flatten_parameters() {
+    struct Entry {
+      std::string name;
+      torch::Tensor param;
+      double mult;
+    };
+    std::vector<Entry> entries;
+    for (const auto& p : module_->named_parameters(true)) {
+      if (!p.value().requires_grad()) continue;
+      const auto& t = p.value();
+      TORCH_CHECK(t.device() == device_, "Trainer: parameter '", p.key(), "' is on ", t.device(),
+                  ", the others on ", device_, "; move the whole model to one device first");
+      TORCH_CHECK(t.scalar_type() == torch::kFloat, "Trainer: parameter '", p.key(), "' is ",
+                  t.scalar_type(), "; trainkit keeps parameters in fp32 (mixed precision comes "
+                  "from the precision policy)");
+      double mult = 1.0;
+      for (const auto& [substring, m] : options_.lr_mult())
+        if (p.key().find(substring) != std::string::npos) {
+          mult = m;
+          break;
+        }
+      entries.push_back({p.key(), t, mult});
+    }
+    // Groups in order of first appearance; a stable sort keeps the model's order inside each.
+    std::vector<double> order;
+    for (const auto& e : entries)
+      if (std::find(order.begin(), order.end(), e.mult) == order.end()) order.push_back(e.mult);
+    std::stable_sort(entries.begin(), entries.end(), [&](const Entry& a, const Entry& b) {
+      return std::find(order.begin(), order.end(), a.mult) <
+             std::find(order.begin(), order.end(), b.mult);
+    });
+
+    std::int64_t total = 0;
+    for (const auto& e : entries) total += e.param.numel();
+    const auto f32 = torch::dtype(torch::kFloat).device(device_);
+    flat_params_ = torch::empty({total}, f32);
+    flat_grad_ = torch::zeros({total}, f32);
+    torch::NoGradGuard no_grad;
+    std::int64_t offset = 0, group_begin = 0;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      auto& e = entries[i];
+      const auto n = e.param.numel();
+      auto param_view = flat_params_.narrow(0, offset, n);
+      param_view.copy_(e.param.reshape({-1}));
+      e.param.set_data(param_view.view(e.param.sizes()));
+      e.param.mutable_grad() = flat_grad_.narrow(0, offset, n).view(e.param.sizes());
+      grad_views_.push_back({e.param, e.param.grad().data_ptr(), e.name});
+      offset += n;
+      const bool group_ends = i + 1 == entries.size() || entries[i + 1].mult != e.mult;
+      if (group_ends) {
+        groups_.push_back({flat_params_.narrow(0, group_begin, offset - group_begin),
+                           flat_grad_.narrow(0, group_begin, offset - group_begin), e.mult});
+        group_begin = offset;
+      }
+    }
+  }
+
+  template <class Closure>
+  MicroStepResult micro_step_impl(Closure&& closure, std::int64_t items) {
+    static_assert(std::is_invocable_v<Closure&>,
+                  "micro_step(closure): the closure must take no arguments");
+    static_assert(std::is_convertible_v<std::invoke_result_t<Closure&>, torch::Tensor>,
+                  "micro_step(closure): the closure must return the loss as a torch::Tensor");
+    // 1. Forward + loss inside the precision policy's region (autocast for BF16/FP16); the
+    //    region closes before any backward bookkeeping.
+    torch::Tensor loss;
+    {
+      const auto region = precision_.region();
+      loss = closure();
+    }
+    check_loss(loss);
+    // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items).
+    const double weight = accumulation_.weight(items);
+    auto objective = loss.reshape({}).to(torch::kFloat) * weight;
+    window_loss_.add_(objective.detach());
+    // 3. FP16: times the loss scale. Backward; gradients accumulate in fp32, in place, into
+    //    the flat gradient storage.
+    if constexpr (Precision::scales_loss) objective = objective * precision_.scale().reshape({});
+    objective.backward();
+    // 4. Data parallel: no communication inside the window.
+    if (!accumulation_.closes()) return {};
+    return {true, optimizer_phase()};
+  }
+
+  void check_loss(const torch::Tensor& loss) const {
+    TORCH_CHECK(loss.defined(), "micro_step: the closure returned an undefined tensor");
+    if (loss.numel() != 1)
+      throw std::invalid_argument(
+          "micro_step: the closure must return a scalar loss (one element), got a tensor of "
+          "shape " + detail::shape_string(loss.sizes()) + "; reduce it with .mean() or .sum()");
+    if (!loss.requires_grad())
+      throw std::invalid_argument(
+          "micro_step: the loss does not require grad (it was computed under NoGradGuard, from "
+          "detached tensors, or from parameters with requires_grad=false)");
+  }
+
+  // The optimizer phase, after the window's last micro-step (step.md, phases 5-11).
+  StepReport optimizer_phase() {
+    check_grad_storage();
+    const double rescale = accumulation_.rescale();
+    // 5. Data parallel: the gradient all-reduce goes here (distributed.hpp), once per window.
+    // 6+7. One pass over the gradient: the global L2 norm of the still-scaled gradient. A
+    //    non-finite norm is exactly a non-finite gradient (an overflow), so the norm is both
+    //    the overflow check and, divided by the scale, the logged and clipped norm.
+    const auto scaled_norm = at::linalg_vector_norm(flat_grad_, 2);
+    const auto found_inf = scaled_norm.isfinite().logical_not().to(torch::kFloat);
+    // The accumulated gradient is the true gradient times `divisor`.
+    torch::Tensor divisor;
+    if constexpr (Precision::scales_loss)
+      divisor = precision_.scale().reshape({}) / rescale;
+    else
+      divisor = torch::full({}, 1.0 / rescale, scaled_norm.options());
+    const auto true_norm = scaled_norm / divisor;
+    // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
+    const auto optimizer_divisor = clip_.divisor(flat_grad_, divisor, true_norm);
+    // 9. The update, skipped on the device when found_inf (parameters and optimizer state
+    //    unchanged, bit for bit). The LR comes from the schedule at the applied-step position.
+    ensure_lr_table();
+    const auto lr = lr_table_.index_select(0, applied_).reshape({});
+    lrs_.clear();
+    for (const auto& g : groups_) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
+    rule_->step(groups_, optimizer_divisor, found_inf, lrs_);
+    // 10. Loss-scale update; the schedule advances (through applied_) only on applied steps.
+    StepReport report;
+    report.values_ = std::make_shared<StepReport::Values>();
+    auto& v = report.values_->device;
+    v[StepReport::kScale] = Precision::scales_loss ? precision_.scale().clone() : precision_.scale();
+    precision_.update(found_inf);
+    const auto skipped_now = found_inf.to(torch::kLong);
+    applied_ = applied_ + 1 - skipped_now;  // new tensors: the report keeps this window's values
+    skipped_ = skipped_ + skipped_now;
+    ++windows_;
+    v[StepReport::kLoss] = rescale == 1.0 ? window_loss_ : window_loss_ * rescale;
+    v[StepReport::kNorm] = true_norm;
+    v[StepReport::kLr] = lr;
+    v[StepReport::kFoundInf] = found_inf;
+    v[StepReport::kSkipped] = skipped_;
+    v[StepReport::kApplied] = applied_;
+    report.window_ = windows_;
+    report.micro_batches_ = accumulation_.position();
+    report.items_ = accumulation_.items();
+    // 11. Zero the gradient: one fill of the flat storage.
+    flat_grad_.zero_();
+    window_loss_ = torch::zeros_like(window_loss_);
+    accumulation_.reset();
+    host_checks(report);
+    return report;
+  }
+
+  // Checks that need a host value, run only where they were asked for.
+  void host_checks(const StepReport& report) {
+    const auto collapse = options_.loss_scale().collapse_windows();
+    if constexpr (std::is_same_v<precision_mode, FP16Dynamic>)
+      if (collapse > 0 && windows_ % collapse == 0) precision_.check(windows_);
+    if constexpr (!Precision::scales_loss) {
+      if (options_.nonfinite() == NonFinite::abort && report.skipped()) {
+        std::ostringstream msg;
+        msg << "non-finite gradient at optimizer step " << windows_ << " (window loss "
+            << report.loss() << ", gradient norm " << report.grad_norm()
+            << "); the update was not applied. Look for log(0), a division by zero or an "
+               "exploding activation, or set TRAIN.NONFINITE: skip to skip such steps";
+        throw NonFiniteGradient(msg.str());
+      }
+    }
+  }
+
+  // The flat-storage contract: every trainable parameter's .grad is still our view.
+  void check_grad_storage() const {
+    for (const auto& g : grad_views_)
+      if (!g.param.grad().defined() || g.param.grad().data_ptr() != g.data)
+        throw std::logic_error(
+            "Trainer: the .grad of parameter '" + g.name +
+            "' was replaced or reset (model->zero_grad() or an optimizer's zero_grad()?); the "
+            "trainer owns gradients and zeroes them itself after each optimizer step");
+  }
+
+  void ensure_lr_table() {
+    if (windows_ + 1 >= lr_table_.size(0)) build_lr_table(2 * (windows_ + 1));
+  }
+  // The schedule evaluated on the host for every applied-step position up to `size`, moved to
+  // the device once; the step indexes it with the device-resident applied count.
+  void build_lr_table(std::int64_t size) {
+    std::vector<double> values(static_cast<size_t>(size));
+    const double base = rule_->base_lr();
+    for (std::int64_t i = 0; i < size; ++i) values[i] = base * schedule_->factor(i);
+    // CPU kernels read a double LR; CUDA's fused kernels read fp32.
+    const auto dtype = device_.is_cpu() ? torch::kDouble : torch::kFloat;
+    lr_table_ = torch::tensor(values, torch::kDouble).to(torch::dtype(dtype).device(device_));
+  }
+
+  struct GradView {
+    torch::Tensor param;
+    const void* data;
+    std::string name;
+  };
+
+  TrainerOptions options_;
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::Device device_;
+  Precision precision_;
+  Accumulation accumulation_;
+  Clip clip_;
+  std::unique_ptr<detail::UpdateRule> rule_;
+  std::shared_ptr<Schedule> schedule_;
+
+  torch::Tensor flat_params_, flat_grad_;
+  std::vector<detail::ParamGroup> groups_;
+  std::vector<GradView> grad_views_;
+  std::vector<torch::Tensor> lrs_;
+  torch::Tensor lr_table_;
+  torch::Tensor applied_, skipped_, window_loss_;
+  std::int64_t windows_ = 0;
+};
+
+}  // namespace trainkit
