@@ -1,0 +1,161 @@
+// trainkit-config: checks a configuration file and prints what it resolves to.
+//
+//   trainkit-config check FILE [--set K=V ...] [--world-size N] [--batches-per-epoch B]
+//       The resolved configuration as JSON on stdout: "config" (every key after defaults and
+//       overrides), "derived" (world size, total batch, base LR, the trainer type chosen, the
+//       optimizer and schedule), "not_validated" (sections passed through without a schema) and
+//       "notes". Exit 0. An invalid file: `error: KEY.PATH: ...` on stderr, exit 2.
+//   trainkit-config schema
+//       The toolkit's keys with their types, defaults and meanings, as JSON.
+//
+// Needs no torch: the trainer type's name comes from the key, as tk::dispatch would choose it.
+#include <trainkit/config.hpp>
+#if defined(TRAINKIT_WITH_YAML)
+#include <trainkit/config_yaml.hpp>
+#endif
+
+#include <cstdlib>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tk = trainkit;
+using nlohmann::json;
+
+namespace {
+
+constexpr int exit_invalid = 2;
+
+const char* usage =
+    "usage: trainkit-config check FILE [--set SECTION.KEY=VALUE ...] [--world-size N] [--batches-per-epoch B]\n"
+    "       trainkit-config schema\n";
+
+const char* kind_name(tk::Field::Kind k) {
+  switch (k) {
+    case tk::Field::Kind::boolean: return "bool";
+    case tk::Field::Kind::integer: return "int";
+    case tk::Field::Kind::number: return "number";
+    case tk::Field::Kind::string: return "string";
+    case tk::Field::Kind::list: return "list";
+    case tk::Field::Kind::section: return "section";
+    case tk::Field::Kind::any: return "any";
+    case tk::Field::Kind::either: return "either";
+  }
+  return "?";
+}
+
+json describe_schema(const tk::Schema& schema) {
+  json out = json::object();
+  for (const auto& key : schema.keys()) {
+    const tk::Field& f = *schema.find(key);
+    if (f.kind() == tk::Field::Kind::section) {
+      out[key] = describe_schema(*f.schema());
+      continue;
+    }
+    json d = {{"type", kind_name(f.kind())}, {"accepts", f.expected()}, {"default", f.default_value()}};
+    if (!f.doc().empty()) d["doc"] = f.doc();
+    out[key] = d;
+  }
+  return out;
+}
+
+std::int64_t positive_integer(const std::string& flag, const std::string& text) {
+  const json v = tk::detail::resolve_plain_scalar(text);
+  if (!v.is_number_integer() || v.get<std::int64_t>() < 1)
+    throw tk::ConfigError("", flag + ": expected an integer >= 1, got \"" + text + "\"");
+  return v.get<std::int64_t>();
+}
+
+int check(const std::vector<std::string>& args) {
+  std::string file;
+  std::vector<std::string> sets;
+  std::optional<std::int64_t> world_size, batches_per_epoch;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&](const std::string& flag) -> std::string {
+      if (a.rfind(flag + "=", 0) == 0) return a.substr(flag.size() + 1);
+      if (i + 1 >= args.size()) throw tk::ConfigError("", flag + ": expected a value after it");
+      return args[++i];
+    };
+    auto is = [&](const std::string& flag) { return a == flag || a.rfind(flag + "=", 0) == 0; };
+    if (is("--set")) sets.push_back(value("--set"));
+    else if (is("--world-size")) world_size = positive_integer("--world-size", value("--world-size"));
+    else if (is("--batches-per-epoch"))
+      batches_per_epoch = positive_integer("--batches-per-epoch", value("--batches-per-epoch"));
+    else if (!a.empty() && a[0] == '-') throw tk::ConfigError("", a + ": unknown option\n" + usage);
+    else if (file.empty()) file = a;
+    else throw tk::ConfigError("", a + ": one FILE only (the first was " + file + ")");
+  }
+  if (file.empty()) throw tk::ConfigError("", std::string("check: expected a FILE\n") + usage);
+
+  tk::Config config;
+  config.load(file, sets);
+  const tk::Derived d = config.derived(world_size);
+  const tk::TrainerKey runs = d.trainer.dispatched();
+
+  json notes = config.notes();
+  if (runs.accumulation != d.trainer.accumulation)
+    notes.push_back("TRAIN.GRAD_ACCUMULATE_STEPS=" + std::to_string(d.trainer.accumulation) +
+                    " is not one of the compiled counts {1, 2, 4, 8}; it runs on AccumulationPolicy<Dynamic> "
+                    "(same results, the count is read at run time)");
+  json optimizer = {{"name", d.optimizer.name}, {"lr", d.optimizer.lr}, {"weight_decay", d.optimizer.weight_decay}};
+  if (d.optimizer.name == "SGD") {
+    optimizer["momentum"] = d.optimizer.momentum;
+  } else {
+    optimizer["betas"] = {d.optimizer.beta1, d.optimizer.beta2};
+    optimizer["eps"] = d.optimizer.eps;
+  }
+
+  json derived = {
+      {"world_size", d.world_size},
+      {"batch_images", d.batch_images},
+      {"accumulation_steps", d.accumulation_steps},
+      {"total_batch", d.total_batch},
+      {"lr_scaling", config.get<std::string>("TRAIN.LR_SCALING")},
+      {"base_lr", d.base_lr},
+      {"trainer", runs.name()},
+      {"precision", tk::to_string(d.trainer.precision)},
+      {"clip", tk::to_string(d.trainer.clip)},
+      {"optimizer", optimizer},
+      {"schedule", tk::describe(d.schedule)},
+      {"trainable", config.get<std::int64_t>("TRAIN.END_EPOCH") > config.get<std::int64_t>("TRAIN.BEGIN_EPOCH")},
+  };
+  if (batches_per_epoch) {
+    const tk::EpochClock clock = config.epoch_clock(*batches_per_epoch);
+    derived["windows_per_epoch"] = clock.windows_per_epoch();
+    derived["total_steps"] = clock.step_at(static_cast<double>(config.get<std::int64_t>("TRAIN.END_EPOCH")));
+    derived["schedule_in_steps"] = config.make_schedule(*batches_per_epoch)->describe();
+  }
+  const json out = {{"config", config.tree()},
+                    {"derived", derived},
+                    {"not_validated", config.unvalidated_sections()},
+                    {"notes", notes}};
+  std::cout << out.dump(2) << "\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::vector<std::string> args(argv + 1, argv + argc);
+  try {
+    if (args.empty() || args[0] == "-h" || args[0] == "--help") {
+      (args.empty() ? std::cerr : std::cout) << usage;
+      return args.empty() ? exit_invalid : 0;
+    }
+    if (args[0] == "check") return check({args.begin() + 1, args.end()});
+    if (args[0] == "schema") {
+      std::cout << describe_schema(tk::Config().schema()).dump(2) << "\n";
+      return 0;
+    }
+    std::cerr << "error: " << args[0] << ": unknown command\n" << usage;
+    return exit_invalid;
+  } catch (const tk::ConfigError& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return exit_invalid;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}
