@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <charconv>
+#include <filesystem>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -995,11 +996,12 @@ class Config {
   /// Reads `path` (.json, or .yaml/.yml with YAML support), applies `overrides`
   /// ("SECTION.KEY=VALUE", in order) and validates. Replaces whatever was loaded before.
   void load(const std::string& path, const std::vector<std::string>& overrides = {}) {
+    const Format format = format_of(path);
     std::ifstream in(path, std::ios::binary);
-    if (!in) throw ConfigError("", path + ": cannot open the file (does it exist, and is it readable?)");
+    if (!in || std::filesystem::is_directory(path)) throw ConfigError("", path + ": cannot open the file (does it exist, and is it readable?)");
     std::ostringstream text;
     text << in.rdbuf();
-    load_string(text.str(), format_of(path), overrides, path);
+    load_string(text.str(), format, overrides, path);
   }
   /// As load(), from text; `name` is the file name used in messages.
   void load_string(const std::string& text, Format format, const std::vector<std::string>& overrides = {},
@@ -1039,6 +1041,8 @@ class Config {
   /// The resolved tree: every toolkit key after defaults and overrides; application sections
   /// as registered (checked) or as given (passed through).
   const nlohmann::json& tree() const { return tree_; }
+  /// The schema of the top level: the toolkit's keys, TRAIN, and the registered sections.
+  const Schema& schema() const { return root_; }
   /// The parsed file before defaults and overrides.
   const nlohmann::json& raw() const { return raw_; }
   /// The file name given to load() ("" when nothing was loaded).
