@@ -11,6 +11,10 @@
 #include <trainkit/config.hpp>
 
 #include <yaml-cpp/yaml.h>
+#if __has_include(<yaml-cpp/depthguard.h>)
+#include <yaml-cpp/depthguard.h>  // YAML::DeepRecursion (yaml-cpp >= 0.7)
+#define TRAINKIT_YAML_HAS_DEPTH_GUARD 1
+#endif
 
 #include <string>
 
@@ -26,8 +30,9 @@ class YamlToJson {
 
   nlohmann::json convert(const YAML::Node& node, const std::string& path, std::size_t depth) {
     if (depth > max_depth)
-      throw ConfigError(path, "values nested more than " + std::to_string(max_depth) +
-                                  " levels deep (a recursive alias?); a configuration is never that deep");
+      throw ConfigError("", name_ + ": values nested more than " + std::to_string(max_depth) + " levels deep under " +
+                                path.substr(0, path.find_first_of(".[")) +
+                                " (a recursive alias?); a configuration is never that deep");
     if (++values_ > max_values)
       throw ConfigError("", name_ + ": more than " + std::to_string(max_values) +
                                 " values once aliases are expanded; a configuration is never that large");
@@ -92,10 +97,15 @@ inline nlohmann::json parse_yaml_text(const std::string& text, const std::string
   YAML::Node node;
   try {
     node = YAML::Load(text);
+#if defined(TRAINKIT_YAML_HAS_DEPTH_GUARD)
+  } catch (const YAML::DeepRecursion& e) {  // its own message says "bad file"
+    throw ConfigError::at(name, e.mark.line + 1, e.mark.column + 1,
+                          "invalid YAML: values nested too deeply for a configuration");
+#endif
   } catch (const YAML::ParserException& e) {
     throw ConfigError::at(name, e.mark.line + 1, e.mark.column + 1, "invalid YAML: " + e.msg);
   } catch (const YAML::Exception& e) {
-    // DeepRecursion and friends: still the parser's verdict, with its position when known.
+    // Other parser verdicts, with their position when known.
     if (!e.mark.is_null()) throw ConfigError::at(name, e.mark.line + 1, e.mark.column + 1, "invalid YAML: " + e.msg);
     throw ConfigError("", name + ": invalid YAML: " + e.msg);
   }

@@ -1,0 +1,285 @@
+// trainkit::Config with YAML files: scalar typing, syntax errors, the JSON twins, and every
+// file in cfgs/ validating to its expected trainer type. Needs yaml-cpp (TRAINKIT_WITH_YAML,
+// set by linking trainkit::yaml) and the source tree (TRAINKIT_SOURCE_DIR).
+#include <doctest/doctest.h>
+
+#if defined(TRAINKIT_WITH_YAML)
+#include <trainkit/config_yaml.hpp>
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace tk = trainkit;
+using nlohmann::json;
+
+namespace {
+
+tk::Config from_yaml(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  tk::Config c;
+  c.load_string(text, tk::Config::Format::yaml, overrides, "test.yaml");
+  return c;
+}
+std::string error_of(const std::string& text) {
+  try {
+    from_yaml(text);
+  } catch (const tk::ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("YAML scalars: 1e-7 is a number, 'dynamic' a string, ints stay ints") {
+  const tk::Config c = from_yaml(R"(---
+TRAIN:
+  LR: 1e-7
+  WD: 6.25e-7
+  BATCH_IMAGES:
+  - 8
+  - 8
+  FP16: true
+  FP16_LOSS_SCALE: 'dynamic'
+  GRAD_ACCUMULATE_STEPS: 4
+  WARMUP_STEPS: 1.0e3
+  CLIP_GRAD_NORM: 10
+  LR_STEP: '14,18'
+  SHUFFLE: false
+GPUS: '0,1,2,3'
+RNG_SEED: 12345
+)");
+  const json& t = c.tree()["TRAIN"];
+  CHECK(t["LR"].is_number_float());
+  CHECK(t["LR"] == 1e-7);
+  CHECK(t["WD"] == 6.25e-7);
+  CHECK(t["BATCH_IMAGES"] == json({8, 8}));
+  CHECK(t["BATCH_IMAGES"][0].is_number_integer());
+  CHECK(t["FP16_LOSS_SCALE"] == "dynamic");
+  CHECK(t["GRAD_ACCUMULATE_STEPS"].is_number_integer());
+  CHECK(t["WARMUP_STEPS"] == 1000);
+  CHECK(t["CLIP_GRAD_NORM"] == 10.0);
+  CHECK(t["LR_STEP"] == json({14.0, 18.0}));
+  CHECK(t["SHUFFLE"] == false);
+  CHECK(c.tree()["GPUS"] == "0,1,2,3");
+  CHECK(c.derived(1).trainer.name() == "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>");
+
+  // Quoted scalars are strings, whatever they look like.
+  CHECK(error_of("TRAIN:\n  LR: '1e-7'\n") == "TRAIN.LR: expected a number, got the string \"1e-7\"; remove the quotes");
+  CHECK(error_of("TRAIN:\n  FP16: \"true\"\n") ==
+        "TRAIN.FP16: expected a boolean (true or false), got the string \"true\"; remove the quotes");
+  CHECK(error_of("TRAIN:\n  SHUFFLE: yes\n") ==
+        "TRAIN.SHUFFLE: expected a boolean (true or false), got the string \"yes\"; write true or false (YAML 1.2 "
+        "reads yes/no/on/off as strings)");
+  CHECK(error_of("TRAIN:\n  LR:\n") ==
+        "TRAIN.LR: got an empty value; give a number, or remove the key to use the default (0.1)");
+  CHECK(error_of("TRAIN:\n  LR: fast\n") == "TRAIN.LR: expected a number, got the string \"fast\"");
+  CHECK(from_yaml("TRAIN:\n  LR: !!float 1\n").tree()["TRAIN"]["LR"] == 1.0);
+  CHECK(error_of("TRAIN:\n  BATCH_IMAGES: !!int x\n") ==
+        "TRAIN.BATCH_IMAGES: the tag tag:yaml.org,2002:int needs an integer, got the string \"x\" (test.yaml:2:17)");
+}
+
+TEST_CASE("YAML files: the broken ones, with their messages") {
+  CHECK(error_of("TRAIN:\n  BATCH_IMAGES: [8, 8]\n  GRAD_ACCULATE_STEPS: 4\n") ==
+        "TRAIN.GRAD_ACCULATE_STEPS: unknown key; did you mean TRAIN.GRAD_ACCUMULATE_STEPS?");
+  CHECK(error_of("TRAIN:\n  FP16: true\n  BF16: true\n").rfind("TRAIN.BF16: FP16 and BF16 are both true", 0) == 0);
+  CHECK(error_of("TRAIN:\n  LR_STEP: [18, 14]\n") ==
+        "TRAIN.LR_STEP: epochs must be in increasing order, got [18, 14]; write [14, 18]");
+  CHECK(error_of("TRAIN:\n  LR: 0.1\n  LR: 0.2\n") ==
+        "TRAIN.LR: duplicate key (the file sets it twice; keep one) (test.yaml:3:3)");
+  // Syntax errors: the parser's line and column.
+  CHECK(error_of("---\nTRAIN:\n  LR: 0.1\n   WD: 0.0001\n") == "test.yaml:4:6: invalid YAML: illegal map value");
+  CHECK(error_of("TRAIN:\n  BATCH_IMAGES: [8, 8\n") == "test.yaml:3:1: invalid YAML: end of sequence flow not found");
+  try {
+    from_yaml("TRAIN:\n  LR: [1\n");
+    FAIL("expected a ConfigError");
+  } catch (const tk::ConfigError& e) {
+    CHECK(e.line() == 3);
+    CHECK(e.column() == 1);
+  }
+  // Hostile files end in an error, not a crash.
+  CHECK(error_of("a: &a [*a]\n").find("nested more than 64 levels deep under a") != std::string::npos);
+  CHECK(error_of(std::string(5000, '[')) == "test.yaml:1:1: invalid YAML: values nested too deeply for a configuration");
+  CHECK(error_of("? [a]\n: 1\n") == "a key must be a plain name, got a list as a key (test.yaml:1:3)");
+}
+
+TEST_CASE("an empty YAML file or section means defaults") {
+  const tk::Config defaults;
+  CHECK(from_yaml("").tree() == defaults.tree());
+  CHECK(from_yaml("---\n").tree() == defaults.tree());
+  CHECK(from_yaml("TRAIN:\n").tree() == defaults.tree());
+  CHECK(from_yaml("TRAIN: {}\n").tree() == defaults.tree());
+}
+
+TEST_CASE("--set takes YAML flow values once YAML is built in") {
+  const tk::Config c = from_yaml("TRAIN:\n  LR: 0.1\n", {"TRAIN.BATCH_IMAGES=[4, 4]", "TRAIN.LR_MULT=[[vlbert, 0.5]]",
+                                                       "NETWORK.VLBERT={hidden_size: 64}"});
+  CHECK(c.tree()["TRAIN"]["BATCH_IMAGES"] == json({4, 4}));
+  CHECK(c.tree()["TRAIN"]["LR_MULT"] == json::parse(R"([["vlbert", 0.5]])"));
+  CHECK(c.tree()["NETWORK"]["VLBERT"]["hidden_size"] == 64);
+}
+
+TEST_CASE("without the YAML parser, a YAML file says how to enable it") {
+  struct Unregister {  // as in a program that does not include <trainkit/config_yaml.hpp>
+    tk::detail::YamlParser saved = tk::detail::yaml_parser();
+    Unregister() { tk::detail::yaml_parser() = nullptr; }
+    ~Unregister() { tk::detail::yaml_parser() = saved; }
+  } unregister;
+  CHECK(error_of("TRAIN: {}\n") ==
+        "test.yaml: YAML support is not built in; #include <trainkit/config_yaml.hpp> and link yaml-cpp (CMake: "
+        "target_link_libraries(<target> PRIVATE trainkit::yaml)), or use the JSON form of this file");
+}
+
+#if defined(TRAINKIT_SOURCE_DIR)
+namespace {
+const std::filesystem::path source_dir = TRAINKIT_SOURCE_DIR;
+}
+
+TEST_CASE("every file in cfgs/ validates and resolves to its trainer type") {
+  // Adding a file to cfgs/ means adding its expected trainer type here.
+  const std::map<std::string, std::string> expected = {
+      {"vlbert/pretrain/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<1>, ClipNorm>"},
+      {"vlbert/pretrain/base_1x24G_fp32.json", "Trainer<FP32, Accumulate<1>, ClipNorm>"},
+      {"vlbert/vqa/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<1>, ClipNorm>"},
+      {"scenarios/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<4>, ClipNorm>"},
+      {"scenarios/base_4x16G_fp16.yaml", "Trainer<FP16Dynamic, Accumulate<1>, ClipNorm>"},
+      {"scenarios/base_1x8G_fp32.yaml", "Trainer<FP32, Accumulate<4>, ClipNorm>"},
+  };
+  const std::filesystem::path cfgs = source_dir / "cfgs";
+  REQUIRE(std::filesystem::is_directory(cfgs));
+  std::size_t seen = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(cfgs)) {
+    if (!entry.is_regular_file()) continue;
+    const std::string rel = std::filesystem::relative(entry.path(), cfgs).generic_string();
+    CAPTURE(rel);
+    const auto it = expected.find(rel);
+    REQUIRE_MESSAGE(it != expected.end(), "cfgs/" << rel << " has no expected trainer type in this test");
+    tk::Config c;
+    CHECK_NOTHROW(c.load(entry.path().string()));
+    CHECK_NOTHROW(c.require_training());
+    CHECK(c.derived(1).trainer.dispatched().name() == it->second);
+    // VL-BERT's file layout: application sections pass through, listed as not validated.
+    const auto& sections = c.unvalidated_sections();
+    const bool vlbert_layout = sections == std::vector<std::string>{"DATASET", "NETWORK", "VAL"} ||
+                               sections == std::vector<std::string>{"DATASET", "NETWORK", "TEST", "VAL"};
+    CHECK(vlbert_layout);
+    ++seen;
+  }
+  CHECK(seen == expected.size());
+}
+
+TEST_CASE("the scenarios' derived values") {
+  tk::Config one, many, small;
+  one.load((source_dir / "cfgs/scenarios/base_1x24G_fp32.yaml").string());
+  many.load((source_dir / "cfgs/scenarios/base_4x16G_fp16.yaml").string());
+  small.load((source_dir / "cfgs/scenarios/base_1x8G_fp32.yaml").string());
+  CHECK(one.derived(1).total_batch == 64);
+  CHECK(many.derived(4).total_batch == 64);
+  CHECK(small.derived(1).total_batch == 32);
+  CHECK(one.derived(1).base_lr == doctest::Approx(1.28e-3));
+  CHECK(many.derived(4).base_lr == doctest::Approx(1.28e-3));
+  CHECK(small.derived(1).base_lr == doctest::Approx(6.4e-4));
+  CHECK(one.tree()["TRAIN"]["BATCH_IMAGES"] == json({8, 8}));
+  CHECK(small.tree()["TRAIN"]["BATCH_IMAGES"] == json({4, 4}));
+}
+
+TEST_CASE("a YAML file and its JSON twin give the same tree") {
+  tk::Config yaml, json_twin;
+  yaml.load((source_dir / "cfgs/vlbert/pretrain/base_1x24G_fp32.yaml").string());
+  json_twin.load((source_dir / "cfgs/vlbert/pretrain/base_1x24G_fp32.json").string());
+  CHECK(yaml.raw() == json_twin.raw());
+  CHECK(yaml.tree() == json_twin.tree());
+}
+#endif  // TRAINKIT_SOURCE_DIR
+
+TEST_CASE("a VL-BERT pretraining file passes, its application sections listed as not validated") {
+  // The layout of VL-BERT's cfgs/pretrain/*.yaml: DATASET as a list of data sets, NETWORK with
+  // VLBERT, TRAIN with its own keys, VAL and TEST.
+  const tk::Config c = from_yaml(R"(---
+RNG_SEED: 12345
+OUTPUT_PATH: './output/pretrain/vl-bert'
+MODULE: ResNetVLBERTForPretrainingMultitask
+GPUS: '0,1,2,3'
+LOG_FREQUENT: 100
+VAL_FREQUENT: 1
+CHECKPOINT_FREQUENT: 1
+MODEL_PREFIX: 'vl-bert_base_res101_pretrain_multitask'
+NUM_WORKERS_PER_GPU: 4
+SCALES:
+- 600
+- 1000
+
+DATASET:
+
+- DATASET: conceptual_captions
+  APPEND_INDEX: false
+  ZIP_MODE: false
+- DATASET: general_corpus
+  SEQ_LEN: 64
+
+NETWORK:
+  PARTIAL_PRETRAIN: ""
+  PARTIAL_PRETRAIN_PREFIX_CHANGES: []
+  PIXEL_MEANS:
+  - 102.9801
+  - 115.9465
+  VLBERT:
+    hidden_size: 768
+    num_hidden_layers: 12
+
+TRAIN:
+  SHUFFLE: true
+  FLIP_PROB: 0.5
+  BATCH_IMAGES:
+  - 8
+  - 8
+  ASPECT_GROUPING: false
+  RESUME: false
+  AUTO_RESUME: true
+  BEGIN_EPOCH: 0
+  END_EPOCH: 10
+  OPTIMIZER: 'AdamW'
+  CLIP_GRAD_NORM: 10
+  LR: 1.0e-7
+  LR_SCHEDULE: 'triangle'
+  WD: 0.0001
+  WARMUP: true
+  WARMUP_METHOD: 'linear'
+  WARMUP_FACTOR: 0.0
+  WARMUP_STEPS: 16000
+  FP16: true
+  FP16_LOSS_SCALE: 'dynamic'
+  LOSS_LOGGERS:
+  - "mlm_loss_wvc,MLMLossWVC"
+  - "mvrc_loss,MVRCLoss"
+
+VAL:
+  SHUFFLE: false
+  FLIP_PROB: 0
+  BATCH_IMAGES:
+  - 8
+  - 8
+
+TEST:
+  SHUFFLE: false
+  FLIP_PROB: 0
+  TEST_EPOCH: 0
+  BATCH_IMAGES:
+  - 8
+  - 8
+)");
+  CHECK(c.unvalidated_sections() == std::vector<std::string>{"DATASET", "NETWORK", "TEST", "VAL"});
+  CHECK(c.tree()["DATASET"][1]["SEQ_LEN"] == 64);
+  const tk::Derived d = c.derived(16);
+  CHECK(d.total_batch == 256);
+  CHECK(d.base_lr == doctest::Approx(2.56e-5));
+  CHECK(d.trainer.name() == "Trainer<FP16Dynamic, Accumulate<1>, ClipNorm>");
+  CHECK(tk::describe(d.schedule) == "triangle(warmup linear 16000 steps from 0; linear to 0 at epoch 10)");
+}
+
+#else
+TEST_CASE("YAML configuration tests") {
+  MESSAGE("skipped: built without YAML support (link trainkit::yaml, which defines TRAINKIT_WITH_YAML)");
+}
+#endif
