@@ -1,0 +1,30 @@
+# Install rules and the relocatable CMake package: headers under include/, the package under
+# share/cmake/trainkit (trainkit is header-only, so nothing in it depends on the architecture).
+include(CMakePackageConfigHelpers)
+
+set(TRAINKIT_INSTALL_CMAKEDIR "${CMAKE_INSTALL_DATADIR}/cmake/trainkit" CACHE STRING
+    "Where trainkitConfig.cmake is installed, relative to the prefix")
+
+install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/" DESTINATION "${CMAKE_INSTALL_INCLUDEDIR}"
+        FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
+
+install(TARGETS trainkit EXPORT trainkitTargets)
+install(EXPORT trainkitTargets NAMESPACE trainkit:: DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
+
+# trainkit::yaml in its own export set: the package loads it only where yaml-cpp is found, so an
+# install made with YAML still serves a consumer without yaml-cpp.
+if(TARGET trainkit_yaml)
+  install(TARGETS trainkit_yaml EXPORT trainkitYamlTargets)
+  install(EXPORT trainkitYamlTargets NAMESPACE trainkit:: DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
+endif()
+
+configure_package_config_file(
+  "${CMAKE_CURRENT_LIST_DIR}/trainkitConfig.cmake.in"
+  "${PROJECT_BINARY_DIR}/trainkitConfig.cmake"
+  INSTALL_DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
+write_basic_package_version_file(
+  "${PROJECT_BINARY_DIR}/trainkitConfigVersion.cmake"
+  VERSION "${PROJECT_VERSION}" COMPATIBILITY SameMajorVersion ARCH_INDEPENDENT)
+install(FILES "${PROJECT_BINARY_DIR}/trainkitConfig.cmake"
+              "${PROJECT_BINARY_DIR}/trainkitConfigVersion.cmake"
+        DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
