@@ -1,5 +1,6 @@
 #pragma once
-/// Umbrella header: the core of trainkit (policies, trainer, optimizers, schedules).
+/// Umbrella header: the core of trainkit (policies, trainer, optimizers, schedules, JSON
+/// configurations and dispatch to compiled trainers).
 /// Optional parts (YAML configs, distributed training, TensorBoard logs) have their own
 /// headers and are not pulled in here.
 #include <trainkit/version.hpp>
@@ -10,3 +11,5 @@
 #include <trainkit/optim.hpp>
 #include <trainkit/schedule.hpp>
 #include <trainkit/trainer.hpp>
+#include <trainkit/config.hpp>
+#include <trainkit/dispatch.hpp>
