@@ -353,11 +353,8 @@ class Trainer {
     }
     rule_->load(archive);
     precision_.load(archive);
-    torch::Tensor t;
-    archive.read("counters.applied", t, true);
-    applied_.copy_(t);
-    archive.read("counters.skipped", t, true);
-    skipped_.copy_(t);
+    applied_.copy_(detail::read_tensor(archive, "counters.applied"));
+    skipped_.copy_(detail::read_tensor(archive, "counters.skipped"));
     c10::IValue v;
     archive.read("counters.windows", v);
     windows_ = v.toInt();
@@ -372,10 +369,8 @@ class Trainer {
     acc.counted = v.toBool();
     accumulation_.load_state(acc);
     if (acc.position > 0) {
-      archive.read("window.gradient", t, true);
-      flat_grad_.copy_(t);
-      archive.read("window.loss", t, true);
-      window_loss_.copy_(t);
+      flat_grad_.copy_(detail::read_tensor(archive, "window.gradient"));
+      window_loss_.copy_(detail::read_tensor(archive, "window.loss"));
     } else {
       flat_grad_.zero_();
       window_loss_.zero_();
@@ -383,8 +378,8 @@ class Trainer {
     archive.read("schedule.state", v);
     schedule_->load_state(v.toStringRef());
     schedule_changed();
-    archive.read("rng.cpu", t, true);
     {
+      const auto t = detail::read_tensor(archive, "rng.cpu");
       auto generator = at::detail::getDefaultCPUGenerator();
       std::lock_guard<std::mutex> lock(generator.mutex());
       generator.set_state(t);

@@ -72,6 +72,15 @@ inline void write_archive_atomically(torch::serialize::OutputArchive& archive,
   fsync_path(dir, true);
 }
 
+/// A tensor record of an archive, as a new tensor (InputArchive::read into a defined tensor
+/// would set_() it in place).
+inline torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key) {
+  torch::Tensor t;
+  if (!archive.try_read(key, t, /*is_buffer=*/true))
+    throw std::runtime_error("checkpoint has no record '" + key + "'");
+  return t;
+}
+
 inline void read_archive(torch::serialize::InputArchive& archive, const std::string& path) {
   if (::access(path.c_str(), R_OK) != 0)
     throw std::runtime_error("cannot read checkpoint '" + path + "': " + std::strerror(errno));
