@@ -131,7 +131,7 @@ int check(const std::vector<std::string>& args) {
                     {"derived", derived},
                     {"not_validated", config.unvalidated_sections()},
                     {"notes", notes}};
-  std::cout << out.dump(2) << "\n";
+  std::cout << tk::detail::dump_text(out, 2) << "\n";
   return 0;
 }
 

@@ -83,6 +83,34 @@ inline std::string index_path(const std::string& parent, std::size_t i) {
   return parent + "[" + std::to_string(i) + "]";
 }
 
+/// JSON text of `v` for messages and output; bytes that are not UTF-8 print as U+FFFD instead
+/// of throwing (the loaders reject such strings, so this is only a safety net).
+inline std::string dump_text(const nlohmann::json& v, int indent = -1) {
+  return v.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+/// True when `s` is well-formed UTF-8 (what JSON, YAML and every message require).
+inline bool valid_utf8(const std::string& s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const std::size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    std::uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1F) : n == 3 ? (c & 0x0F) : (c & 0x07);
+    for (std::size_t k = 1; k < n; ++k) {
+      const auto d = static_cast<unsigned char>(s[i + k]);
+      if ((d >> 6) != 0x2) return false;
+      cp = (cp << 6) | (d & 0x3F);
+    }
+    // No overlong forms, no surrogates, nothing past U+10FFFF.
+    if ((n == 2 && cp < 0x80) || (n == 3 && cp < 0x800) || (n == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+        (cp >= 0xD800 && cp <= 0xDFFF))
+      return false;
+    i += n;
+  }
+  return true;
+}
+
 /// A value as a message names it: `the string "fast"`, `the integer 3`, `a list of 2 values`.
 inline std::string describe_value(const nlohmann::json& v) {
   auto shorten = [](std::string s) { return s.size() > 60 ? s.substr(0, 57) + "..." : s; };
@@ -90,11 +118,11 @@ inline std::string describe_value(const nlohmann::json& v) {
     case nlohmann::json::value_t::null: return "an empty value (null)";
     case nlohmann::json::value_t::boolean: return std::string("the boolean ") + (v.get<bool>() ? "true" : "false");
     case nlohmann::json::value_t::number_integer:
-    case nlohmann::json::value_t::number_unsigned: return "the integer " + v.dump();
-    case nlohmann::json::value_t::number_float: return "the number " + v.dump();
-    case nlohmann::json::value_t::string: return "the string " + shorten(v.dump());
+    case nlohmann::json::value_t::number_unsigned: return "the integer " + dump_text(v);
+    case nlohmann::json::value_t::number_float: return "the number " + dump_text(v);
+    case nlohmann::json::value_t::string: return "the string " + shorten(dump_text(v));
     case nlohmann::json::value_t::array:
-      return v.empty() ? "an empty list" : "a list of " + std::to_string(v.size()) + " values " + shorten(v.dump());
+      return v.empty() ? "an empty list" : "a list of " + std::to_string(v.size()) + " values " + shorten(dump_text(v));
     case nlohmann::json::value_t::object: return v.empty() ? "an empty mapping" : "a mapping";
     default: return "a value of an unsupported kind";
   }
@@ -599,7 +627,7 @@ inline void Field::type_error(const nlohmann::json& v, const std::string& path) 
     }
   }
   if (v.is_null()) {
-    std::string def = default_.is_null() ? std::string() : " (" + default_.dump() + ")";
+    std::string def = default_.is_null() ? std::string() : " (" + detail::dump_text(default_) + ")";
     throw ConfigError(path, "got an empty value; give " + expected() + ", or remove the key to use the default" + def);
   }
   throw ConfigError(path, "expected " + expected() + ", got " + detail::describe_value(v) + hint);
@@ -611,7 +639,7 @@ inline void Field::check_range(double x, const nlohmann::json& shown, const std:
     throw ConfigError(path, "must be finite, got " + std::string(x > 0 ? "+" : "-") + "infinity");
   auto fail = [&](const char* op, double bound) {
     throw ConfigError(path, std::string("must be ") + op + " " + detail::format_number(bound) + ", got " +
-                                (shown.is_number_integer() ? shown.dump() : nlohmann::json(x).dump()));
+                                (shown.is_number_integer() ? detail::dump_text(shown) : detail::dump_text(nlohmann::json(x))));
   };
   if (lower_.set && (lower_.inclusive ? !(x >= lower_.value) : !(x > lower_.value)))
     fail(lower_.inclusive ? ">=" : ">", lower_.value);
@@ -629,7 +657,7 @@ inline nlohmann::json Field::resolve(const nlohmann::json& value, const std::str
     case Kind::integer: {
       if (!accepts_kind(value)) {
         if (value.is_number_float() && std::isfinite(value.get<double>()))
-          throw ConfigError(path, "expected an integer, got the number " + value.dump());
+          throw ConfigError(path, "expected an integer, got the number " + detail::dump_text(value));
         type_error(value, path);
       }
       const std::int64_t i = value.is_number_float() ? static_cast<std::int64_t>(value.get<double>())
@@ -807,7 +835,7 @@ inline nlohmann::json parse_epoch_list(const nlohmann::json& v) {
     const nlohmann::json x = resolve_plain_scalar(item);
     if (!x.is_number() || !std::isfinite(x.get<double>()) || x.get<double>() < 0)
       throw std::invalid_argument("expected epochs as numbers >= 0 separated by commas (\"14,18\") or a list "
-                                  "([14, 18]), got the string " + v.dump());
+                                  "([14, 18]), got the string " + dump_text(v));
     out.push_back(x.get<double>());
     if (comma == std::string::npos) break;
     from = comma + 1;
@@ -877,7 +905,7 @@ inline Schema train_schema() {
      const auto comma = t.find(',');
      if (comma != std::string::npos && comma > 0 && comma + 1 < t.size() && t.find(',', comma + 1) == std::string::npos)
        return {};
-     return "expected \"output_key,DisplayName\" (one comma), got " + v.dump();
+     return "expected \"output_key,DisplayName\" (one comma), got " + dump_text(v);
    })).doc("extra losses to log, as \"output_key,DisplayName\"");
   // --- trainkit's additions ---------------------------------------------------------------
   s.boolean("BF16", false).doc("BF16 mixed precision (exclusive with FP16)");
@@ -941,7 +969,7 @@ inline Schema root_schema() {
                       }
                       if (ok && (digit || s.empty())) return {};
                       return "expected device numbers separated by commas such as '0,1,2,3' (empty: CPU, or the "
-                             "local rank's GPU), got " + v.dump();
+                             "local rank's GPU), got " + dump_text(v);
                     }))
       .doc("device list such as '0,1,2,3'; empty: CPU, or the local rank's GPU when distributed");
   s.integer("LOG_FREQUENT", 50).min(1).doc("log every N optimizer steps");
@@ -1128,7 +1156,7 @@ class Config {
     const EpochClock clock = epoch_clock(micro_batches_per_epoch);
     if ((options.name == "triangle" || options.name == "cosine") && clock.step_at(options.end_epoch) < 1)
       throw ConfigError("TRAIN.END_EPOCH", options.name + " decays to 0 at END_EPOCH, so END_EPOCH must be > 0 "
-                                           "(and at least one optimizer step), got " + tree_["TRAIN"]["END_EPOCH"].dump());
+                                           "(and at least one optimizer step), got " + detail::dump_text(tree_["TRAIN"]["END_EPOCH"]));
     try {
       return trainkit::make_schedule(options, clock);
     } catch (const std::invalid_argument& e) {
@@ -1162,7 +1190,7 @@ class Config {
   }
 
   /// The resolved tree as JSON text.
-  std::string dump(int indent = 2) const { return tree_.dump(indent); }
+  std::string dump(int indent = 2) const { return detail::dump_text(tree_, indent); }
 
  private:
   struct Override {
@@ -1184,6 +1212,7 @@ class Config {
   /// "SECTION.KEY=VALUE": the value is read as a YAML/JSON scalar (2e-5 a number, dynamic a
   /// string, [8, 8] a list, 'x' or "x" a string).
   static Override parse_override(const std::string& text) {
+    if (!detail::valid_utf8(text)) throw ConfigError("", "--set: the argument is not valid UTF-8 text");
     const auto eq = text.find('=');
     const std::string where = "--set " + text;
     if (eq == std::string::npos || eq == 0)
@@ -1341,7 +1370,7 @@ struct CommandLine {
   /// and TRAIN.RESUME=true.
   std::vector<std::string> overrides() const {
     std::vector<std::string> o = sets;
-    if (!model_dir.empty()) o.push_back("OUTPUT_PATH=" + nlohmann::json(model_dir).dump());
+    if (!model_dir.empty()) o.push_back("OUTPUT_PATH=" + detail::dump_text(nlohmann::json(model_dir)));
     if (resume) o.push_back("TRAIN.RESUME=true");
     return o;
   }

@@ -54,6 +54,7 @@ class YamlToJson {
                                         std::string(kv.first.IsSequence() ? "list" : "mapping") + " as a key" +
                                         at(kv.first));
           const std::string key = kv.first.Scalar();
+          if (!valid_utf8(key)) throw ConfigError(path, "a key is not valid UTF-8 text" + at(kv.first));
           const std::string key_path = join_path(path, key);
           if (out.contains(key)) throw ConfigError(key_path, "duplicate key (the file sets it twice; keep one)" + at(kv.first));
           out[key] = convert(kv.second, key_path, depth + 1);
@@ -73,6 +74,7 @@ class YamlToJson {
 
   nlohmann::json scalar(const YAML::Node& node, const std::string& path) const {
     const std::string& text = node.Scalar();
+    if (!valid_utf8(text)) throw ConfigError(path, "the value is not valid UTF-8 text" + at(node));
     const std::string& tag = node.Tag();
     if (tag == "?") return resolve_plain_scalar(text);  // plain: typed by the core schema
     if (tag == "!" || tag == "tag:yaml.org,2002:str") return text;  // quoted or block: a string

@@ -265,6 +265,9 @@ TEST_CASE("--set overrides are read as YAML/JSON scalars and validated the same 
         "TRAIN.LR: is the number 0.1, not a section; --set TRAIN.LR.X=1 cannot set a key inside it");
   CHECK(error_of(base, {"TRAIN.BATCH_IMAGES=[4,"}).what.rfind("--set TRAIN.BATCH_IMAGES=[4,: the value is not a valid", 0) == 0);
 
+  CHECK(error_of(base, {"TRAIN.LR=\xff"}).what == "--set: the argument is not valid UTF-8 text");
+  CHECK(error_of("{\"TRAIN\": {\"OPTIMIZER\": \"\xff\"}}").what.find("test.json:1:") == 0);
+
   // A rejected override leaves the Config as it was.
   const json before = c.tree();
   CHECK_THROWS_AS(c.set("TRAIN.WARMUP_STEPS=-1"), tk::ConfigError);

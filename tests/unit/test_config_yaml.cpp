@@ -102,6 +102,10 @@ TEST_CASE("YAML files: the broken ones, with their messages") {
   CHECK(error_of("a: &a [*a]\n").find("nested more than 64 levels deep under a") != std::string::npos);
   CHECK(error_of(std::string(5000, '[')) == "test.yaml:1:1: invalid YAML: values nested too deeply for a configuration");
   CHECK(error_of("? [a]\n: 1\n") == "a key must be a plain name, got a list as a key (test.yaml:1:3)");
+  // Bytes that are not UTF-8 (found by the fuzz target: they made messages throw).
+  CHECK(error_of("TRAIN:\n  BATCH_IMAGES:\n  - 8\x8a\n") ==
+        "TRAIN.BATCH_IMAGES[0]: the value is not valid UTF-8 text (test.yaml:3:5)");
+  CHECK(error_of("TRAIN:\n  L\xffR: 1\n") == "TRAIN: a key is not valid UTF-8 text (test.yaml:2:3)");
 }
 
 TEST_CASE("an empty YAML file or section means defaults") {
