@@ -469,7 +469,7 @@ class Trainer {
     //    region closes before any backward bookkeeping.
     torch::Tensor loss;
     {
-      const auto region = precision_.region();
+      [[maybe_unused]] const auto region = precision_.region();
       loss = closure();
     }
     check_loss(loss);
