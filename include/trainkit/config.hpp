@@ -16,7 +16,8 @@
 ///   - Top-level mappings without a registered schema (VL-BERT's NETWORK, DATASET, VAL, TEST...)
 ///     pass through unchanged and are listed by unvalidated_sections(), unless strict_sections().
 ///   - A Config owns everything it holds: two Config objects never share values.
-/// Needs only nlohmann-json; YAML needs yaml-cpp through <trainkit/config_yaml.hpp>.
+/// Needs only nlohmann-json. YAML needs yaml-cpp: include <trainkit/config_yaml.hpp> in one
+/// translation unit of the program (and link trainkit::yaml); it is never pulled in from here.
 #include <trainkit/schedule.hpp>
 
 #include <nlohmann/json.hpp>
@@ -1378,6 +1379,3 @@ struct CommandLine {
 
 }  // namespace trainkit
 
-#if defined(TRAINKIT_WITH_YAML)
-#include <trainkit/config_yaml.hpp>
-#endif
