@@ -44,7 +44,9 @@ static_assert(std::tuple_size_v<AllTrainers> == 36);
 }  // namespace
 
 TEST_CASE_TEMPLATE_DEFINE("every policy combination trains a tiny model", T, every_combination) {
-  static_assert(std::is_same_v<typename T::precision, typename T::precision>);
+  static_assert(tk::is_precision_policy<typename T::precision>::value);
+  static_assert(tk::is_accumulation_policy<typename T::accumulation>::value);
+  static_assert(tk::is_clip_policy<typename T::clip>::value);
   const auto expected_n = T::accumulation_steps == tk::Dynamic ? 2 : T::accumulation_steps;
   auto model = make_mlp(1, 8, 16, 4);
   auto data = testing::clusters(256);
