@@ -1,0 +1,349 @@
+#pragma once
+/// Checkpoints of a training run in one directory: naming, retention, finding the one to
+/// resume from.
+///
+///   tk::CheckpointManager checkpoints(dir, "model", /*keep*/ 3);
+///   checkpoints.save(trainer, state, /*epoch_end*/ true);   // model-0004.ckpt
+///   if (auto resumed = checkpoints.resume_newest(trainer)) start = resumed->state.position;
+///
+/// Names (the position is where training resumes from the file):
+///   <prefix>-<epoch:04d>.ckpt               written after epoch `epoch` completed
+///                                           (VL-BERT's numbering: RESUME at BEGIN_EPOCH = e + 1)
+///   <prefix>-<epoch:04d>-<index:06d>.ckpt   written inside epoch `epoch` (a signal, a request)
+///                                           after micro-batches [0, index); resumes at `index`
+/// A file is written by Trainer::save, which is atomic (temporary file in the same directory,
+/// fsync, rename, directory fsync): a file under one of these names is always complete. Next to
+/// the trainer's state it holds the loop's (LoopState: position, seed, resolved configuration,
+/// best metric), the CUDA RNG state of the trainer's device when it is a GPU (the CPU RNG is the
+/// trainer's), and whatever the caller adds.
+///
+/// Retention: after a new file is in place, the newest `keep` files (by position) stay, and the
+/// best one (by the validation metric recorded in LoopState); older ones are deleted. Stale
+/// temporary files left by a killed process are deleted too.
+///
+/// Resuming: resume_newest() loads the newest complete file. A file that does not read as a
+/// complete archive (truncated, corrupt, not a trainkit checkpoint of a fit loop) is reported on
+/// stderr with its name and why, and the previous one is tried. A checkpoint of another trainer
+/// type or other parameter shapes is an error (Trainer::load's message names the file and the
+/// first mismatch): that is a wrong configuration, not a damaged file.
+#include <trainkit/detail/checkpoint_io.hpp>
+
+#include <ATen/Context.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+namespace trainkit {
+
+/// Where a run stands: the next micro-batch to train is `index` of `epoch`.
+struct FitPosition {
+  std::int64_t epoch = 0;
+  std::int64_t index = 0;
+  friend bool operator<(const FitPosition& a, const FitPosition& b) {
+    return std::tie(a.epoch, a.index) < std::tie(b.epoch, b.index);
+  }
+  friend bool operator==(const FitPosition& a, const FitPosition& b) {
+    return a.epoch == b.epoch && a.index == b.index;
+  }
+};
+
+/// The fit loop's state stored with the trainer's in every checkpoint.
+struct LoopState {
+  FitPosition position;           ///< where training resumes (the data sampler's state)
+  std::int64_t seed = -1;         ///< the run's RNG_SEED (the data order depends on it)
+  std::string config_json;        ///< the resolved configuration
+  std::string best_metric;        ///< validation metric that ranks checkpoints ("" = none)
+  bool higher_is_better = true;
+  double best_value = std::numeric_limits<double>::quiet_NaN();  ///< NaN: none yet
+  std::string best_path;          ///< the checkpoint holding the best value ("" = none)
+};
+
+/// A checkpoint file found in the directory.
+struct CheckpointFile {
+  std::string path;
+  std::int64_t epoch = 0;
+  std::int64_t index = -1;  ///< -1: written after epoch `epoch` completed; else mid-epoch
+  bool epoch_end() const { return index < 0; }
+  FitPosition resume_at() const { return epoch_end() ? FitPosition{epoch + 1, 0} : FitPosition{epoch, index}; }
+};
+
+/// Thrown when a checkpoint cannot be written (the message names the file and why).
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class CheckpointManager {
+ public:
+  using SaveExtra = std::function<void(torch::serialize::OutputArchive&)>;
+  using LoadExtra = std::function<void(torch::serialize::InputArchive&)>;
+
+  /// `keep` >= 1: complete checkpoints kept besides the best.
+  CheckpointManager(std::string directory, std::string prefix = "model", std::int64_t keep = 3)
+      : directory_(std::move(directory)), prefix_(std::move(prefix)), keep_(keep) {
+    if (directory_.empty()) directory_ = ".";
+    if (prefix_.empty() || prefix_.find('/') != std::string::npos)
+      throw std::invalid_argument("CheckpointManager: the prefix must be a file name without '/', got '" +
+                                  prefix_ + "'");
+    if (keep_ < 1) throw std::invalid_argument("CheckpointManager: keep must be >= 1, got " + std::to_string(keep_));
+  }
+
+  const std::string& directory() const { return directory_; }
+  const std::string& prefix() const { return prefix_; }
+
+  /// The file name of the checkpoint written after epoch `epoch` completed.
+  std::string epoch_path(std::int64_t epoch) const {
+    char name[32];
+    std::snprintf(name, sizeof name, "-%04lld.ckpt", static_cast<long long>(epoch));
+    return directory_ + "/" + prefix_ + name;
+  }
+  /// The file name of a checkpoint inside epoch `p.epoch`, resuming at micro-batch `p.index`.
+  std::string position_path(FitPosition p) const {
+    char name[48];
+    std::snprintf(name, sizeof name, "-%04lld-%06lld.ckpt", static_cast<long long>(p.epoch),
+                  static_cast<long long>(p.index));
+    return directory_ + "/" + prefix_ + name;
+  }
+
+  /// Creates the directory (and its parents) if needed; a clear error when that fails.
+  void create_directory() const {
+    std::string partial;
+    std::size_t from = 0;
+    while (from <= directory_.size()) {
+      const auto slash = directory_.find('/', from);
+      partial = directory_.substr(0, slash);
+      from = slash == std::string::npos ? directory_.size() + 1 : slash + 1;
+      if (partial.empty()) continue;
+      if (::mkdir(partial.c_str(), 0777) != 0 && errno != EEXIST)
+        throw CheckpointError("cannot create the output directory '" + directory_ + "' ('" + partial +
+                              "': " + std::strerror(errno) + ")");
+    }
+    struct stat st {};
+    if (::stat(directory_.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+      throw CheckpointError("the output directory '" + directory_ + "' is not a directory");
+  }
+
+  /// The checkpoints in the directory, oldest first (by the position they resume at).
+  std::vector<CheckpointFile> list() const {
+    std::vector<CheckpointFile> files;
+    DIR* dir = ::opendir(directory_.c_str());
+    if (dir == nullptr) return files;
+    while (const dirent* e = ::readdir(dir)) {
+      CheckpointFile f;
+      if (parse_name(e->d_name, f)) {
+        f.path = directory_ + "/" + e->d_name;
+        files.push_back(f);
+      }
+    }
+    ::closedir(dir);
+    std::sort(files.begin(), files.end(), [](const CheckpointFile& a, const CheckpointFile& b) {
+      const auto pa = a.resume_at(), pb = b.resume_at();
+      if (!(pa == pb)) return pa < pb;
+      return !a.epoch_end() && b.epoch_end();  // the same position: the epoch-end file is newer
+    });
+    return files;
+  }
+
+  /// Writes a checkpoint of `trainer` and `state` (epoch_end: named after the completed epoch
+  /// state.position.epoch - 1; else after the position), then applies the retention rule.
+  /// Returns the path. Throws CheckpointError naming the file; files already written stay.
+  template <class TrainerT>
+  std::string save(const TrainerT& trainer, const LoopState& state, bool epoch_end, const SaveExtra& extra = {}) {
+    const std::string path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
+    try {
+      trainer.save(path, [&](torch::serialize::OutputArchive& archive) {
+        write_state(archive, state, path);
+        save_cuda_rng(archive, trainer.device());
+        if (extra) extra(archive);
+      });
+    } catch (const std::exception& e) {
+      throw CheckpointError(e.what());
+    }
+    prune(state.best_path);
+    return path;
+  }
+
+  /// Deletes all but the newest `keep` checkpoints and `best_path`, and stale temporary files.
+  void prune(const std::string& best_path = {}) const {
+    const auto files = list();
+    const std::size_t keep = static_cast<std::size_t>(keep_);
+    for (std::size_t i = 0; i + keep < files.size(); ++i)
+      if (files[i].path != best_path) ::unlink(files[i].path.c_str());
+    remove_stale_temporaries();
+  }
+
+  /// What load() and resume_newest() give back.
+  struct Loaded {
+    std::string path;
+    LoopState state;
+  };
+
+  /// Loads `path` into `trainer` (and the caller's extra state). Throws when the file is
+  /// damaged, is not a fit checkpoint, or does not match the trainer.
+  template <class TrainerT>
+  Loaded load(TrainerT& trainer, const std::string& path, const LoadExtra& extra = {}) const {
+    std::string why;
+    if (!is_complete(path, &why)) throw std::runtime_error("checkpoint '" + path + "': " + why);
+    Loaded loaded{path, {}};
+    trainer.load(path, [&](torch::serialize::InputArchive& archive) {
+      loaded.state = read_state(archive);
+      load_cuda_rng(archive, trainer.device());
+      if (extra) extra(archive);
+    });
+    return loaded;
+  }
+
+  /// Loads the newest complete checkpoint; std::nullopt when there is none. Damaged files are
+  /// reported on `report` (stderr by default) and skipped.
+  template <class TrainerT>
+  std::optional<Loaded> resume_newest(TrainerT& trainer, const LoadExtra& extra = {},
+                                      std::ostream& report = std::cerr) const {
+    const auto files = list();
+    for (auto it = files.rbegin(); it != files.rend(); ++it) {
+      std::string why;
+      if (!is_complete(it->path, &why)) {
+        report << "trainkit: skipping checkpoint '" << it->path << "': " << why;
+        report << (std::next(it) != files.rend() ? "; trying the previous one\n" : "; no older checkpoint\n");
+        continue;
+      }
+      return load(trainer, it->path, extra);
+    }
+    return std::nullopt;
+  }
+
+  /// Whether `path` reads as a complete archive written by this manager; `why` says what is
+  /// wrong when not. Reads the whole file.
+  static bool is_complete(const std::string& path, std::string* why = nullptr) {
+    try {
+      torch::serialize::InputArchive archive;
+      detail::read_archive(archive, path);
+      c10::IValue v;
+      if (!archive.try_read("meta.trainer", v)) {
+        if (why) *why = "not a trainkit checkpoint (no meta.trainer record)";
+        return false;
+      }
+      if (!archive.try_read("fit.epoch", v)) {
+        if (why) *why = "not written by the fit loop (no fit.epoch record)";
+        return false;
+      }
+      return true;
+    } catch (const std::exception& e) {
+      if (why) *why = first_line(e.what());
+      return false;
+    }
+  }
+
+ private:
+  static std::string first_line(const std::string& s) {
+    const auto nl = s.find('\n');
+    return nl == std::string::npos ? s : s.substr(0, nl);
+  }
+
+  // "<prefix>-EEEE.ckpt" or "<prefix>-EEEE-IIIIII.ckpt" (digits only).
+  bool parse_name(const std::string& name, CheckpointFile& f) const {
+    const std::string head = prefix_ + "-", tail = ".ckpt";
+    if (name.size() <= head.size() + tail.size() || name.compare(0, head.size(), head) != 0 ||
+        name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
+      return false;
+    const std::string middle = name.substr(head.size(), name.size() - head.size() - tail.size());
+    const auto dash = middle.find('-');
+    const std::string e = middle.substr(0, dash);
+    const std::string i = dash == std::string::npos ? "" : middle.substr(dash + 1);
+    auto digits = [](const std::string& s) {
+      return !s.empty() && s.size() <= 12 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+    };
+    if (!digits(e) || (dash != std::string::npos && !digits(i))) return false;
+    f.epoch = std::stoll(e);
+    f.index = dash == std::string::npos ? -1 : std::stoll(i);
+    return true;
+  }
+
+  // Temporary files of Trainer::save ("<name>.tmp.<pid>") whose process is gone.
+  void remove_stale_temporaries() const {
+    DIR* dir = ::opendir(directory_.c_str());
+    if (dir == nullptr) return;
+    std::vector<std::string> stale;
+    const std::string head = prefix_ + "-", marker = ".ckpt.tmp.";
+    const std::string mine = marker + std::to_string(::getpid());
+    while (const dirent* e = ::readdir(dir)) {
+      const std::string name = e->d_name;
+      const auto at = name.find(marker);
+      if (name.compare(0, head.size(), head) == 0 && at != std::string::npos && name.substr(at) != mine)
+        stale.push_back(directory_ + "/" + name);
+    }
+    ::closedir(dir);
+    for (const auto& p : stale) ::unlink(p.c_str());
+  }
+
+  static void write_state(torch::serialize::OutputArchive& a, const LoopState& s, const std::string& path) {
+    a.write("fit.epoch", c10::IValue(s.position.epoch));
+    a.write("fit.index", c10::IValue(s.position.index));
+    a.write("fit.seed", c10::IValue(s.seed));
+    a.write("fit.config", c10::IValue(s.config_json));
+    a.write("fit.best_metric", c10::IValue(s.best_metric));
+    a.write("fit.higher_is_better", c10::IValue(s.higher_is_better));
+    a.write("fit.best_value", c10::IValue(s.best_value));
+    a.write("fit.best_path", c10::IValue(s.best_path));
+    a.write("fit.path", c10::IValue(path));
+  }
+  static LoopState read_state(torch::serialize::InputArchive& a) {
+    LoopState s;
+    c10::IValue v;
+    a.read("fit.epoch", v);
+    s.position.epoch = v.toInt();
+    a.read("fit.index", v);
+    s.position.index = v.toInt();
+    a.read("fit.seed", v);
+    s.seed = v.toInt();
+    a.read("fit.config", v);
+    s.config_json = v.toStringRef();
+    a.read("fit.best_metric", v);
+    s.best_metric = v.toStringRef();
+    a.read("fit.higher_is_better", v);
+    s.higher_is_better = v.toBool();
+    a.read("fit.best_value", v);
+    s.best_value = v.toDouble();
+    a.read("fit.best_path", v);
+    s.best_path = v.toStringRef();
+    return s;
+  }
+
+  // The CUDA generator of the trainer's device (dropout on the GPU draws from it).
+  static void save_cuda_rng(torch::serialize::OutputArchive& a, torch::Device device) {
+    if (!device.is_cuda()) return;
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    a.write("rng.cuda", generator.get_state(), /*is_buffer=*/true);
+  }
+  static void load_cuda_rng(torch::serialize::InputArchive& a, torch::Device device) {
+    torch::Tensor state;
+    if (!device.is_cuda() || !a.try_read("rng.cuda", state, /*is_buffer=*/true)) return;
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(state);
+  }
+
+  std::string directory_, prefix_;
+  std::int64_t keep_;
+};
+
+}  // namespace trainkit

@@ -1,0 +1,508 @@
+#pragma once
+/// The fit loop: epochs over a Task, with validation, checkpoints, resume, logs and graceful
+/// stops. The shape is agreed in notes/fit_api.md.
+///
+///   tk::Task<Batch> task;
+///   task.batches_per_epoch = [&](std::int64_t epoch) { return loader_length; };
+///   task.batch = [&](std::int64_t epoch, std::int64_t index) { return make_batch(seed, epoch, index); };
+///   task.loss = [&](const Batch& b, tk::Metrics& metrics) { return loss_of(model, b); };
+///   auto options = tk::fit_options(config);        // OUTPUT_PATH, LOG_FREQUENT, END_EPOCH...
+///   tk::FitResult r = tk::fit(trainer, task, options);
+///   return 0;                                      // also after a SIGTERM: r.stopped
+///
+/// What one call does, in order:
+///   1. Resume: TRAIN.RESUME loads <prefix>-<BEGIN_EPOCH-1>.ckpt (with BEGIN_EPOCH 0: the newest
+///      checkpoint), and it is an error when there is none; TRAIN.AUTO_RESUME loads the newest
+///      complete checkpoint if there is one (a damaged newest one is reported, the previous one
+///      used). Training continues at the exact micro-batch the checkpoint was written before.
+///   2. Epochs [BEGIN_EPOCH or the resumed one, END_EPOCH): micro-batch `index` of epoch `e` is
+///      task.batch(e, index): the data sampler's state is (e, index), so resuming is exact. Each
+///      goes through trainer.micro_step (with task.items when given); trainer.flush() at the end
+///      of the epoch. The loss and the task's metrics are averaged over the epoch, weighted by
+///      items (or micro-batches), on the device.
+///   3. Every LOG_FREQUENT optimizer windows: read that window's StepReport (the only host sync
+///      of the loop besides the epoch end) and log Train-Loss (the mean since the last log),
+///      Train-<metric>, LR/Group_<i>, grad-para/Total-Norm, loss-scale, skipped-steps,
+///      samples-per-second, and draw the progress line.
+///   4. End of an epoch: validation every VAL_FREQUENT epochs (and after the last), Val-<metric>
+///      logged, the plateau schedule told, the epoch_end callback, a checkpoint every
+///      CHECKPOINT_FREQUENT epochs (and after the last, at a new best, on request).
+///   5. SIGINT/SIGTERM: the loop finishes the current window, writes a checkpoint and returns
+///      with FitResult::stopped, printing how to resume; a second signal exits at once.
+///
+/// Errors: a checkpoint that cannot be written (unwritable directory, full disk) throws
+/// CheckpointError naming the file and the step; the checkpoints already written stay intact.
+/// A non-finite gradient with NONFINITE abort throws NonFiniteGradient with the epoch, the
+/// micro-batch, the optimizer step and the loss value.
+#include <trainkit/checkpoint.hpp>
+#include <trainkit/config.hpp>
+#include <trainkit/detail/fit_log_standin.hpp>
+#include <trainkit/detail/stop_signals.hpp>
+#include <trainkit/metrics.hpp>
+#include <trainkit/trainer.hpp>
+
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace trainkit {
+
+/// Run-time settings of the loop; fit_options(config) fills them from a validated Config.
+struct FitOptions {
+  TORCH_ARG(std::string, output_path) = "./output";    ///< checkpoints and logs (OUTPUT_PATH)
+  TORCH_ARG(std::string, prefix) = "model";            ///< checkpoint file prefix (MODEL_PREFIX)
+  TORCH_ARG(std::int64_t, begin_epoch) = 0;            ///< TRAIN.BEGIN_EPOCH
+  TORCH_ARG(std::int64_t, end_epoch) = 0;              ///< TRAIN.END_EPOCH (exclusive)
+  TORCH_ARG(std::int64_t, log_frequent) = 50;          ///< log every N optimizer windows
+  TORCH_ARG(std::int64_t, val_frequent) = 1;           ///< validate every N epochs
+  TORCH_ARG(std::int64_t, checkpoint_frequent) = 1;    ///< checkpoint every N epochs
+  TORCH_ARG(std::int64_t, checkpoint_keep) = 3;        ///< newest checkpoints kept, plus the best
+  TORCH_ARG(bool, resume) = false;                     ///< TRAIN.RESUME
+  TORCH_ARG(bool, auto_resume) = true;                 ///< TRAIN.AUTO_RESUME
+  TORCH_ARG(std::int64_t, seed) = -1;                  ///< the run's seed (recorded, checked on resume)
+  TORCH_ARG(std::string, config_json) = {};            ///< the resolved configuration, for checkpoints
+  /// SIGINT/SIGTERM stop the loop gracefully (off: the signals keep their handlers).
+  TORCH_ARG(bool, handle_signals) = true;
+  /// Write checkpoints and logs (false on data-parallel ranks other than 0; they still resume).
+  TORCH_ARG(bool, write_files) = true;
+  /// Progress lines on stderr.
+  TORCH_ARG(bool, progress) = true;
+
+ public:
+  /// Throws std::invalid_argument naming the first option out of range.
+  void validate() const {
+    auto fail = [](const std::string& what) { throw std::invalid_argument("trainkit::FitOptions: " + what); };
+    if (begin_epoch_ < 0) fail("begin_epoch must be >= 0, got " + std::to_string(begin_epoch_));
+    if (end_epoch_ <= begin_epoch_)
+      fail("end_epoch (" + std::to_string(end_epoch_) + ") must be > begin_epoch (" + std::to_string(begin_epoch_) +
+           ") to train (TRAIN.END_EPOCH)");
+    if (log_frequent_ < 1) fail("log_frequent must be >= 1 (LOG_FREQUENT)");
+    if (val_frequent_ < 1) fail("val_frequent must be >= 1 (VAL_FREQUENT)");
+    if (checkpoint_frequent_ < 1) fail("checkpoint_frequent must be >= 1 (CHECKPOINT_FREQUENT)");
+    if (checkpoint_keep_ < 1) fail("checkpoint_keep must be >= 1 (TRAIN.CHECKPOINT_KEEP)");
+    if (output_path_.empty()) fail("output_path is empty (OUTPUT_PATH / --model-dir)");
+  }
+};
+
+/// The loop's settings from a validated configuration (with --model-dir and --resume already
+/// applied as overrides, see CommandLine). RNG_SEED -1 draws a random seed and says which on
+/// stderr, so that the run can be repeated.
+inline FitOptions fit_options(const Config& config) {
+  const nlohmann::json& t = config.tree();
+  const nlohmann::json& train = t["TRAIN"];
+  FitOptions o;
+  o.output_path(t["OUTPUT_PATH"].get<std::string>())
+      .prefix(t["MODEL_PREFIX"].get<std::string>())
+      .begin_epoch(train["BEGIN_EPOCH"].get<std::int64_t>())
+      .end_epoch(train["END_EPOCH"].get<std::int64_t>())
+      .log_frequent(t["LOG_FREQUENT"].get<std::int64_t>())
+      .val_frequent(t["VAL_FREQUENT"].get<std::int64_t>())
+      .checkpoint_frequent(t["CHECKPOINT_FREQUENT"].get<std::int64_t>())
+      .checkpoint_keep(train["CHECKPOINT_KEEP"].get<std::int64_t>())
+      .resume(train["RESUME"].get<bool>())
+      .auto_resume(train["AUTO_RESUME"].get<bool>())
+      .config_json(config.dump(-1));
+  std::int64_t seed = t["RNG_SEED"].get<std::int64_t>();
+  if (seed < 0) {
+    seed = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff);
+    std::cerr << "trainkit: RNG_SEED is -1: this run uses seed " << seed << " (set RNG_SEED: " << seed
+              << " to repeat it)\n";
+  }
+  o.seed(seed);
+  return o;
+}
+
+/// The application's task. Data are addressed by (epoch, index): the batch for a position must
+/// be a pure function of the seed, the epoch and the index (shuffle with a generator seeded from
+/// them), so that the data sampler's state is just (epoch, index) and resuming is exact.
+template <class Batch>
+struct Task {
+  /// Micro-batches in `epoch` (on this rank).
+  std::function<std::int64_t(std::int64_t epoch)> batches_per_epoch;
+  /// Micro-batch `index` of `epoch`.
+  std::function<Batch(std::int64_t epoch, std::int64_t index)> batch;
+  /// Forward: the loss as a scalar tensor. May record more scalars, averaged over the epoch by
+  /// the loop: metrics.add("MLM-Acc", accuracy, count). Runs inside the precision region.
+  std::function<torch::Tensor(const Batch&, Metrics& metrics)> loss;
+  /// Optional: the micro-batch's item count (samples, tokens): the window's gradient and the
+  /// logged means are then weighted by items (Trainer::micro_step with items).
+  std::function<std::int64_t(const Batch&)> items;
+  /// Optional: validation after an epoch; the metrics are logged as Val-<name>.
+  std::function<std::map<std::string, double>(std::int64_t epoch)> validate;
+  /// Optional: the validation metric that ranks checkpoints (the best is kept) and drives the
+  /// plateau schedule.
+  std::string best_metric;
+  bool higher_is_better = true;
+};
+
+/// After each micro-batch. A callback may ask for a checkpoint (written at the next window
+/// boundary) or a stop (a checkpoint, then fit returns).
+struct BatchEnd {
+  std::int64_t epoch = 0, index = 0, batches = 0;  ///< micro-batch `index` of `batches` just ran
+  const MicroStepResult* step = nullptr;           ///< its result (a report when a window closed)
+  bool request_checkpoint = false;
+  bool request_stop = false;
+};
+/// After each epoch (after validation, before its checkpoint).
+struct EpochEnd {
+  std::int64_t epoch = 0;
+  std::map<std::string, double> train;       ///< the epoch's means: "Loss" and the task's metrics
+  std::map<std::string, double> validation;  ///< empty when this epoch did not validate
+  bool request_checkpoint = false;
+  bool request_stop = false;
+};
+struct Callbacks {
+  std::function<void(BatchEnd&)> batch_end;
+  std::function<void(EpochEnd&)> epoch_end;
+};
+
+/// What fit() did.
+struct FitResult {
+  FitPosition position;                        ///< where training would continue
+  std::int64_t windows = 0;                    ///< optimizer phases so far (applied + skipped)
+  std::int64_t applied_steps = 0, skipped_steps = 0;
+  std::map<std::string, double> train;         ///< the last completed epoch's means
+  std::map<std::string, double> validation;    ///< the last validation
+  std::vector<std::string> checkpoints;        ///< written by this call, in order
+  std::string resumed_from;                    ///< the checkpoint loaded ("" = none)
+  std::string best_checkpoint;                 ///< "" when no best metric
+  bool stopped = false;                        ///< by a signal or a callback, before END_EPOCH
+  int signal = 0;                              ///< the signal that stopped it (0: none)
+  std::string message;                         ///< the stop message: how to resume
+};
+
+namespace detail {
+
+inline std::string position_text(std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+  return "epoch " + std::to_string(epoch) + ", micro-batch " + std::to_string(index) + " of " + std::to_string(batches);
+}
+
+inline std::string format_double(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+/// One run of the loop; fit() below builds it and calls run().
+template <class TrainerT, class Batch>
+class FitLoop {
+ public:
+  FitLoop(TrainerT& trainer, Task<Batch>& task, const FitOptions& options, Callbacks callbacks)
+      : trainer_(trainer),
+        task_(task),
+        options_(options),
+        callbacks_(std::move(callbacks)),
+        checkpoints_(options.output_path(), options.prefix(), options.checkpoint_keep()) {}
+
+  FitResult run() {
+    StopSignals signals(options_.handle_signals());
+    if (options_.write_files()) {
+      checkpoints_.create_directory();
+      log_ = std::make_unique<FitLogStandIn>(options_.output_path(), options_.prefix());
+    }
+    state_.seed = options_.seed();
+    state_.best_metric = task_.best_metric;
+    state_.higher_is_better = task_.higher_is_better;
+    const FitPosition start = resume();
+    state_.config_json = options_.config_json();
+    clock_ = Clock::now();
+
+    for (std::int64_t epoch = start.epoch; epoch < options_.end_epoch(); ++epoch) {
+      const std::int64_t batches = task_.batches_per_epoch(epoch);
+      TORCH_CHECK(batches >= 1, "fit: task.batches_per_epoch(", epoch, ") must be >= 1, got ", batches);
+      const std::int64_t first = epoch == start.epoch ? start.index : 0;
+      if (first == 0) {  // a resumed epoch keeps its running sums (they are in the checkpoint)
+        metrics_.reset();
+        logged_ = {};
+      }
+      trainer_.model().train();
+      bool checkpoint_requested = false, stop_requested = false;
+      for (std::int64_t index = first; index < batches; ++index) {
+        const Batch batch = task_.batch(epoch, index);
+        const MicroStepResult r = micro_step(batch, epoch, index, batches);
+        if (r.window_closed) window_closed(r.report, epoch, index + 1, batches);
+        if (callbacks_.batch_end) {
+          BatchEnd info{epoch, index, batches, &r};
+          callbacks_.batch_end(info);
+          checkpoint_requested |= info.request_checkpoint;
+          stop_requested |= info.request_stop;
+        }
+        stop_requested |= signals.received() != 0;
+        // Checkpoints inside an epoch fall on window boundaries: the signal's "finish the
+        // current window" is this condition becoming true.
+        const bool at_boundary = trainer_.window_position() == 0 && index + 1 < batches;
+        if ((checkpoint_requested || stop_requested) && at_boundary) {
+          state_.position = {epoch, index + 1};
+          write_checkpoint(/*epoch_end*/ false);
+          checkpoint_requested = false;
+          if (stop_requested) return stop(signals.received());
+        }
+      }
+      if (auto report = flush(epoch, batches)) window_closed(*report, epoch, batches, batches);
+      stop_requested |= signals.received() != 0;
+      if (stop_requested) {  // every micro-batch ran; the epoch's end runs after resuming
+        state_.position = {epoch, batches};
+        write_checkpoint(false);
+        return stop(signals.received());
+      }
+
+      // End of the epoch: means, validation, best checkpoint, schedule, callback, checkpoint.
+      EpochEnd end{epoch, metrics_.means(), {}};
+      result_.train = end.train;
+      const bool last = epoch + 1 == options_.end_epoch();
+      bool new_best = false;
+      if (task_.validate && ((epoch + 1) % options_.val_frequent() == 0 || last)) {
+        end.validation = task_.validate(epoch);
+        trainer_.model().train();
+        result_.validation = end.validation;
+        for (const auto& [name, value] : end.validation) log_scalar("Val-" + name, value);
+        new_best = observe_best(epoch, end.validation);
+      }
+      if (callbacks_.epoch_end) callbacks_.epoch_end(end);
+      stop_requested |= end.request_stop || signals.received() != 0;
+      state_.position = {epoch + 1, 0};
+      if ((epoch + 1) % options_.checkpoint_frequent() == 0 || last || new_best || end.request_checkpoint ||
+          checkpoint_requested || stop_requested)
+        write_checkpoint(/*epoch_end*/ true);
+      if (stop_requested && !last) return stop(signals.received());
+      clock_ = Clock::now();  // validation and checkpoints are not training time
+      samples_since_log_ = 0;
+    }
+    return finish();
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // 1. Resume, by TRAIN.RESUME / AUTO_RESUME. Returns where training starts.
+  FitPosition resume() {
+    const FitPosition begin{options_.begin_epoch(), 0};
+    if (!options_.resume() && !options_.auto_resume()) return begin;
+    const auto extra = [&](torch::serialize::InputArchive& a) { load_loop_extra(a); };
+    std::optional<CheckpointManager::Loaded> loaded;
+    if (options_.resume() && options_.begin_epoch() > 0) {
+      loaded = checkpoints_.load(trainer_, checkpoints_.epoch_path(options_.begin_epoch() - 1), extra);
+    } else {
+      loaded = checkpoints_.resume_newest(trainer_, extra);
+      if (!loaded && options_.resume())
+        throw std::runtime_error("TRAIN.RESUME: no complete checkpoint '" + options_.prefix() + "-*.ckpt' in '" +
+                                 options_.output_path() + "' to resume from");
+    }
+    if (!loaded) return begin;
+    const LoopState saved = loaded->state;
+    if (saved.seed != options_.seed())
+      std::cerr << "trainkit: warning: '" << loaded->path << "' was written by a run with RNG_SEED " << saved.seed
+                << ", this run has " << options_.seed() << "; data drawn from the seed will differ from the "
+                << "interrupted run's (set RNG_SEED: " << saved.seed << " to continue it exactly)\n";
+    state_.position = saved.position;
+    if (saved.best_metric == state_.best_metric) {
+      state_.best_value = saved.best_value;
+      state_.best_path = saved.best_path;
+    }
+    result_.resumed_from = loaded->path;
+    if (options_.progress())
+      std::cerr << "trainkit: resumed from '" << loaded->path << "' at epoch " << saved.position.epoch
+                << ", micro-batch " << saved.position.index << " (optimizer step " << trainer_.windows() << ")\n";
+    return saved.position;
+  }
+
+  // 2. One micro-batch through the trainer, its loss and metrics added to the epoch's means.
+  MicroStepResult micro_step(const Batch& batch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    const std::int64_t items = task_.items ? task_.items(batch) : -1;
+    const double weight = items >= 0 ? static_cast<double>(items) : 1.0;
+    samples_since_log_ += items >= 0 ? items : 1;
+    auto closure = [&] {
+      torch::Tensor loss = task_.loss(batch, metrics_);
+      TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
+      metrics_.add("Loss", loss, weight);
+      return loss;
+    };
+    try {
+      return items >= 0 ? trainer_.micro_step(closure, items) : trainer_.micro_step(closure);
+    } catch (const NonFiniteGradient& e) {
+      throw NonFiniteGradient(position_text(epoch, index, batches) + ": " + e.what());
+    }
+  }
+
+  std::optional<StepReport> flush(std::int64_t epoch, std::int64_t batches) {
+    try {
+      return trainer_.flush();
+    } catch (const NonFiniteGradient& e) {
+      throw NonFiniteGradient("epoch " + std::to_string(epoch) + ", end of epoch (partial window after micro-batch " +
+                              std::to_string(batches - 1) + "): " + e.what());
+    }
+  }
+
+  // 3. After a window: every LOG_FREQUENT windows, read its report and log.
+  void window_closed(const StepReport& report, std::int64_t epoch, std::int64_t done, std::int64_t batches) {
+    if (report.window() % options_.log_frequent() != 0) return;
+    const auto step = report.window();
+    const Metrics::Totals totals = metrics_.totals();  // one sync with the report's below
+    std::map<std::string, double> interval;
+    for (const auto& [name, sw] : totals.of) {
+      const auto old = logged_.of.find(name);
+      const double sum = sw.first - (old == logged_.of.end() ? 0.0 : old->second.first);
+      const double weight = sw.second - (old == logged_.of.end() ? 0.0 : old->second.second);
+      if (weight > 0) interval[name] = sum / weight;
+    }
+    logged_ = totals;
+    const double loss = interval.count("Loss") ? interval["Loss"] : report.loss();
+    if constexpr (!TrainerT::scales_loss) {
+      if (trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
+        throw NonFiniteGradient(position_text(epoch, done - 1, batches) + ", optimizer step " + std::to_string(step) +
+                                ": non-finite training loss " + format_double(loss) + " (mean since the last log)");
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - clock_).count();
+    const double speed = seconds > 0 ? static_cast<double>(samples_since_log_) / seconds : 0.0;
+    clock_ = Clock::now();
+    samples_since_log_ = 0;
+
+    log_scalar("Train-Loss", loss, step);
+    for (const auto& [name, value] : interval)
+      if (name != "Loss") log_scalar("Train-" + name, value, step);
+    const auto& groups = trainer_.groups();
+    for (size_t g = 0; g < groups.size(); ++g)
+      log_scalar("LR/Group_" + std::to_string(g), report.lr() * groups[g].lr_mult, step);
+    log_scalar("grad-para/Total-Norm", report.grad_norm(), step);
+    log_scalar("loss-scale", report.loss_scale(), step);
+    log_scalar("skipped-steps", static_cast<double>(report.skipped_steps()), step);
+    log_scalar("samples-per-second", speed, step);
+    if (log_) log_->flush();
+    if (options_.progress() && options_.write_files())
+      std::cerr << "epoch " << epoch << " [" << done << "/" << batches << "] step " << step << "  loss "
+                << format_double(loss) << "  lr " << format_double(report.lr()) << "  scale "
+                << format_double(report.loss_scale()) << "  " << format_double(speed) << " samples/s\n";
+  }
+
+  void log_scalar(const std::string& tag, double value, std::int64_t step = -1) {
+    if (log_) log_->scalar(tag, step < 0 ? trainer_.windows() : step, value);
+  }
+
+  // 4. A better validation metric: the epoch's checkpoint becomes the best; the plateau
+  // schedule sees every value.
+  bool observe_best(std::int64_t epoch, const std::map<std::string, double>& validation) {
+    if (task_.best_metric.empty()) return false;
+    const auto it = validation.find(task_.best_metric);
+    if (it == validation.end())
+      throw std::runtime_error("fit: task.best_metric is '" + task_.best_metric +
+                               "', but task.validate returned no such metric");
+    const double v = it->second;
+    // The trainer hands out its schedule as const; the object itself is not const. (A
+    // Trainer::on_epoch_end would do this; it is not added here to keep trainer.hpp stable.)
+    if (const_cast<Schedule&>(trainer_.schedule()).on_epoch_end(epoch, v)) trainer_.schedule_changed();
+    const double best = state_.best_value;
+    const bool better = std::isfinite(v) && (std::isnan(best) || (task_.higher_is_better ? v > best : v < best));
+    if (!better) return false;
+    state_.best_value = v;
+    state_.best_path = checkpoints_.epoch_path(epoch);
+    return true;
+  }
+
+  void write_checkpoint(bool epoch_end) {
+    if (!options_.write_files()) return;
+    try {
+      const auto path = checkpoints_.save(trainer_, state_, epoch_end,
+                                          [&](torch::serialize::OutputArchive& a) { save_loop_extra(a); });
+      result_.checkpoints.push_back(path);
+    } catch (const CheckpointError& e) {
+      throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + ", micro-batch " +
+                            std::to_string(state_.position.index) + " (optimizer step " +
+                            std::to_string(trainer_.windows()) + "): " + e.what());
+    }
+  }
+
+  // The loop's running sums, so that a resumed epoch's means and logs equal the straight run's.
+  void save_loop_extra(torch::serialize::OutputArchive& a) const {
+    metrics_.save(a, "fit.metrics");
+    std::vector<std::string> names;
+    std::vector<double> sums, weights;
+    for (const auto& [name, sw] : logged_.of) {
+      names.push_back(name);
+      sums.push_back(sw.first);
+      weights.push_back(sw.second);
+    }
+    a.write("fit.logged.names", c10::IValue(c10::List<std::string>(names)));
+    a.write("fit.logged.sums", c10::IValue(c10::List<double>(sums)));
+    a.write("fit.logged.weights", c10::IValue(c10::List<double>(weights)));
+  }
+  void load_loop_extra(torch::serialize::InputArchive& a) {
+    metrics_.load(a, "fit.metrics");
+    c10::IValue names, sums, weights;
+    a.read("fit.logged.names", names);
+    a.read("fit.logged.sums", sums);
+    a.read("fit.logged.weights", weights);
+    logged_ = {};
+    const auto n = names.toListRef();
+    const auto s = sums.toDoubleList();
+    const auto w = weights.toDoubleList();
+    for (size_t i = 0; i < n.size(); ++i) logged_.of[n[i].toStringRef()] = {s.get(i), w.get(i)};
+  }
+
+  FitResult stop(int signal) {
+    FitResult r = finish();
+    r.stopped = true;
+    r.signal = signal;
+    std::ostringstream msg;
+    msg << "trainkit: stopped" << (signal == SIGINT ? " by SIGINT" : signal == SIGTERM ? " by SIGTERM" : "")
+        << " at epoch " << state_.position.epoch << ", micro-batch " << state_.position.index;
+    if (!r.checkpoints.empty()) msg << "; checkpoint '" << r.checkpoints.back() << "' written";
+    msg << ". To continue, run the same command again"
+        << (options_.auto_resume() ? " (TRAIN.AUTO_RESUME is on)" : " with --resume (or TRAIN.AUTO_RESUME: true)");
+    r.message = msg.str();
+    if (options_.write_files()) std::cerr << r.message << "\n";
+    return r;
+  }
+
+  FitResult finish() {
+    FitResult r = result_;
+    r.position = state_.position;
+    r.windows = trainer_.windows();
+    r.applied_steps = trainer_.applied_steps().template item<std::int64_t>();
+    r.skipped_steps = trainer_.skipped_steps().template item<std::int64_t>();
+    r.best_checkpoint = state_.best_path;
+    return r;
+  }
+
+  TrainerT& trainer_;
+  Task<Batch>& task_;
+  const FitOptions& options_;
+  Callbacks callbacks_;
+  CheckpointManager checkpoints_;
+  std::unique_ptr<FitLogStandIn> log_;
+  LoopState state_;
+  FitResult result_;
+  Metrics metrics_;           // the epoch's running sums: "Loss" and the task's metrics
+  Metrics::Totals logged_;    // the sums at the last log (the next log's interval starts there)
+  Clock::time_point clock_;
+  std::int64_t samples_since_log_ = 0;
+};
+
+}  // namespace detail
+
+/// Trains `trainer` on `task` by `options` (see the file comment). Returns after END_EPOCH or
+/// after a graceful stop (FitResult::stopped); throws on errors (CheckpointError,
+/// NonFiniteGradient, the task's own).
+template <class TrainerT, class Batch>
+FitResult fit(TrainerT& trainer, Task<Batch>& task, const FitOptions& options, Callbacks callbacks = {}) {
+  options.validate();
+  if (!task.batches_per_epoch || !task.batch || !task.loss)
+    throw std::invalid_argument("fit: the task needs batches_per_epoch, batch and loss");
+  detail::FitLoop<TrainerT, Batch> loop(trainer, task, options, std::move(callbacks));
+  return loop.run();
+}
+
+}  // namespace trainkit

@@ -1,0 +1,288 @@
+// The fit loop in one process: resume equals never stopping (parameters, optimizer state, loss
+// scale, logged losses), also from a stop inside an epoch; metrics weighted by items; validation,
+// callbacks, best checkpoint; non-finite diagnostics; fit_options from a Config.
+#include "helpers.hpp"
+
+#include <trainkit/fit.hpp>
+
+#include <csignal>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+using testing::TempDir;
+
+namespace {
+
+using T = tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, tk::AccumulationPolicy<2>,
+                      tk::ClipPolicy<tk::ClipNorm>>;
+
+struct Batch {
+  torch::Tensor x, y;
+  std::int64_t items;
+};
+
+/// A regression task whose micro-batch (epoch, index) is a pure function of them: the epoch's
+/// permutation comes from a generator seeded by the epoch. 7 micro-batches of uneven sizes
+/// (7 is odd: every epoch ends in a partial window of AccumulationPolicy<2>).
+struct RegressionTask {
+  testing::Regression data = testing::regression(96);
+  testing::TinyMlp model;
+  tk::Task<Batch> task;
+  int validations = 0;
+
+  explicit RegressionTask(testing::TinyMlp m) : model(std::move(m)) {
+    task.batches_per_epoch = [](std::int64_t) { return std::int64_t{7}; };
+    task.batch = [this](std::int64_t epoch, std::int64_t index) {
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + epoch);
+      const auto order = torch::randperm(96, gen);
+      const std::int64_t size = 8 + 4 * (index % 3);  // 8, 12, 16 samples
+      const auto rows = order.narrow(0, index * 12, size);
+      return Batch{data.x.index_select(0, rows), data.y.index_select(0, rows), size};
+    };
+    task.loss = [this](const Batch& b, tk::Metrics& metrics) {
+      const auto out = model(b.x);
+      metrics.add("MAE", (out - b.y).abs().mean(), static_cast<double>(b.items));
+      return torch::mse_loss(out, b.y);
+    };
+    task.items = [](const Batch& b) { return b.items; };
+    task.validate = [this](std::int64_t) {
+      ++validations;
+      torch::NoGradGuard no_grad;
+      model->eval();
+      const double mse = torch::mse_loss(model(data.x), data.y).item<double>();
+      return std::map<std::string, double>{{"MSE", mse}};
+    };
+    task.best_metric = "MSE";
+    task.higher_is_better = false;
+  }
+};
+
+tk::TrainerOptions trainer_options() {
+  return tk::TrainerOptions().loss_scale(tk::LossScaleOptions().init_scale(1024).growth_interval(3));
+}
+
+tk::FitOptions fit_options(const std::string& dir, std::int64_t end) {
+  return tk::FitOptions().output_path(dir).end_epoch(end).log_frequent(2).checkpoint_keep(2).seed(5).progress(false);
+}
+
+/// (tag, step) -> value of a JSON-lines scalar log; a later line for the same key wins, as in
+/// TensorBoard (a resumed run may log a step again).
+std::map<std::pair<std::string, long>, std::string> read_scalars(const std::string& path) {
+  std::map<std::pair<std::string, long>, std::string> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    out[{j["tag"].get<std::string>(), j["step"].get<long>()}] = j["value"].dump();
+  }
+  return out;
+}
+
+std::map<std::pair<std::string, long>, std::string> only(const std::map<std::pair<std::string, long>, std::string>& all,
+                                                         const std::string& tag) {
+  std::map<std::pair<std::string, long>, std::string> out;
+  for (const auto& [k, v] : all)
+    if (k.first == tag) out[k] = v;
+  return out;
+}
+
+void check_same_state(T& a, testing::TinyMlp& ma, T& b, testing::TinyMlp& mb) {
+  CHECK(torch::equal(testing::flat(*ma), testing::flat(*mb)));
+  CHECK(torch::equal(a.loss_scale(), b.loss_scale()));
+  CHECK(torch::equal(a.applied_steps(), b.applied_steps()));
+  CHECK(torch::equal(a.skipped_steps(), b.skipped_steps()));
+  CHECK(a.windows() == b.windows());
+  auto& ra = dynamic_cast<tk::detail::FusedAdam<tk::AdamW, true>&>(a.update_rule());
+  auto& rb = dynamic_cast<tk::detail::FusedAdam<tk::AdamW, true>&>(b.update_rule());
+  CHECK(torch::equal(ra.exp_avg()[0], rb.exp_avg()[0]));
+  CHECK(torch::equal(ra.exp_avg_sq()[0], rb.exp_avg_sq()[0]));
+  CHECK(torch::equal(ra.step_count(), rb.step_count()));
+}
+
+}  // namespace
+
+TEST_CASE("fit: 2E epochs straight equal E epochs, a new process state, and E more (bit for bit)") {
+  const std::int64_t E = 2;
+  TempDir straight_dir, split_dir;
+
+  torch::manual_seed(11);
+  RegressionTask straight(testing::make_mlp(3, 8, 16, 3, 0.2));
+  T a(straight.model, tk::AdamW{1e-2}, trainer_options());
+  const auto ra = tk::fit(a, straight.task, fit_options(straight_dir.path, 2 * E));
+  CHECK_FALSE(ra.stopped);
+  CHECK(ra.position == tk::FitPosition{2 * E, 0});
+  CHECK(ra.windows == 2 * E * 4);  // 7 micro-batches: 3 full windows and a flushed one
+
+  torch::manual_seed(11);
+  RegressionTask first(testing::make_mlp(3, 8, 16, 3, 0.2));
+  T b(first.model, tk::AdamW{1e-2}, trainer_options());
+  const auto rb = tk::fit(b, first.task, fit_options(split_dir.path, E));
+  CHECK(rb.position == tk::FitPosition{E, 0});
+
+  torch::manual_seed(999);  // another RNG state and other weights: everything must come back
+  RegressionTask second(testing::make_mlp(4, 8, 16, 3, 0.2));
+  T c(second.model, tk::AdamW{1e-2}, trainer_options());
+  const auto rc = tk::fit(c, second.task, fit_options(split_dir.path, 2 * E));
+  CHECK(rc.resumed_from == split_dir / "model-0001.ckpt");
+  CHECK(rc.position == tk::FitPosition{2 * E, 0});
+
+  check_same_state(a, straight.model, c, second.model);
+  CHECK(ra.train == rc.train);
+  CHECK(ra.validation == rc.validation);
+  const auto la = read_scalars(straight_dir / "model-scalars.jsonl");
+  const auto lc = read_scalars(split_dir / "model-scalars.jsonl");
+  CHECK(only(la, "Train-Loss").size() == static_cast<size_t>(2 * E * 4 / 2));
+  CHECK(only(la, "Train-Loss") == only(lc, "Train-Loss"));
+  CHECK(only(la, "Train-MAE") == only(lc, "Train-MAE"));
+  CHECK(only(la, "loss-scale") == only(lc, "loss-scale"));
+  CHECK(only(la, "grad-para/Total-Norm") == only(lc, "grad-para/Total-Norm"));
+  CHECK(only(la, "Val-MSE") == only(lc, "Val-MSE"));
+  // Retention: the newest 2 and the best.
+  CHECK(testing::file_exists(straight_dir / "model-0003.ckpt"));
+  CHECK(testing::file_exists(straight_dir / "model-0002.ckpt"));
+  CHECK_FALSE(testing::file_exists(straight_dir / "model-0000.ckpt") &&
+              ra.best_checkpoint != straight_dir / "model-0000.ckpt");
+  CHECK(testing::file_exists(ra.best_checkpoint));
+}
+
+TEST_CASE("fit: a stop inside an epoch finishes the window, checkpoints, and resumes at that micro-batch") {
+  TempDir straight_dir, split_dir;
+  torch::manual_seed(12);
+  RegressionTask straight(testing::make_mlp(5, 8, 16, 3, 0.2));
+  T a(straight.model, tk::AdamW{1e-2}, trainer_options());
+  const auto ra = tk::fit(a, straight.task, fit_options(straight_dir.path, 3));
+
+  torch::manual_seed(12);
+  RegressionTask first(testing::make_mlp(5, 8, 16, 3, 0.2));
+  T b(first.model, tk::AdamW{1e-2}, trainer_options());
+  tk::Callbacks callbacks;
+  int after_signal = 0;
+  callbacks.batch_end = [&](tk::BatchEnd& e) {
+    if (e.epoch == 1 && e.index == 2) std::raise(SIGTERM);  // inside the window [2, 3]
+    if (e.epoch == 1 && e.index > 2) ++after_signal;
+  };
+  std::signal(SIGTERM, SIG_DFL);
+  const auto rb = tk::fit(b, first.task, fit_options(split_dir.path, 3), callbacks);
+  CHECK(rb.stopped);
+  CHECK(rb.signal == SIGTERM);
+  CHECK(after_signal == 1);  // micro-batch 3 closes the window
+  CHECK(rb.position == tk::FitPosition{1, 4});
+  REQUIRE(!rb.checkpoints.empty());
+  CHECK(rb.checkpoints.back() == split_dir / "model-0001-000004.ckpt");
+  CHECK(rb.message.find("run the same command again") != std::string::npos);
+  // fit restored the previous handler: SIG_DFL.
+  struct sigaction now {};
+  ::sigaction(SIGTERM, nullptr, &now);
+  CHECK(now.sa_handler == SIG_DFL);
+
+  torch::manual_seed(77);
+  RegressionTask second(testing::make_mlp(6, 8, 16, 3, 0.2));
+  T c(second.model, tk::AdamW{1e-2}, trainer_options());
+  const auto rc = tk::fit(c, second.task, fit_options(split_dir.path, 3));
+  CHECK(rc.resumed_from == split_dir / "model-0001-000004.ckpt");
+  check_same_state(a, straight.model, c, second.model);
+  CHECK(ra.train == rc.train);
+  const auto la = read_scalars(straight_dir / "model-scalars.jsonl");
+  const auto lc = read_scalars(split_dir / "model-scalars.jsonl");
+  CHECK(only(la, "Train-Loss") == only(lc, "Train-Loss"));
+  CHECK(only(la, "Train-MAE") == only(lc, "Train-MAE"));
+}
+
+TEST_CASE("fit: the epoch's means are weighted by items, not averages of averages") {
+  TempDir dir;
+  torch::manual_seed(13);
+  RegressionTask t(testing::make_mlp(7));
+  using Plain = tk::Trainer<>;
+  Plain trainer(t.model, tk::SGD{0.0});  // lr 0: the model stays fixed, losses can be recomputed
+  tk::Task<Batch> task = t.task;
+  task.validate = nullptr;
+  task.best_metric.clear();
+  const auto r = tk::fit(trainer, task, fit_options(dir.path, 1));
+  double loss_sum = 0, mae_sum = 0, items = 0, loss_of_means = 0;
+  torch::NoGradGuard no_grad;
+  for (int i = 0; i < 7; ++i) {
+    const auto b = task.batch(0, i);
+    const auto out = t.model(b.x);
+    const double n = static_cast<double>(b.items);
+    const double l = torch::mse_loss(out, b.y).item<double>();
+    loss_sum += l * n;
+    mae_sum += (out - b.y).abs().mean().item<double>() * n;
+    items += n;
+    loss_of_means += l / 7;
+  }
+  CHECK(r.train.at("Loss") == doctest::Approx(loss_sum / items).epsilon(1e-6));
+  CHECK(r.train.at("MAE") == doctest::Approx(mae_sum / items).epsilon(1e-6));
+  CHECK(std::abs(loss_sum / items - loss_of_means) > 1e-4);  // the two differ here
+}
+
+TEST_CASE("fit: validation every VAL_FREQUENT epochs and after the last; callbacks; checkpoints every CHECKPOINT_FREQUENT") {
+  TempDir dir;
+  torch::manual_seed(14);
+  RegressionTask t(testing::make_mlp(8));
+  T trainer(t.model, tk::AdamW{1e-2}, trainer_options());
+  tk::Callbacks callbacks;
+  int batch_ends = 0;
+  std::vector<std::int64_t> validated;
+  callbacks.batch_end = [&](tk::BatchEnd&) { ++batch_ends; };
+  callbacks.epoch_end = [&](tk::EpochEnd& e) {
+    if (!e.validation.empty()) validated.push_back(e.epoch);
+    CHECK(e.train.count("Loss") == 1);
+  };
+  t.task.best_metric.clear();
+  const auto r = tk::fit(trainer, t.task,
+                         fit_options(dir.path, 5).val_frequent(2).checkpoint_frequent(2).checkpoint_keep(10), callbacks);
+  CHECK(batch_ends == 5 * 7);
+  CHECK(validated == std::vector<std::int64_t>{1, 3, 4});
+  CHECK(r.checkpoints == std::vector<std::string>{dir / "model-0001.ckpt", dir / "model-0003.ckpt", dir / "model-0004.ckpt"});
+  // Finished: another call resumes at the end and trains nothing.
+  const auto again = tk::fit(trainer, t.task, fit_options(dir.path, 5));
+  CHECK(again.checkpoints.empty());
+  CHECK(again.windows == r.windows);
+}
+
+TEST_CASE("fit: a non-finite gradient with NONFINITE abort names the epoch, micro-batch, step and value") {
+  TempDir dir;
+  torch::manual_seed(15);
+  RegressionTask t(testing::make_mlp(9));
+  tk::Trainer<> trainer(t.model, tk::AdamW{1e-2}, tk::TrainerOptions().nonfinite(tk::NonFinite::abort));
+  auto loss = t.task.loss;
+  t.task.loss = [&](const Batch& b, tk::Metrics& m) {
+    auto l = loss(b, m);
+    return b.items == 12 && t.task.batch(1, 4).x.equal(b.x) ? l * INFINITY : l;
+  };
+  try {
+    tk::fit(trainer, t.task, fit_options(dir.path, 3));
+    FAIL("no exception");
+  } catch (const tk::NonFiniteGradient& e) {
+    const std::string what = e.what();
+    CHECK(what.find("epoch 1, micro-batch 4 of 7") != std::string::npos);
+    CHECK(what.find("optimizer step 12") != std::string::npos);  // 7 + 5: Accumulate<1>
+    CHECK(what.find("inf") != std::string::npos);
+  }
+  // The checkpoint of epoch 0 is still there and complete.
+  CHECK(tk::CheckpointManager::is_complete(dir / "model-0000.ckpt"));
+}
+
+TEST_CASE("fit_options reads the run keys of a Config (--model-dir and --resume included)") {
+  const char* argv[] = {"prog", "--model-dir", "/tmp/somewhere", "--resume", "--set", "TRAIN.END_EPOCH=7",
+                        "--set", "LOG_FREQUENT=3", "--set", "RNG_SEED=4", "--set", "TRAIN.CHECKPOINT_KEEP=5",
+                        "--set", "MODEL_PREFIX=vl"};
+  const auto cl = tk::CommandLine::parse(static_cast<int>(std::size(argv)), argv);
+  tk::Config config;
+  config.load_string("{}", tk::Config::Format::json, cl.overrides());
+  const auto o = tk::fit_options(config);
+  CHECK(o.output_path() == "/tmp/somewhere");
+  CHECK(o.prefix() == "vl");
+  CHECK(o.resume());
+  CHECK(o.auto_resume());
+  CHECK(o.end_epoch() == 7);
+  CHECK(o.begin_epoch() == 0);
+  CHECK(o.log_frequent() == 3);
+  CHECK(o.val_frequent() == 1);
+  CHECK(o.checkpoint_frequent() == 1);
+  CHECK(o.checkpoint_keep() == 5);
+  CHECK(o.seed() == 4);
+  CHECK(nlohmann::json::parse(o.config_json())["TRAIN"]["END_EPOCH"] == 7);
+  CHECK_THROWS_WITH(tk::FitOptions().validate(), doctest::Contains("END_EPOCH"));
+}
