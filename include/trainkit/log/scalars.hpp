@@ -1,0 +1,268 @@
+#pragma once
+/// Scalar logs: the sink interface the fit loop writes to, CSV and JSON-lines writers, an
+/// in-memory recorder and a fan-out. The TensorBoard writer (log/tensorboard.hpp) is a sink too.
+///
+/// Contract of a ScalarSink:
+///   add_scalar(tag, value, step)             records one scalar, stamped with the wall clock
+///   add_scalar(tag, value, step, wall_time)  the same at a given time (Unix seconds): a fan-out
+///                                            stamps once, so every file holds the same time
+///   flush()                                  everything recorded so far is in the files
+///   close()                                  flush(), then close the files; idempotent
+/// `step` is the optimizer step count (applied and skipped steps), the x axis of every curve.
+/// The file writers buffer (FlushPolicy) and throw std::runtime_error naming the file on any
+/// failure to create, write or close it (unwritable directory, full disk). Their destructors
+/// flush; an error there cannot be thrown and is printed on stderr, so call close() to see it.
+/// Sinks are not thread-safe. This header does not include LibTorch.
+///
+/// Files (one line per scalar, appended to an existing file by default, so a resumed run
+/// continues its log; a new file starts with the CSV header):
+///   CSV    step,tag,value,wall_time           12,Train-Loss,0.25,1733150000.123456
+///          (RFC 4180 quoting of tags with , " or newlines; non-finite values: nan, inf, -inf)
+///   JSONL  {"step":12,"tag":"Train-Loss","value":0.25,"wall_time":1733150000.123456}
+///          (non-finite values as the strings "NaN", "Infinity", "-Infinity": JSON has no
+///          literal for them, and a NaN loss is what a log must show)
+/// Values are written with 17 significant digits: the double read back is the one written.
+#include <trainkit/detail/log_file.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace trainkit {
+
+/// The tags the fit loop logs (VL-BERT's names, plus the mixed-precision and speed ones).
+namespace scalar_tags {
+/// Mean loss of the optimizer steps since the last log.
+inline constexpr const char* train_loss = "Train-Loss";
+/// Learning rate of parameter group `i`: LR/Group_0, LR/Group_1, ...
+inline std::string lr_group(std::size_t i) { return "LR/Group_" + std::to_string(i); }
+/// Global L2 norm of the true (unscaled) gradient, before clipping.
+inline constexpr const char* grad_norm = "grad-para/Total-Norm";
+/// A validation metric: Val-Acc, Val-Loss, ...
+inline std::string validation(std::string_view metric) { return "Val-" + std::string(metric); }
+/// The dynamic loss scale (FP16).
+inline constexpr const char* loss_scale = "loss-scale";
+/// Running count of skipped (non-finite) steps.
+inline constexpr const char* skipped_steps = "skipped-steps";
+/// Training throughput since the last log.
+inline constexpr const char* samples_per_second = "samples-per-second";
+}  // namespace scalar_tags
+
+/// When buffered records go to the file: after `every_records` records or, checked as records
+/// arrive, `every_seconds` after the last write; always on flush(), close() and destruction.
+struct FlushPolicy {
+  std::size_t every_records = 64;
+  double every_seconds = 5.0;
+};
+
+/// Where scalars go. Implementations override record() and flush() (and close() if they hold
+/// files); callers use add_scalar().
+class ScalarSink {
+ public:
+  virtual ~ScalarSink() = default;
+
+  /// Records `value` for `tag` at optimizer step `step`, stamped with the current wall time.
+  void add_scalar(std::string_view tag, double value, std::int64_t step) {
+    record(tag, value, step, detail::unix_time_now());
+  }
+  /// Records `value` for `tag` at `step`, stamped `wall_time` (seconds since the Unix epoch).
+  void add_scalar(std::string_view tag, double value, std::int64_t step, double wall_time) {
+    record(tag, value, step, wall_time);
+  }
+  /// Everything recorded so far reaches the files; throws naming the file that failed.
+  virtual void flush() = 0;
+  /// Flushes and releases the files; throws what flushing or closing reports. Idempotent.
+  virtual void close() { flush(); }
+
+ protected:
+  virtual void record(std::string_view tag, double value, std::int64_t step, double wall_time) = 0;
+};
+
+/// One recorded scalar (ScalarRecorder).
+struct Scalar {
+  std::string tag;
+  double value;
+  std::int64_t step;
+  double wall_time;
+};
+
+/// Keeps every scalar in memory, in order: for tests and for callers that inspect the log.
+class ScalarRecorder : public ScalarSink {
+ public:
+  const std::vector<Scalar>& scalars() const noexcept { return scalars_; }
+  void flush() override {}
+
+ protected:
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
+    scalars_.push_back({std::string(tag), value, step, wall_time});
+  }
+
+ private:
+  std::vector<Scalar> scalars_;
+};
+
+/// Options of the CSV and JSON-lines writers.
+struct TextLogOptions {
+  FlushPolicy flush;
+  /// Append to an existing file (a resumed run continues it) rather than truncate it.
+  bool append = true;
+};
+
+namespace detail {
+
+/// `value` with 17 significant digits, or `nan_inf[0..2]` for NaN, +inf, -inf.
+inline std::string format_double(double value, const char* const (&nan_inf)[3]) {
+  if (std::isnan(value)) return nan_inf[0];
+  if (std::isinf(value)) return nan_inf[value > 0 ? 1 : 2];
+  char text[32];
+  std::snprintf(text, sizeof text, "%.17g", value);
+  return text;
+}
+
+inline std::string format_wall_time(double wall_time) {
+  char text[40];
+  std::snprintf(text, sizeof text, "%.6f", wall_time);
+  return text;
+}
+
+/// Opens (creating its directory) a text log for a TextLogOptions; `header` starts a new file.
+inline LogFile open_text_log(const std::string& path, const TextLogOptions& options,
+                             const std::string& what, std::string_view header) {
+  const auto slash = path.rfind('/');
+  if (slash != std::string::npos && slash > 0) make_directories(path.substr(0, slash), what);
+  const int fd = open_for_writing(path, O_CREAT | (options.append ? O_APPEND : O_TRUNC));
+  if (fd < 0) throw_file_error("open", what, path, errno);
+  struct stat st {};
+  const bool fresh = ::fstat(fd, &st) == 0 && st.st_size == 0;
+  LogFile file(fd, path, what, options.flush.every_records, options.flush.every_seconds);
+  if (fresh && !header.empty()) file.append(header);
+  return file;
+}
+
+}  // namespace detail
+
+/// Scalars as CSV, one `step,tag,value,wall_time` line each (the header says so).
+class CsvScalarWriter : public ScalarSink {
+ public:
+  /// Opens `path` (creating its directory); throws naming the file if it cannot.
+  explicit CsvScalarWriter(const std::string& path, TextLogOptions options = {})
+      : file_(detail::open_text_log(path, options, "CSV log", "step,tag,value,wall_time\n")) {}
+
+  const std::string& path() const noexcept { return file_.path(); }
+  void flush() override { file_.flush(); }
+  void close() override { file_.close(); }
+
+ protected:
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
+    static const char* const nan_inf[3] = {"nan", "inf", "-inf"};
+    std::string line = std::to_string(step) + ',';
+    if (tag.find_first_of(",\"\r\n") == std::string_view::npos) {
+      line += tag;
+    } else {
+      line += '"';
+      for (const char c : tag) line += c == '"' ? std::string("\"\"") : std::string(1, c);
+      line += '"';
+    }
+    line += ',' + detail::format_double(value, nan_inf) + ',' +
+            detail::format_wall_time(wall_time) + '\n';
+    file_.append(line);
+    file_.end_record();
+  }
+
+ private:
+  detail::LogFile file_;
+};
+
+/// Scalars as JSON lines: {"step":..,"tag":..,"value":..,"wall_time":..} per line.
+class JsonlScalarWriter : public ScalarSink {
+ public:
+  /// Opens `path` (creating its directory); throws naming the file if it cannot.
+  explicit JsonlScalarWriter(const std::string& path, TextLogOptions options = {})
+      : file_(detail::open_text_log(path, options, "JSON-lines log", "")) {}
+
+  const std::string& path() const noexcept { return file_.path(); }
+  void flush() override { file_.flush(); }
+  void close() override { file_.close(); }
+
+ protected:
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
+    static const char* const nan_inf[3] = {"\"NaN\"", "\"Infinity\"", "\"-Infinity\""};
+    std::string line = "{\"step\":" + std::to_string(step) + ",\"tag\":\"";
+    for (const char c : tag) {
+      const auto u = static_cast<unsigned char>(c);
+      if (c == '"' || c == '\\') {
+        line += '\\';
+        line += c;
+      } else if (u < 0x20) {
+        char escaped[8];
+        std::snprintf(escaped, sizeof escaped, "\\u%04x", u);
+        line += escaped;
+      } else {
+        line += c;  // UTF-8 passes through
+      }
+    }
+    line += "\",\"value\":" + detail::format_double(value, nan_inf) +
+            ",\"wall_time\":" + detail::format_wall_time(wall_time) + "}\n";
+    file_.append(line);
+    file_.end_record();
+  }
+
+ private:
+  detail::LogFile file_;
+};
+
+/// Sends every scalar to each of its sinks, stamped with one wall time. An error in one sink
+/// does not starve the others: all are called, then the first error is rethrown.
+class ScalarFanout : public ScalarSink {
+ public:
+  /// Adds a sink (owned); returns it.
+  ScalarSink& add(std::unique_ptr<ScalarSink> sink) {
+    sinks_.push_back(std::move(sink));
+    return *sinks_.back();
+  }
+  /// Constructs a sink of type T in place; returns it.
+  template <class T, class... Args>
+  T& emplace(Args&&... args) {
+    auto sink = std::make_unique<T>(std::forward<Args>(args)...);
+    T& ref = *sink;
+    sinks_.push_back(std::move(sink));
+    return ref;
+  }
+  std::size_t size() const noexcept { return sinks_.size(); }
+
+  void flush() override {
+    for_each([](ScalarSink& s) { s.flush(); });
+  }
+  void close() override {
+    for_each([](ScalarSink& s) { s.close(); });
+  }
+
+ protected:
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
+    for_each([&](ScalarSink& s) { s.add_scalar(tag, value, step, wall_time); });
+  }
+
+ private:
+  template <class F>
+  void for_each(F&& f) {
+    std::exception_ptr first;
+    for (auto& sink : sinks_) {
+      try {
+        f(*sink);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  std::vector<std::unique_ptr<ScalarSink>> sinks_;
+};
+
+}  // namespace trainkit
