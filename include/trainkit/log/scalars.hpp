@@ -135,7 +135,9 @@ inline std::string format_wall_time(double wall_time) {
 inline LogFile open_text_log(const std::string& path, const TextLogOptions& options,
                              const std::string& what, std::string_view header) {
   const auto slash = path.rfind('/');
-  if (slash != std::string::npos && slash > 0) make_directories(path.substr(0, slash), what);
+  if (slash != std::string::npos && slash > 0) {
+    make_directories(path.substr(0, slash), what + " '" + path + "'");
+  }
   const int fd = open_for_writing(path, O_CREAT | (options.append ? O_APPEND : O_TRUNC));
   if (fd < 0) throw_file_error("open", what, path, errno);
   struct stat st {};
