@@ -21,7 +21,7 @@ struct Fixture {
   }
 };
 
-tk::ProgressState at(std::int64_t epoch, std::int64_t step, std::int64_t samples) {
+tk::ProgressState state_at(std::int64_t epoch, std::int64_t step, std::int64_t samples) {
   tk::ProgressState s;
   s.epoch = epoch;
   s.step = step;
@@ -55,24 +55,24 @@ TEST_CASE("progress: not a terminal, a plain line every every_steps steps, smoot
   {
     tk::ProgressLine progress(options);
     CHECK_FALSE(progress.is_terminal());
-    progress.update(at(1, 0, 0));  // the epoch's start: nothing printed
+    progress.update(state_at(1, 0, 0));  // the epoch's start: nothing printed
     CHECK(f.out.str().empty());
     for (int step = 1; step <= 10; ++step) {
       f.now = 0.1 * step;  // 1 s for 10 steps of 32 samples
-      progress.update(at(1, step, 32 * step));
+      progress.update(state_at(1, step, 32 * step));
     }
     CHECK(f.out.str() ==
           "Epoch 1 step  10/100  320.0 samples/s  ETA 0:00:09  loss 0.5  lr 0.001  scale 1024\n");
     f.out.str("");
     for (int step = 11; step <= 20; ++step) {
       f.now = 1 + 0.2 * (step - 10);  // 2 s for the next 10: averages 1.5 s per 10 steps
-      progress.update(at(1, step, 32 * step));
+      progress.update(state_at(1, step, 32 * step));
     }
     CHECK(f.out.str() ==
           "Epoch 1 step  20/100  213.3 samples/s  ETA 0:00:12  loss 0.5  lr 0.001  scale 1024\n");
     f.out.str("");
     f.now = 4;
-    progress.update(at(1, 25, 800));  // not due
+    progress.update(state_at(1, 25, 800));  // not due
     CHECK(f.out.str().empty());
     progress.message("checkpoint written");
     CHECK(f.out.str() == "checkpoint written\n");
@@ -110,15 +110,15 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   options.smoothing = 1;
   tk::ProgressLine progress(options);
   CHECK(progress.is_terminal());
-  progress.update(at(0, 0, 0));  // drawn at once, no rate yet
+  progress.update(state_at(0, 0, 0));  // drawn at once, no rate yet
   CHECK(f.out.str() ==
         "\rEpoch 0 step   0/100  - samples/s  ETA -:--:--  loss 0.5  lr 0.001  scale 1024\x1b[K");
   f.out.str("");
   f.now = 0.1;
-  progress.update(at(0, 1, 10));  // within refresh_seconds: not drawn
+  progress.update(state_at(0, 1, 10));  // within refresh_seconds: not drawn
   CHECK(f.out.str().empty());
   f.now = 0.5;
-  progress.update(at(0, 5, 50));
+  progress.update(state_at(0, 5, 50));
   CHECK(f.out.str() ==
         "\rEpoch 0 step   5/100  100.0 samples/s  ETA 0:00:10  loss 0.5  lr 0.001  scale 1024"
         "\x1b[K");
@@ -127,7 +127,7 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   CHECK(f.out.str() == "\r\x1b[Ksaved\n\r" + progress.line() + "\x1b[K");
   f.out.str("");
   f.now = 0.6;
-  progress.update(at(0, 6, 60));
+  progress.update(state_at(0, 6, 60));
   progress.finish();  // the latest state, and the line's newline
   CHECK(f.out.str() ==
         "\rEpoch 0 step   6/100  100.0 samples/s  ETA 0:00:09  loss 0.5  lr 0.001  scale 1024"
@@ -137,7 +137,7 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   auto cut = narrow.options(true);
   cut.columns = 21;
   tk::ProgressLine line(cut);
-  line.update(at(3, 0, 0));
+  line.update(state_at(3, 0, 0));
   CHECK(narrow.out.str() == "\rEpoch 3 step   0/100\x1b[K");  // 20 = columns - 1 characters
 }
 
@@ -147,12 +147,12 @@ TEST_CASE("progress: a new epoch ends the previous line and restarts the rates")
   options.refresh_seconds = 0;
   options.smoothing = 1;
   tk::ProgressLine progress(options);
-  progress.update(at(0, 0, 0));
+  progress.update(state_at(0, 0, 0));
   f.now = 1;
-  progress.update(at(0, 100, 1000));  // 1000 samples/s
+  progress.update(state_at(0, 100, 1000));  // 1000 samples/s
   f.out.str("");
   f.now = 2;
-  progress.update(at(1, 0, 0));
+  progress.update(state_at(1, 0, 0));
   CHECK(f.out.str() ==
         "\n\rEpoch 1 step   0/100  - samples/s  ETA -:--:--  loss 0.5  lr 0.001  scale 1024\x1b[K");
 }

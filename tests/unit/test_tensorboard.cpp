@@ -110,11 +110,13 @@ TEST_CASE("event encoding: the file-version event, negative and long varints") {
   varint.clear();
   tk::detail::put_varint(varint, 300);
   CHECK(varint == bytes({0xAC, 0x02}));
-  // A 200-byte tag: its length and the enclosing lengths take two varint bytes.
+  // A 200-byte tag: the lengths around it take two varint bytes. Value: key, length 200 (2),
+  // tag, float field = 1 + 2 + 200 + 5 = 208; Summary: 1 + 2 + 208 = 211 = 0xD3 0x01.
   const std::string tag(200, 't');
   const std::string event = tk::detail::encode_scalar_event(0.0, 1, tag, 1.0f);
-  CHECK(event.substr(11, 3) == bytes({0x2A, 0xD2, 0x01}));  // Summary: 210 bytes
-  CHECK(event.size() == 9 + 2 + 3 + 210);
+  CHECK(event.substr(11, 3) == bytes({0x2A, 0xD3, 0x01}));
+  CHECK(event.substr(14, 3) == bytes({0x0A, 0xD0, 0x01}));
+  CHECK(event.size() == 9 + 2 + 3 + 211);
 }
 
 TEST_CASE("TensorBoardWriter: one file in the log directory, version record first, then scalars") {
