@@ -131,92 +131,100 @@ inline std::string format_wall_time(double wall_time) {
   return text;
 }
 
-/// Opens (creating its directory) a text log for a TextLogOptions; `header` starts a new file.
-inline LogFile open_text_log(const std::string& path, const TextLogOptions& options,
-                             const std::string& what, std::string_view header) {
-  const auto slash = path.rfind('/');
-  if (slash != std::string::npos && slash > 0) {
-    make_directories(path.substr(0, slash), what + " '" + path + "'");
+/// A one-line-per-scalar text file: opened (with its directory) per TextLogOptions, `header`
+/// at the start of a new file; derived classes say how a scalar reads as a line.
+class TextScalarLog : public ScalarSink {
+ public:
+  const std::string& path() const noexcept { return file_.path(); }
+  void flush() override { file_.flush(); }
+  void close() override { file_.close(); }
+
+ protected:
+  TextScalarLog(const std::string& path, const TextLogOptions& options, const std::string& what,
+                std::string_view header)
+      : file_(open(path, options, what, header)) {}
+  /// The scalar's line, with its newline.
+  virtual std::string line(std::string_view tag, double value, std::int64_t step,
+                           double wall_time) const = 0;
+
+ private:
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) final {
+    file_.append(line(tag, value, step, wall_time));
+    file_.end_record();
   }
-  const int fd = open_for_writing(path, O_CREAT | (options.append ? O_APPEND : O_TRUNC));
-  if (fd < 0) throw_file_error("open", what, path, errno);
-  struct stat st {};
-  const bool fresh = ::fstat(fd, &st) == 0 && st.st_size == 0;
-  LogFile file(fd, path, what, options.flush.every_records, options.flush.every_seconds);
-  if (fresh && !header.empty()) file.append(header);
-  return file;
-}
+
+  static LogFile open(const std::string& path, const TextLogOptions& options,
+                      const std::string& what, std::string_view header) {
+    const auto slash = path.rfind('/');
+    if (slash != std::string::npos && slash > 0) {
+      make_directories(path.substr(0, slash), what + " '" + path + "'");
+    }
+    const int fd = open_for_writing(path, O_CREAT | (options.append ? O_APPEND : O_TRUNC));
+    if (fd < 0) throw_file_error("open", what, path, errno);
+    struct stat st {};
+    const bool fresh = ::fstat(fd, &st) == 0 && st.st_size == 0;
+    LogFile file(fd, path, what, options.flush.every_records, options.flush.every_seconds);
+    if (fresh) file.append(header);
+    return file;
+  }
+
+  LogFile file_;
+};
 
 }  // namespace detail
 
 /// Scalars as CSV, one `step,tag,value,wall_time` line each (the header says so).
-class CsvScalarWriter : public ScalarSink {
+class CsvScalarWriter : public detail::TextScalarLog {
  public:
   /// Opens `path` (creating its directory); throws naming the file if it cannot.
   explicit CsvScalarWriter(const std::string& path, TextLogOptions options = {})
-      : file_(detail::open_text_log(path, options, "CSV log", "step,tag,value,wall_time\n")) {}
-
-  const std::string& path() const noexcept { return file_.path(); }
-  void flush() override { file_.flush(); }
-  void close() override { file_.close(); }
+      : TextScalarLog(path, options, "CSV log", "step,tag,value,wall_time\n") {}
 
  protected:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
+  std::string line(std::string_view tag, double value, std::int64_t step,
+                   double wall_time) const override {
     static const char* const nan_inf[3] = {"nan", "inf", "-inf"};
-    std::string line = std::to_string(step) + ',';
+    std::string text = std::to_string(step) + ',';
     if (tag.find_first_of(",\"\r\n") == std::string_view::npos) {
-      line += tag;
+      text += tag;
     } else {
-      line += '"';
-      for (const char c : tag) line += c == '"' ? std::string("\"\"") : std::string(1, c);
-      line += '"';
+      text += '"';
+      for (const char c : tag) text += c == '"' ? std::string("\"\"") : std::string(1, c);
+      text += '"';
     }
-    line += ',' + detail::format_double(value, nan_inf) + ',' +
-            detail::format_wall_time(wall_time) + '\n';
-    file_.append(line);
-    file_.end_record();
+    return text + ',' + detail::format_double(value, nan_inf) + ',' +
+           detail::format_wall_time(wall_time) + '\n';
   }
-
- private:
-  detail::LogFile file_;
 };
 
 /// Scalars as JSON lines: {"step":..,"tag":..,"value":..,"wall_time":..} per line.
-class JsonlScalarWriter : public ScalarSink {
+class JsonlScalarWriter : public detail::TextScalarLog {
  public:
   /// Opens `path` (creating its directory); throws naming the file if it cannot.
   explicit JsonlScalarWriter(const std::string& path, TextLogOptions options = {})
-      : file_(detail::open_text_log(path, options, "JSON-lines log", "")) {}
-
-  const std::string& path() const noexcept { return file_.path(); }
-  void flush() override { file_.flush(); }
-  void close() override { file_.close(); }
+      : TextScalarLog(path, options, "JSON-lines log", "") {}
 
  protected:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
+  std::string line(std::string_view tag, double value, std::int64_t step,
+                   double wall_time) const override {
     static const char* const nan_inf[3] = {"\"NaN\"", "\"Infinity\"", "\"-Infinity\""};
-    std::string line = "{\"step\":" + std::to_string(step) + ",\"tag\":\"";
+    std::string text = "{\"step\":" + std::to_string(step) + ",\"tag\":\"";
     for (const char c : tag) {
       const auto u = static_cast<unsigned char>(c);
       if (c == '"' || c == '\\') {
-        line += '\\';
-        line += c;
+        text += '\\';
+        text += c;
       } else if (u < 0x20) {
         char escaped[8];
         std::snprintf(escaped, sizeof escaped, "\\u%04x", u);
-        line += escaped;
+        text += escaped;
       } else {
-        line += c;  // UTF-8 passes through
+        text += c;  // UTF-8 passes through
       }
     }
-    line += "\",\"value\":" + detail::format_double(value, nan_inf) +
-            ",\"wall_time\":" + detail::format_wall_time(wall_time) + "}\n";
-    file_.append(line);
-    file_.end_record();
+    return text + "\",\"value\":" + detail::format_double(value, nan_inf) +
+           ",\"wall_time\":" + detail::format_wall_time(wall_time) + "}\n";
   }
-
- private:
-  detail::LogFile file_;
 };
 
 /// Sends every scalar to each of its sinks, stamped with one wall time. An error in one sink
