@@ -14,8 +14,9 @@
 /// `refresh_seconds`, cut to the terminal's width so that it never wraps. Elsewhere (a file, a
 /// pipe, a cluster's log): a plain line every `every_steps` steps and/or every `every_seconds`.
 /// Rates are exponential moving averages over the intervals between drawn lines (weight
-/// `smoothing` on the newest), so a slow first batch or a checkpoint pause fades out. Not
-/// thread-safe. This header does not include LibTorch.
+/// `smoothing` on the newest), so a slow first batch or a checkpoint pause fades out; the ETA
+/// is the epoch's: (total - step) at the averaged time per step, as h:mm:ss. Not thread-safe.
+/// This header does not include LibTorch.
 #include <chrono>
 #include <cmath>
 #include <cstdint>
