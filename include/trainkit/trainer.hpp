@@ -26,6 +26,7 @@
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
+#include <trainkit/replicas.hpp>
 #include <trainkit/schedule.hpp>
 #include <trainkit/version.hpp>
 
@@ -257,6 +258,20 @@ class Trainer {
   void schedule_changed() { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
   const Schedule& schedule() const { return *schedule_; }
 
+  /// Data parallel (replicas.hpp): attaches the other ranks; every rank's parameters and
+  /// buffers become rank 0's now, and phase 5 averages the gradients once per window. Call it
+  /// on every rank, between windows, before load(). The default is SingleProcess.
+  void set_replicas(std::shared_ptr<Replicas> replicas) {
+    TORCH_CHECK(replicas != nullptr, "set_replicas: the replicas are null (use tk::SingleProcess)");
+    TORCH_CHECK(accumulation_.position() == 0, "set_replicas: a window is open (",
+                accumulation_.position(), " micro-batches); attach between windows");
+    replicas->attach(*module_, flat_params_);
+    replicas_ = std::move(replicas);
+  }
+  /// rank(), world_size(), is_main() for the loop; average() for its metrics.
+  Replicas& replicas() { return *replicas_; }
+  const Replicas& replicas() const { return *replicas_; }
+
   // --- state ----------------------------------------------------------------------------
   /// Optimizer phases run (applied + skipped); host value, no sync.
   std::int64_t windows() const { return windows_; }
@@ -385,6 +400,11 @@ class Trainer {
       generator.set_state(t);
     }
     if (extra) extra(archive);
+    // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
+    replicas_->check_same_state({flat_params_, applied_, skipped_, precision_.scale(),
+                                 torch::tensor({static_cast<double>(windows_),
+                                                static_cast<double>(acc.position)}, torch::kDouble)},
+                                what("the ranks loaded different training states"));
   }
 
  private:
@@ -502,7 +522,11 @@ class Trainer {
   StepReport optimizer_phase() {
     check_grad_storage();
     const double rescale = accumulation_.rescale();
-    // 5. Data parallel: the gradient all-reduce goes here (distributed.hpp), once per window.
+    // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat storage, once per
+    //    window); `grad_rescale` makes it the mean over every rank's micro-batches or items.
+    const auto acc = accumulation_.state();
+    const double grad_rescale = replicas_->reduce_gradients(
+        flat_grad_, {rescale, acc.counted ? acc.items : -1, acc.position});
     // 6+7. One pass over the gradient: the global L2 norm of the still-scaled gradient. A
     //    non-finite norm is exactly a non-finite gradient (an overflow), so the norm is both
     //    the overflow check and, divided by the scale, the logged and clipped norm.
@@ -511,9 +535,9 @@ class Trainer {
     // The accumulated gradient is the true gradient times `divisor`.
     torch::Tensor divisor;
     if constexpr (Precision::scales_loss)
-      divisor = precision_.scale().reshape({}) / rescale;
+      divisor = precision_.scale().reshape({}) / grad_rescale;
     else
-      divisor = torch::full({}, 1.0 / rescale, scaled_norm.options());
+      divisor = torch::full({}, 1.0 / grad_rescale, scaled_norm.options());
     const auto true_norm = scaled_norm / divisor;
     // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
     const auto optimizer_divisor = clip_.divisor(flat_grad_, divisor, true_norm);
@@ -606,6 +630,7 @@ class Trainer {
   Clip clip_;
   std::unique_ptr<detail::UpdateRule> rule_;
   std::shared_ptr<Schedule> schedule_;
+  std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
 
   torch::Tensor flat_params_, flat_grad_;
   std::vector<detail::ParamGroup> groups_;

@@ -1,0 +1,74 @@
+#pragma once
+/// Data-parallel replicas: how a Trainer talks to the other processes that train the same model
+/// on other shards of the data. One process (SingleProcess, the trainer's default) has nobody to
+/// talk to; <trainkit/distributed.hpp> implements it over PyTorch's c10d (tk::DataParallel).
+///
+/// Contract — what the trainer calls, and when (every rank makes the same calls in the same order):
+///   attach(model, flat_params)    once, from Trainer::set_replicas(): every rank's parameters and
+///                                 buffers become rank 0's
+///   reduce_gradients(flat_grad, window)
+///                                 optimizer phase 5, once per window, never inside one:
+///                                 `flat_grad` becomes the sum over ranks; returns the host factor
+///                                 R such that flat_grad * R is the mean gradient over every
+///                                 rank's micro-batches (or items when item counts are given). A
+///                                 non-finite value on any rank is non-finite on every rank after
+///                                 the sum, so every rank skips the same steps
+///   check_same_state(state, what) after Trainer::load(): throws on every rank unless every rank
+///                                 holds the same state (each rank loads the full checkpoint)
+/// and, for the training loop:
+///   rank(), world_size(), is_main()   log and write checkpoints on the main rank only
+///   average(values)               metrics: the mean over ranks of a few host scalars (one
+///                                 collective; every rank calls it with as many values)
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trainkit {
+
+/// What phase 5 knows about the window it reduces (host values, no device work).
+struct WindowWeights {
+  /// The accumulation policy's factor: flat_grad * rescale is this rank's mean gradient.
+  double rescale = 1.0;
+  /// This rank's item count in the window, or -1 with plain 1/N weighting.
+  std::int64_t items = -1;
+  /// Micro-batches in the window (the same on every rank; the distributed sampler ensures it).
+  std::int64_t micro_batches = 0;
+};
+
+/// See the file comment. Implementations: SingleProcess, tk::DataParallel (distributed.hpp).
+class Replicas {
+ public:
+  virtual ~Replicas() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  /// True on the rank that logs and writes checkpoints.
+  bool is_main() const { return rank() == 0; }
+
+  /// Makes every rank's parameters and buffers (and `flat_params`, the trainer's storage) rank 0's.
+  virtual void attach(torch::nn::Module& model, const torch::Tensor& flat_params) = 0;
+  /// Phase 5: see the file comment.
+  virtual double reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) = 0;
+  /// Throws (on every rank) unless `state` is the same on every rank; `what` names it.
+  virtual void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) = 0;
+  /// The mean over ranks of `values`, in place.
+  virtual void average(std::vector<double>& values) = 0;
+};
+
+/// One process: nothing to send, nothing to wait for.
+class SingleProcess final : public Replicas {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  void attach(torch::nn::Module&, const torch::Tensor&) override {}
+  double reduce_gradients(torch::Tensor&, const WindowWeights& window) override {
+    return window.rescale;
+  }
+  void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
+  void average(std::vector<double>&) override {}
+};
+
+}  // namespace trainkit
