@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""Runs the comparison and prints it as markdown (benchmarks/run_all.sh calls this).
+
+Every (model, precision, accumulation, implementation) is its own process, so its peak resident
+memory is its own; the processes of one repetition run one configuration after another with the
+implementations in a rotating order, and repetitions follow each other, so that a change of load
+on the machine hits every implementation alike. Figures are medians: of the windows inside a
+process, then over the repetitions.
+
+Implementations: trainkit (the compiled Trainer), branching (the same step with run-time policy
+switches), libtorch (the hand-written LibTorch loop), python (loop.py on the same torch wheel).
+Needs only the Python standard library; loop.py runs under --python (the project's venv).
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+IMPLS = ["trainkit", "branching", "libtorch", "python"]
+# Per process: micro-steps to time (ceil(budget / N) windows) and warm-up windows. The MLP's
+# windows are short and noisy, so it gets many.
+BUDGET = {"mlp": (40, 3), "bert-tiny": (8, 1), "bert-8x512": (4, 1)}
+# FP16 on a CPU without fp16 arithmetic (no AVX512-FP16 / AMX-FP16) runs its matrix products
+# about 40x slower than fp32; to keep the run bounded, FP16 BERT runs use micro-batches of
+# (sequences, tokens) below, in every implementation alike. The window is then dominated by
+# those products; the optimizer phase is the same size as in FP32.
+FP16_CPU_BATCH = {"bert-tiny": (1, 16), "bert-8x512": (1, 8)}
+
+
+def load():
+    return "%.2f %.2f %.2f" % os.getloadavg()
+
+
+def machine():
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.system()} {platform.release()}"
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.raw = open(args.raw, "w") if args.raw else None
+        self.failures = []
+
+    def run(self, impl, model, precision, accum, micro_batch=0, windows=None, warmup=None):
+        budget, u = BUDGET[model]
+        w = windows if windows is not None else max(1, round(-(-budget // accum) * self.args.scale))
+        u = warmup if warmup is not None else u
+        common = ["--model", model, "--precision", precision, "--accum", str(accum),
+                  "--windows", str(w), "--warmup", str(u), "--threads", str(self.args.threads)]
+        seq = 0
+        if precision == "fp16" and model in FP16_CPU_BATCH and not self.args.full_fp16:
+            micro_batch, seq = FP16_CPU_BATCH[model]
+        if micro_batch:
+            common += ["--micro-batch", str(micro_batch)]
+        if seq:
+            common += ["--seq", str(seq)]
+        if impl == "python":
+            cmd = [self.args.python, os.path.join(self.args.here, "loop.py")] + common
+        else:
+            cmd = [self.args.compare, "--impl", impl] + common
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.args.timeout)
+            if p.returncode != 0:
+                raise RuntimeError(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}")
+            rec = json.loads(p.stdout.strip().splitlines()[-1])
+        except Exception as e:  # one failing process must not lose the others' figures
+            self.failures.append(f"{' '.join(cmd)}: {e}")
+            print(f"[driver] FAILED {impl} {model} {precision} N={accum}: {e}", file=sys.stderr)
+            return None
+        if self.raw:
+            self.raw.write(json.dumps(rec) + "\n")
+            self.raw.flush()
+        return rec
+
+
+def med(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def fmt(v, digits=2):
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", default=os.path.join(root, "build", "benchmarks", "compare", "compare"))
+    ap.add_argument("--python", default=os.path.join(root, ".venv", "bin", "python"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("TRAINKIT_BENCH_THREADS", "2")))
+    ap.add_argument("--models", default="mlp,bert-tiny,bert-8x512")
+    ap.add_argument("--precisions", default="fp32,bf16,fp16")
+    ap.add_argument("--accums", default="1,4")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies the timed windows per process")
+    ap.add_argument("--sweep", default="bert-tiny:16", help="MODEL:EFFECTIVE_BATCH for the memory table, or 'none'")
+    ap.add_argument("--full-fp16", action="store_true",
+                    help="FP16 at the models' default micro-batch (slow on CPUs without fp16 arithmetic)")
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--raw", default="", help="also write every process's JSON line to this file")
+    args = ap.parse_args()
+    args.here = here
+    models, precisions = args.models.split(","), args.precisions.split(",")
+    accums = [int(a) for a in args.accums.split(",")]
+    impls = args.impls.split(",")
+    runner = Runner(args)
+
+    started = time.time()
+    load_start = load()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    configs = [(m, p, n) for m in models for p in precisions for n in accums]
+    records = {}  # (model, precision, accum, impl) -> [record per repetition]
+    for rep in range(args.reps):
+        for c, (m, p, n) in enumerate(configs):
+            shift = (rep + c) % len(impls)
+            for impl in impls[shift:] + impls[:shift]:
+                rec = runner.run(impl, m, p, n)
+                if rec:
+                    records.setdefault((m, p, n, impl), []).append(rec)
+        print(f"[driver] repetition {rep + 1}/{args.reps} done after {time.time() - started:.0f} s, load {load()}",
+              file=sys.stderr)
+
+    sweep = []
+    if args.sweep != "none":
+        sm, eff = args.sweep.split(":")
+        eff = int(eff)
+        for n in (1, 2, 4, 8):
+            row = {}
+            for impl in [i for i in impls if i != "branching"]:
+                row[impl] = runner.run(impl, sm, "fp32", n, micro_batch=eff // n, windows=2, warmup=1)
+            sweep.append((n, eff // n, row))
+
+    def fig(key, field):
+        recs = records.get(key, [])
+        return med([statistics.median(r[field]) for r in recs if r[field]])
+
+    def hwm(key):
+        return med([r["vmhwm_kib"] / 1024 for r in records.get(key, [])])
+
+    torch_version = next((r.get("torch") for rs in records.values() for r in rs if r.get("torch")), "?")
+    out = []
+    out.append(f"Date: {date}. Machine: {machine()}.")
+    out.append(f"torch {torch_version} (the same wheel for LibTorch and Python), {args.threads} intra-op threads in "
+               f"every implementation (torch::set_num_threads / torch.set_num_threads; TRAINKIT_BENCH_THREADS).")
+    out.append(f"Load average at start {load_start}, at end {load()}; {args.reps} repetitions, interleaved; "
+               f"{time.time() - started:.0f} s in all.")
+    out.append("Command: `benchmarks/run_all.sh` (= `python3 benchmarks/compare/driver.py "
+               + " ".join(sys.argv[1:]) + "`).")
+    out.append("")
+
+    out.append("### Time per optimizer step (one whole window), ms, median")
+    out.append("")
+    if not args.full_fp16:
+        out.append("FP16 BERT rows use micro-batches of " + ", ".join(
+            f"{b} x {t} tokens ({m})" for m, (b, t) in FP16_CPU_BATCH.items()) +
+            " (this CPU has no fp16 arithmetic: fp16 matrix products are ~40x slower than fp32); "
+            "the other rows use the models' defaults (bert-tiny 4 x 64, bert-8x512 4 x 32, MLP 32 samples).")
+        out.append("")
+    out.append("| model | precision | N | trainkit | branching | hand-written LibTorch | Python | LibTorch / trainkit | Python / trainkit | branching / trainkit |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    for m, p, n in configs:
+        t = {i: fig((m, p, n, i), "window_ms") for i in IMPLS}
+        out.append(f"| {m} | {p} | {n} | {fmt(t['trainkit'])} | {fmt(t['branching'])} | {fmt(t['libtorch'])} | "
+                   f"{fmt(t['python'])} | {fmt(ratio(t['libtorch'], t['trainkit']))}x | "
+                   f"{fmt(ratio(t['python'], t['trainkit']))}x | {fmt(ratio(t['branching'], t['trainkit']), 3)}x |")
+    out.append("")
+
+    out.append("### Optimizer phase alone (unscale + clip + update + zero), ms, median")
+    out.append("")
+    out.append("Floor: 32 bytes per parameter (AdamW reads p, g, m, v and writes p, m, v; zeroing writes g) over the "
+               "copy bandwidth measured in each C++ process at the model's size.")
+    out.append("")
+    out.append("| model | precision | N | params | copy GB/s | floor | trainkit | trainkit / floor | hand-written LibTorch | LibTorch / trainkit | Python | Python / trainkit |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    floors = {}
+    for m, p, n in configs:
+        cpp = [r for i in ("trainkit", "branching", "libtorch") for r in records.get((m, p, n, i), [])]
+        gbs = med([r["copy_gbs"] for r in cpp if r["copy_gbs"] > 0])
+        fl = med([r["floor_ms"] for r in cpp if r["floor_ms"] > 0])
+        params = cpp[0]["params"] if cpp else None
+        t = {i: fig((m, p, n, i), "phase_ms") for i in IMPLS}
+        floors[(m, p, n)] = fl
+        out.append(f"| {m} | {p} | {n} | {fmt(params / 1e6 if params else None)} M | {fmt(gbs, 1)} | {fmt(fl, 3)} | "
+                   f"{fmt(t['trainkit'], 3)} | {fmt(ratio(t['trainkit'], fl))}x | {fmt(t['libtorch'], 3)} | "
+                   f"{fmt(ratio(t['libtorch'], t['trainkit']))}x | {fmt(t['python'], 3)} | "
+                   f"{fmt(ratio(t['python'], t['trainkit']))}x |")
+    out.append("")
+
+    out.append("### Peak resident memory (VmHWM), MiB, median (one process per configuration)")
+    out.append("")
+    out.append("| model | precision | N | trainkit | branching | hand-written LibTorch | Python |")
+    out.append("|---|---|---|---|---|---|---|")
+    for m, p, n in configs:
+        out.append(f"| {m} | {p} | {n} | " + " | ".join(fmt(hwm((m, p, n, i)), 0) for i in IMPLS) + " |")
+    starts = {i: med([r["rss_start_kib"] / 1024 for k, rs in records.items() if k[3] == i for r in rs]) for i in IMPLS}
+    out.append("")
+    out.append("Resident memory before the model is built (the runtime itself): " +
+               ", ".join(f"{i} {fmt(starts[i], 0)} MiB" for i in IMPLS) + ".")
+    out.append("")
+
+    if sweep:
+        out.append(f"### Peak resident memory at a fixed effective batch ({args.sweep.split(':')[1]} sequences, "
+                   f"{args.sweep.split(':')[0]}, fp32), MiB")
+        out.append("")
+        names = [i for i in impls if i != "branching"]
+        out.append("| N | micro-batch | " + " | ".join(names) + " |")
+        out.append("|---|---|" + "---|" * len(names))
+        for n, mb, row in sweep:
+            out.append(f"| {n} | {mb} | " + " | ".join(
+                fmt(row[i]["vmhwm_kib"] / 1024 if row.get(i) else None, 0) for i in names) + " |")
+        out.append("")
+
+    out.append("### Same model, same data: the first window's loss (before any update) and the last one's")
+    out.append("")
+    out.append("| model | precision | N | " + " | ".join(IMPLS) + " |")
+    out.append("|---|---|---|" + "---|" * len(IMPLS))
+    for m, p, n in configs:
+        cells = []
+        for i in IMPLS:
+            rs = records.get((m, p, n, i), [])
+            cells.append(f"{rs[0]['losses'][0]:.5f} / {rs[0]['losses'][-1]:.5f}" if rs else "n/a")
+        out.append(f"| {m} | {p} | {n} | " + " | ".join(cells) + " |")
+    out.append("")
+
+    # --- targets ---------------------------------------------------------------------------
+    out.append("### Targets")
+    out.append("")
+
+    def span(values):
+        values = [v for v in values if v is not None]
+        return (min(values), max(values)) if values else (None, None)
+
+    rows = []
+    for m in models:
+        cfg = [(m, p, n) for p, n in [(p, n) for p in precisions for n in accums]]
+        tk_floor = span([ratio(fig(c + ("trainkit",), "phase_ms"), floors[c]) for c in cfg])
+        rows.append((f"{m}: optimizer phase <= 1.3x the bandwidth floor", tk_floor[1] is not None and tk_floor[1] <= 1.3,
+                     f"trainkit / floor {fmt(tk_floor[0])}x .. {fmt(tk_floor[1])}x"))
+        vs_lt = span([ratio(fig(c + ("libtorch",), "phase_ms"), fig(c + ("trainkit",), "phase_ms")) for c in cfg])
+        rows.append((f"{m}: optimizer phase >= 2x faster than hand-written LibTorch", vs_lt[0] is not None and vs_lt[0] >= 2,
+                     f"speed-up {fmt(vs_lt[0])}x .. {fmt(vs_lt[1])}x"))
+        w_lt = span([ratio(fig(c + ("libtorch",), "window_ms"), fig(c + ("trainkit",), "window_ms")) for c in cfg])
+        w_py = span([ratio(fig(c + ("python",), "window_ms"), fig(c + ("trainkit",), "window_ms")) for c in cfg])
+        if m == "bert-tiny":
+            rows.append(("bert-tiny: window >= 1.3x faster than Python", w_py[0] is not None and w_py[0] >= 1.3,
+                         f"speed-up {fmt(w_py[0])}x .. {fmt(w_py[1])}x"))
+            rows.append(("bert-tiny: window >= 1.1x faster than hand-written LibTorch", w_lt[0] is not None and w_lt[0] >= 1.1,
+                         f"speed-up {fmt(w_lt[0])}x .. {fmt(w_lt[1])}x"))
+        rows.append((f"{m}: window never slower than LibTorch or Python",
+                     None not in (w_lt[0], w_py[0]) and min(w_lt[0], w_py[0]) >= 1.0,
+                     f"vs LibTorch {fmt(w_lt[0])}x .. {fmt(w_lt[1])}x, vs Python {fmt(w_py[0])}x .. {fmt(w_py[1])}x"))
+    if sweep:
+        tk = [row.get("trainkit") for _, _, row in sweep]
+        if all(tk):
+            mib = [r["vmhwm_kib"] / 1024 for r in tk]
+            rows.append(("peak memory falls as the micro-batch shrinks (trainkit, N = 1, 2, 4, 8)",
+                         all(a > b for a, b in zip(mib, mib[1:])), " > ".join(f"{v:.0f}" for v in mib) + " MiB"))
+    out.append("| target | met | figures (min .. max over the precisions and N) |")
+    out.append("|---|---|---|")
+    for name, met, detail in rows:
+        out.append(f"| {name} | {'yes' if met else 'NO'} | {detail} |")
+    out.append("")
+    if runner.failures:
+        out.append("Failed runs:")
+        out.extend(f"- `{f}`" for f in runner.failures)
+        out.append("")
+    print("\n".join(out))
+    return 1 if runner.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

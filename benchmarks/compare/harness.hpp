@@ -1,0 +1,139 @@
+#pragma once
+// What every C++ implementation in the comparison shares: the settings of one run, the timing
+// of windows and of the optimizer phase, peak resident memory, and the copy bandwidth the
+// optimizer phase's floor is measured against. One process runs one implementation on one
+// configuration (so that its peak memory is its own); driver.py interleaves the processes.
+#include "models.hpp"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace bench {
+
+struct Settings {
+  std::string impl = "trainkit";  ///< trainkit | branching | libtorch
+  std::string model = "bert-tiny";
+  std::string precision = "fp32";  ///< fp32 | bf16 | fp16 (FP16 with dynamic loss scaling)
+  int64_t accum = 1;
+  int64_t micro_batch = 0;  ///< 0: the model's default
+  int64_t seq = 0;          ///< tokens per sequence (BERT); 0: the model's
+  int64_t windows = 5, warmup = 2;
+  int threads = 2;
+  double lr = 1e-4, weight_decay = 1e-2, max_norm = 1.0;
+  torch::Device device = torch::kCPU;
+  /// Time the optimizer phase (on CUDA this costs one device sync per window).
+  bool time_phase = true;
+};
+
+inline double now_ms() {
+  return std::chrono::duration<double, std::milli>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const auto n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+inline void synchronize(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize();
+}
+
+/// The per-window figures of one run. `losses` are read after the timed loop (reading one
+/// inside it would add a sync to implementations that do not need one).
+struct Result {
+  std::vector<double> window_ms, phase_ms;
+  std::vector<std::function<double()>> losses;
+  int64_t skipped = 0;  ///< skipped (overflowing) optimizer steps, counted at the end
+};
+
+/// Called from the closure on the loss of a micro-step: when the backward that starts from it
+/// has finished (every gradient accumulated), `*t` gets the time. This is how the optimizer
+/// phase of a trainer, which runs inside micro_step, is timed from outside it.
+inline torch::Tensor stamp_backward_end(torch::Tensor loss, double* t, torch::Device device) {
+  loss.register_hook([t, device](const torch::Tensor&) {
+    torch::autograd::Engine::get_default_engine().queue_callback([t, device] {
+      synchronize(device);
+      *t = now_ms();
+    });
+  });
+  return loss;
+}
+
+/// Runs settings.warmup + settings.windows windows; `window(backward_end)` runs one window (its
+/// micro-steps and the optimizer phase), sets backward_end to when the last backward finished,
+/// and returns how to read the window's loss later.
+template <class Window>
+Result measure(const Settings& s, Window&& window) {
+  Result r;
+  for (int64_t w = 0; w < s.warmup + s.windows; ++w) {
+    synchronize(s.device);
+    double backward_end = 0;
+    const double t0 = now_ms();
+    auto loss = window(backward_end);
+    synchronize(s.device);
+    const double t1 = now_ms();
+    r.losses.push_back(std::move(loss));
+    if (w < s.warmup) continue;
+    r.window_ms.push_back(t1 - t0);
+    if (s.time_phase) r.phase_ms.push_back(t1 - backward_end);
+  }
+  return r;
+}
+
+/// Peak (VmHWM) or current (VmRSS) resident memory of this process, in KiB.
+inline int64_t status_kib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
+  return -1;
+}
+
+/// Copy bandwidth over n floats (8 bytes moved per element), GB/s, median of `reps` copies.
+inline double copy_bandwidth_gbs(int64_t n, torch::Device device, int reps = 11) {
+  auto src = torch::randn({n}, torch::dtype(torch::kFloat).device(device));
+  auto dst = torch::empty_like(src);
+  std::vector<double> ms;
+  for (int i = 0; i < reps + 2; ++i) {
+    synchronize(device);
+    const double t0 = now_ms();
+    dst.copy_(src);
+    synchronize(device);
+    if (i >= 2) ms.push_back(now_ms() - t0);
+  }
+  return 8.0 * n / median(ms) / 1e6;
+}
+
+/// The optimizer phase must at least read p, g, m, v and write p, m, v (AdamW, fp32), and zero
+/// g: 8 x 4 bytes per parameter. (A global norm for clipping needs one more read of g, 36 B,
+/// which is what a two-pass phase like trainkit's can reach at best.)
+constexpr double kFloorBytesPerParameter = 32.0;
+
+// The implementations (run_trainkit.cpp, run_baselines.cpp).
+Result run_trainkit(const Settings& s, Task& task);
+Result run_branching(const Settings& s, Task& task);
+Result run_libtorch(const Settings& s, Task& task);
+
+inline std::string json_list(const std::vector<double>& v, int digits = 4) {
+  std::string out = "[";
+  char buf[48];
+  for (size_t i = 0; i < v.size(); ++i) {
+    std::snprintf(buf, sizeof buf, "%s%.*f", i ? ", " : "", digits, v[i]);
+    out += buf;
+  }
+  return out + "]";
+}
+
+}  // namespace bench
