@@ -31,6 +31,9 @@ struct Settings {
   torch::Device device = torch::kCPU;
   /// Time the optimizer phase (on CUDA this costs one device sync per window).
   bool time_phase = true;
+  /// Called inside each timed window, after its start and before its end is synchronised
+  /// (true at the start, false at the end): what the window itself does lies in between.
+  std::function<void(bool)> on_window;
 };
 
 inline double now_ms() {
@@ -81,7 +84,9 @@ Result measure(const Settings& s, Window&& window) {
     synchronize(s.device);
     double backward_end = 0;
     const double t0 = now_ms();
+    if (s.on_window) s.on_window(true);
     auto loss = window(backward_end);
+    if (s.on_window) s.on_window(false);
     synchronize(s.device);
     const double t1 = now_ms();
     r.losses.push_back(std::move(loss));

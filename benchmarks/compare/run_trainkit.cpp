@@ -1,6 +1,7 @@
 // (a) trainkit: the compiled Trainer of the configuration, fused AdamW, ClipNorm.
 // Compiled types: FP32 with 1, 2, 4, 8 micro-batches (the memory sweep), BF16 and FP16Dynamic
 // with 1 and 4; other FP32 counts run on AccumulationPolicy<Dynamic>, as tk::dispatch would.
+#include "bench_features.hpp"  // generated: what this trainkit has (CMakeLists.txt)
 #include "harness.hpp"
 
 #include <trainkit/trainkit.hpp>
@@ -51,6 +52,15 @@ Result run_precision(const Settings& s, Task& task) {
 }  // namespace
 
 Result run_trainkit(const Settings& s, Task& task) {
+#if TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS
+  // FP16 with fp32 master weights (the model stored in half), where trainkit has it.
+  if (s.precision == "fp16master") {
+    using P = tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>;
+    using Clip = tk::ClipPolicy<tk::ClipNorm>;
+    if (s.accum == 1) return run_compiled<tk::Trainer<P, tk::AccumulationPolicy<1>, Clip>>(s, task);
+    return run_compiled<tk::Trainer<P, tk::AccumulationPolicy<tk::Dynamic>, Clip>>(s, task);
+  }
+#endif
   if (s.precision == "fp32") return run_precision<tk::FP32>(s, task);
   if (s.precision == "bf16") return run_precision<tk::BF16>(s, task);
   if (s.precision == "fp16") return run_precision<tk::FP16Dynamic>(s, task);
