@@ -156,6 +156,8 @@ def main():
         out = model(x)
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     k = 0
     scale_before = scaler.get_scale() if fp16 else 1.0
     window_ms, phase_ms, losses = [], [], []
@@ -197,6 +199,7 @@ def main():
         "phase_ms": [round(v, 4) for v in phase_ms],
         "losses": [round(float(l), 7) for l in losses], "skipped": skipped, "vmhwm_kib": hwm,
         "rss_start_kib": rss_start, "copy_gbs": 0.0, "floor_ms": 0.0,
+        "gpu_peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0,
         "torch": torch.__version__}))
 
 

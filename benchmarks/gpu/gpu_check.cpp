@@ -128,19 +128,19 @@ int main(int argc, char** argv) try {
   }
   const std::string model = dry ? "bert-tiny" : "bert-base";
   if (dry) {
-    micro_batch = 2;
+    micro_batch = 1;
     steps = 2;
   }
   if (!dry && !torch::cuda::is_available())
     throw std::runtime_error("no CUDA device (use --dry-run to check this program on the CPU)");
   const torch::Device device = dry ? torch::Device(torch::kCPU) : torch::Device(torch::kCUDA, 0);
   const auto spec = bench::model_spec(model);
-  const int64_t seq = dry ? 16 : spec.seq;
+  const int64_t seq = dry ? 8 : spec.seq;
 
   const double peak = matmul_peak_tflops(device, dry ? 256 : 8192);
   const double flops = step_flops(spec, micro_batch, seq);
   std::printf("gpu_check: %s, micro-batch %lld x %lld tokens, %.3f TFLOP per step; bf16 matmul peak "
-              "measured %.1f TFLOP/s (%s)\n",
+              "measured %.3g TFLOP/s (%s)\n",
               model.c_str(), static_cast<long long>(micro_batch), static_cast<long long>(seq),
               flops / 1e12, peak, dry ? "CPU dry run" : "cuda:0");
 
@@ -226,7 +226,7 @@ int main(int argc, char** argv) try {
       }
       const double ms = bench::median(r.window_ms);
       const double tflops = flops / (ms * 1e-3) / 1e12;
-      std::printf("| %s | %s | %.2f | %.1f | %.0f%% | %.0f | %.2f / %.2f | %.4f / %.4f |\n",
+      std::printf("| %s | %s | %.2f | %.3g | %.0f%% | %.0f | %.2f / %.2f | %.4f / %.4f |\n",
                   impl == "trainkit" ? "trainkit" : "hand-written LibTorch", precision.c_str(), ms,
                   tflops, 100.0 * tflops / peak, peak_mib,
                   c.windows ? double(c.cuda) / c.windows : 0.0,
