@@ -30,6 +30,8 @@ BUDGET = {"mlp": (40, 3), "bert-tiny": (8, 1), "bert-8x512": (4, 1)}
 # (sequences, tokens) below, in every implementation alike. The window is then dominated by
 # those products; the optimizer phase is the same size as in FP32.
 FP16_CPU_BATCH = {"bert-tiny": (1, 16), "bert-8x512": (1, 8)}
+# ... and time 2 micro-steps' worth of windows per process (those products run at ~3 GFLOP/s).
+FP16_CPU_BUDGET = 2
 
 
 def load():
@@ -58,12 +60,15 @@ class Runner:
 
     def run(self, impl, model, precision, accum, micro_batch=0, windows=None, warmup=None):
         budget, u = BUDGET[model]
+        slow_fp16 = precision == "fp16" and model in FP16_CPU_BATCH and not self.args.full_fp16
+        if slow_fp16:
+            budget = FP16_CPU_BUDGET
         w = windows if windows is not None else max(1, round(-(-budget // accum) * self.args.scale))
         u = warmup if warmup is not None else u
         common = ["--model", model, "--precision", precision, "--accum", str(accum),
                   "--windows", str(w), "--warmup", str(u), "--threads", str(self.args.threads)]
         seq = 0
-        if precision == "fp16" and model in FP16_CPU_BATCH and not self.args.full_fp16:
+        if slow_fp16:
             micro_batch, seq = FP16_CPU_BATCH[model]
         if micro_batch:
             common += ["--micro-batch", str(micro_batch)]
