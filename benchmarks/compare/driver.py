@@ -22,6 +22,9 @@ import sys
 import time
 
 IMPLS = ["trainkit", "branching", "libtorch", "python"]
+# Optional (--impls ...,python-fused): the Python loop with torch.optim.AdamW(fused=True), the
+# opt-in fused kernel, to show how much of the difference is the update kernel alone.
+OPTIONAL = ["python-fused"]
 # Per process: micro-steps to time (ceil(budget / N) windows) and warm-up windows. The MLP's
 # windows are short and noisy, so it gets many.
 BUDGET = {"mlp": (40, 3), "bert-tiny": (8, 1), "bert-8x512": (4, 1)}
@@ -74,8 +77,10 @@ class Runner:
             common += ["--micro-batch", str(micro_batch)]
         if seq:
             common += ["--seq", str(seq)]
-        if impl == "python":
+        if impl in ("python", "python-fused"):
             cmd = [self.args.python, os.path.join(self.args.here, "loop.py")] + common
+            if impl == "python-fused":
+                cmd.append("--fused")
         else:
             cmd = [self.args.compare, "--impl", impl] + common
         try:
@@ -152,7 +157,7 @@ def main():
         eff = int(eff)
         for n in (1, 2, 4, 8):
             row = {}
-            for impl in [i for i in impls if i != "branching"]:
+            for impl in [i for i in impls if i not in ("branching", "python-fused")]:
                 row[impl] = runner.run(impl, sm, "fp32", n, micro_batch=eff // n, windows=2, warmup=1)
             sweep.append((n, eff // n, row))
 
@@ -163,6 +168,8 @@ def main():
     def hwm(key):
         return med([r["vmhwm_kib"] / 1024 for r in records.get(key, [])])
 
+    shown = IMPLS + [i for i in OPTIONAL if i in impls]
+    fused = "python-fused" in impls
     torch_version = next((r.get("torch") for rs in records.values() for r in rs if r.get("torch")), "?")
     out = []
     out.append(f"Date: {date}. Machine: {machine()}.")
@@ -182,13 +189,15 @@ def main():
             " (this CPU has no fp16 arithmetic: fp16 matrix products are ~40x slower than fp32); "
             "the other rows use the models' defaults (bert-tiny 4 x 64, bert-8x512 4 x 32, MLP 32 samples).")
         out.append("")
-    out.append("| model | precision | N | trainkit | branching | hand-written LibTorch | Python | LibTorch / trainkit | Python / trainkit | branching / trainkit |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    out.append("| model | precision | N | trainkit | branching | hand-written LibTorch | Python | LibTorch / trainkit | Python / trainkit | branching / trainkit |"
+               + (" Python, fused AdamW | its / trainkit |" if fused else ""))
+    out.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fused else ""))
     for m, p, n in configs:
-        t = {i: fig((m, p, n, i), "window_ms") for i in IMPLS}
+        t = {i: fig((m, p, n, i), "window_ms") for i in shown}
         out.append(f"| {m} | {p} | {n} | {fmt(t['trainkit'])} | {fmt(t['branching'])} | {fmt(t['libtorch'])} | "
                    f"{fmt(t['python'])} | {fmt(ratio(t['libtorch'], t['trainkit']))}x | "
-                   f"{fmt(ratio(t['python'], t['trainkit']))}x | {fmt(ratio(t['branching'], t['trainkit']), 3)}x |")
+                   f"{fmt(ratio(t['python'], t['trainkit']))}x | {fmt(ratio(t['branching'], t['trainkit']), 3)}x |"
+                   + (f" {fmt(t['python-fused'])} | {fmt(ratio(t['python-fused'], t['trainkit']))}x |" if fused else ""))
     out.append("")
 
     out.append("### Optimizer phase alone (unscale + clip + update + zero), ms, median")
@@ -196,39 +205,41 @@ def main():
     out.append("Floor: 32 bytes per parameter (AdamW reads p, g, m, v and writes p, m, v; zeroing writes g) over the "
                "copy bandwidth measured in each C++ process at the model's size.")
     out.append("")
-    out.append("| model | precision | N | params | copy GB/s | floor | trainkit | trainkit / floor | hand-written LibTorch | LibTorch / trainkit | Python | Python / trainkit |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    out.append("| model | precision | N | params | copy GB/s | floor | trainkit | trainkit / floor | hand-written LibTorch | LibTorch / trainkit | Python | Python / trainkit |"
+               + (" Python, fused AdamW | its / trainkit |" if fused else ""))
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fused else ""))
     floors = {}
     for m, p, n in configs:
         cpp = [r for i in ("trainkit", "branching", "libtorch") for r in records.get((m, p, n, i), [])]
         gbs = med([r["copy_gbs"] for r in cpp if r["copy_gbs"] > 0])
         fl = med([r["floor_ms"] for r in cpp if r["floor_ms"] > 0])
         params = cpp[0]["params"] if cpp else None
-        t = {i: fig((m, p, n, i), "phase_ms") for i in IMPLS}
+        t = {i: fig((m, p, n, i), "phase_ms") for i in shown}
         floors[(m, p, n)] = fl
         out.append(f"| {m} | {p} | {n} | {fmt(params / 1e6 if params else None)} M | {fmt(gbs, 1)} | {fmt(fl, 3)} | "
                    f"{fmt(t['trainkit'], 3)} | {fmt(ratio(t['trainkit'], fl))}x | {fmt(t['libtorch'], 3)} | "
                    f"{fmt(ratio(t['libtorch'], t['trainkit']))}x | {fmt(t['python'], 3)} | "
-                   f"{fmt(ratio(t['python'], t['trainkit']))}x |")
+                   f"{fmt(ratio(t['python'], t['trainkit']))}x |"
+                   + (f" {fmt(t['python-fused'], 3)} | {fmt(ratio(t['python-fused'], t['trainkit']))}x |" if fused else ""))
     out.append("")
 
     out.append("### Peak resident memory (VmHWM), MiB, median (one process per configuration)")
     out.append("")
-    out.append("| model | precision | N | trainkit | branching | hand-written LibTorch | Python |")
-    out.append("|---|---|---|---|---|---|---|")
+    out.append("| model | precision | N | " + " | ".join(shown) + " |")
+    out.append("|---|---|---|" + "---|" * len(shown))
     for m, p, n in configs:
-        out.append(f"| {m} | {p} | {n} | " + " | ".join(fmt(hwm((m, p, n, i)), 0) for i in IMPLS) + " |")
-    starts = {i: med([r["rss_start_kib"] / 1024 for k, rs in records.items() if k[3] == i for r in rs]) for i in IMPLS}
+        out.append(f"| {m} | {p} | {n} | " + " | ".join(fmt(hwm((m, p, n, i)), 0) for i in shown) + " |")
+    starts = {i: med([r["rss_start_kib"] / 1024 for k, rs in records.items() if k[3] == i for r in rs]) for i in shown}
     out.append("")
     out.append("Resident memory before the model is built (the runtime itself): " +
-               ", ".join(f"{i} {fmt(starts[i], 0)} MiB" for i in IMPLS) + ".")
+               ", ".join(f"{i} {fmt(starts[i], 0)} MiB" for i in shown) + ".")
     out.append("")
 
     if sweep:
         out.append(f"### Peak resident memory at a fixed effective batch ({args.sweep.split(':')[1]} sequences, "
                    f"{args.sweep.split(':')[0]}, fp32), MiB")
         out.append("")
-        names = [i for i in impls if i != "branching"]
+        names = [i for i in impls if i not in ("branching", "python-fused")]
         out.append("| N | micro-batch | " + " | ".join(names) + " |")
         out.append("|---|---|" + "---|" * len(names))
         for n, mb, row in sweep:
@@ -238,11 +249,11 @@ def main():
 
     out.append("### Same model, same data: the first window's loss (before any update) and the last one's")
     out.append("")
-    out.append("| model | precision | N | " + " | ".join(IMPLS) + " |")
-    out.append("|---|---|---|" + "---|" * len(IMPLS))
+    out.append("| model | precision | N | " + " | ".join(shown) + " |")
+    out.append("|---|---|---|" + "---|" * len(shown))
     for m, p, n in configs:
         cells = []
-        for i in IMPLS:
+        for i in shown:
             rs = records.get((m, p, n, i), [])
             cells.append(f"{rs[0]['losses'][0]:.5f} / {rs[0]['losses'][-1]:.5f}" if rs else "n/a")
         out.append(f"| {m} | {p} | {n} | " + " | ".join(cells) + " |")

@@ -128,7 +128,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("TRAINKIT_BENCH_THREADS", "2")))
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--impl", default="python")  # accepted for symmetry with compare
+    ap.add_argument("--fused", action="store_true",
+                    help="torch.optim.AdamW(fused=True): the opt-in fused kernel (not the default)")
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
@@ -145,7 +146,8 @@ def main():
     model.to(device)
     pool = [make_batch(spec, batch, data_seq, k, device) for k in range(4)]
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-2,
+                                  **({"fused": True} if a.fused else {}))
     fp16 = a.precision == "fp16"
     dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[a.precision]
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
@@ -193,7 +195,7 @@ def main():
     hwm = status_kib("VmHWM")
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({
-        "impl": "python", "model": a.model, "precision": a.precision, "accum": a.accum,
+        "impl": "python-fused" if a.fused else "python", "model": a.model, "precision": a.precision, "accum": a.accum,
         "micro_batch": batch, "seq": data_seq if bert else 0, "threads": torch.get_num_threads(), "params": params,
         "tensors": len(list(model.parameters())), "window_ms": [round(v, 4) for v in window_ms],
         "phase_ms": [round(v, 4) for v in phase_ms],
