@@ -6,6 +6,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
+#include <optional>
 #include <stdexcept>
 
 namespace bench {
