@@ -96,9 +96,8 @@ int check(const std::vector<std::string>& args) {
 
   json notes = config.notes();
   if (runs.accumulation != d.trainer.accumulation)
-    notes.push_back("TRAIN.GRAD_ACCUMULATE_STEPS=" + std::to_string(d.trainer.accumulation) +
-                    " is not one of the compiled counts {1, 2, 4, 8}; it runs on AccumulationPolicy<Dynamic> "
-                    "(same results, the count is read at run time)");
+    notes.push_back("TRAIN." + d.trainer.dynamic_reason() +
+                    "; it runs on AccumulationPolicy<Dynamic> (same results, the count is read at run time)");
   json optimizer = {{"name", d.optimizer.name}, {"lr", d.optimizer.lr}, {"weight_decay", d.optimizer.weight_decay}};
   if (d.optimizer.name == "SGD") {
     optimizer["momentum"] = d.optimizer.momentum;

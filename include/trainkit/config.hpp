@@ -764,24 +764,37 @@ struct TrainerKey {
   PrecisionKind precision = PrecisionKind::FP32;
   int accumulation = 1;  ///< micro-batches per window, or `dynamic`
   ClipKind clip = ClipKind::NoClip;
+  /// PrecisionPolicy<MasterWeights<precision>> (precision BF16 or FP16*; TRAIN.MASTER_WEIGHTS).
+  bool master_weights = false;
 
   /// The key tk::dispatch runs: the same, with an accumulation count outside the compiled
-  /// set replaced by `dynamic` (same results, the count is then a run-time option).
+  /// set replaced by `dynamic` (same results, the count is then a run-time option). Master
+  /// weights are compiled for `dynamic` only (keeps the registry's compile time down).
   TrainerKey dispatched() const {
     TrainerKey k = *this;
-    if (std::find(compiled_accumulation.begin(), compiled_accumulation.end(), accumulation) ==
-        compiled_accumulation.end())
+    if (master_weights ||
+        std::find(compiled_accumulation.begin(), compiled_accumulation.end(), accumulation) ==
+            compiled_accumulation.end())
       k.accumulation = dynamic;
     return k;
+  }
+  /// Where dispatched() changes the accumulation count: why, for a note to the user.
+  std::string dynamic_reason() const {
+    const std::string n = std::to_string(accumulation);
+    return master_weights ? "GRAD_ACCUMULATE_STEPS=" + n + " with MASTER_WEIGHTS: master-weight trainers are "
+                                                           "compiled for Accumulate<Dynamic> only"
+                          : "GRAD_ACCUMULATE_STEPS=" + n + " is not one of the compiled counts {1, 2, 4, 8}";
   }
   /// Trainer<...>::name() of this key: "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>".
   std::string name() const {
     const std::string n = accumulation == dynamic ? "Dynamic" : std::to_string(accumulation);
-    return std::string("Trainer<") + to_string(precision) + ", Accumulate<" + n + ">, " +
-           to_string(clip) + ">";
+    const std::string p = master_weights ? std::string("MasterWeights<") + to_string(precision) + ">"
+                                         : std::string(to_string(precision));
+    return "Trainer<" + p + ", Accumulate<" + n + ">, " + to_string(clip) + ">";
   }
   friend bool operator==(const TrainerKey& a, const TrainerKey& b) {
-    return a.precision == b.precision && a.accumulation == b.accumulation && a.clip == b.clip;
+    return a.precision == b.precision && a.accumulation == b.accumulation && a.clip == b.clip &&
+           a.master_weights == b.master_weights;
   }
   friend bool operator!=(const TrainerKey& a, const TrainerKey& b) { return !(a == b); }
 };
@@ -922,6 +935,8 @@ inline Schema train_schema() {
       .doc("per_sample: base LR = LR x total batch (VL-BERT); none: LR is the base LR");
   s.string("PARTIAL_WINDOW", "flush").one_of({"flush", "span", "drop"});
   s.string("NONFINITE", "skip").one_of({"skip", "abort"});
+  s.boolean("MASTER_WEIGHTS", false)
+      .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
   s.integer("CHECKPOINT_KEEP", 3).min(1).doc("complete checkpoints kept (plus the best)");
 
   s.rule([](const nlohmann::json& t, const std::string& path) {
@@ -929,6 +944,10 @@ inline Schema train_schema() {
       throw ConfigError(join_path(path, "BF16"),
                         "FP16 and BF16 are both true; set one of them to false (FP16: float16 with loss "
                         "scaling; BF16: bfloat16, no scaling)");
+    if (t["MASTER_WEIGHTS"].get<bool>() && !t["FP16"].get<bool>() && !t["BF16"].get<bool>())
+      throw ConfigError(join_path(path, "MASTER_WEIGHTS"),
+                        "needs FP16 or BF16 (master weights are the fp32 copies of a half-precision model); "
+                        "set FP16: true or BF16: true, or MASTER_WEIGHTS: false");
     const double norm = t["CLIP_GRAD_NORM"].get<double>(), value = t["CLIP_GRAD_VALUE"].get<double>();
     if (norm > 0 && value > 0)
       throw ConfigError(join_path(path, "CLIP_GRAD_VALUE"),
@@ -1120,6 +1139,7 @@ class Config {
     if (t["BF16"].get<bool>()) key.precision = PrecisionKind::BF16;
     else if (t["FP16"].get<bool>())
       key.precision = t["FP16_LOSS_SCALE"].is_string() ? PrecisionKind::FP16Dynamic : PrecisionKind::FP16Static;
+    key.master_weights = t["MASTER_WEIGHTS"].get<bool>();
     key.accumulation = static_cast<int>(t["GRAD_ACCUMULATE_STEPS"].get<std::int64_t>());
     if (t["CLIP_GRAD_NORM"].get<double>() > 0) key.clip = ClipKind::ClipNorm;
     else if (t["CLIP_GRAD_VALUE"].get<double>() > 0) key.clip = ClipKind::ClipValue;

@@ -12,12 +12,16 @@
 ///   });
 ///
 /// The registry is fixed: {FP32, BF16, FP16Static, FP16Dynamic} x {AccumulationPolicy<1, 2,
-/// 4, 8>, AccumulationPolicy<Dynamic>} x {NoClip, ClipNorm, ClipValue}, 60 types. Any other
-/// accumulation count runs on AccumulationPolicy<Dynamic> (same results: the window length is
-/// then TrainerOptions::accumulation_steps) and dispatch says so on std::clog.
+/// 4, 8>, AccumulationPolicy<Dynamic>} x {NoClip, ClipNorm, ClipValue}, 60 types, plus master
+/// weights (TRAIN.MASTER_WEIGHTS) narrowed to AccumulationPolicy<Dynamic>:
+/// MasterWeights<BF16 | FP16Static | FP16Dynamic> x {NoClip, ClipNorm, ClipValue}, 9 types (the
+/// full product would add 45, about 75% to every dispatching unit's compile time). Any other
+/// accumulation count (any count, with master weights) runs on AccumulationPolicy<Dynamic>
+/// (same results: the window length is then TrainerOptions::accumulation_steps) and dispatch
+/// says so on std::clog.
 ///
 /// Cost: the visitor is compiled once per registered type, so a program that dispatches pays
-/// for 60 instantiations of whatever its visitor does with the trainer. To pay for the
+/// for 69 instantiations of whatever its visitor does with the trainer. To pay for the
 /// trainers' own members once, define TRAINKIT_EXTERN_TRAINERS everywhere and
 /// TRAINKIT_INSTANTIATE_TRAINERS in exactly one translation unit before including this header.
 /// Measured (g++ 12 -O2, 2 cores, a visitor that builds each trainer and runs micro_step and
@@ -54,6 +58,28 @@ decltype(auto) with_precision(PrecisionKind p, F&& f) {
     case PrecisionKind::FP32: break;
   }
   return f(TypeTag<FP32>{});
+}
+
+// The master-weight half of the registry: Accumulate<Dynamic> only (see the file comment).
+template <class F>
+decltype(auto) with_master_weights(PrecisionKind p, ClipKind c, F&& f) {
+  if (p == PrecisionKind::FP32)
+    throw ConfigError("TRAIN.MASTER_WEIGHTS", "needs FP16 or BF16; there is no MasterWeights<FP32> trainer");
+  auto with_clip_of = [&](auto precision) -> decltype(auto) {
+    using M = MasterWeights<typename decltype(precision)::type>;
+    switch (c) {
+      case ClipKind::ClipNorm: return f(TypeTag<Trainer<PrecisionPolicy<M>, AccumulationPolicy<Dynamic>, ClipPolicy<ClipNorm>>>{});
+      case ClipKind::ClipValue: return f(TypeTag<Trainer<PrecisionPolicy<M>, AccumulationPolicy<Dynamic>, ClipPolicy<ClipValue>>>{});
+      case ClipKind::NoClip: break;
+    }
+    return f(TypeTag<Trainer<PrecisionPolicy<M>, AccumulationPolicy<Dynamic>, ClipPolicy<NoClip>>>{});
+  };
+  switch (p) {
+    case PrecisionKind::BF16: return with_clip_of(TypeTag<BF16>{});
+    case PrecisionKind::FP16Static: return with_clip_of(TypeTag<FP16Static>{});
+    default: break;
+  }
+  return with_clip_of(TypeTag<FP16Dynamic>{});
 }
 
 // The compiled counts of TrainerKey::compiled_accumulation, and Dynamic for every other.
@@ -95,6 +121,9 @@ inline std::vector<std::string> registered_trainers() {
     for (int n : {1, 2, 4, 8, TrainerKey::dynamic})
       for (ClipKind c : {ClipKind::NoClip, ClipKind::ClipNorm, ClipKind::ClipValue})
         names.push_back(TrainerKey{p, n, c}.name());
+  for (PrecisionKind p : {PrecisionKind::BF16, PrecisionKind::FP16Static, PrecisionKind::FP16Dynamic})
+    for (ClipKind c : {ClipKind::NoClip, ClipKind::ClipNorm, ClipKind::ClipValue})
+      names.push_back(TrainerKey{p, TrainerKey::dynamic, c, /*master_weights=*/true}.name());
   return names;
 }
 
@@ -113,9 +142,9 @@ decltype(auto) dispatch(const TrainerKey& key, Visitor&& visitor) {
   }
   const TrainerKey runs = key.dispatched();
   if (runs.accumulation != key.accumulation)
-    std::clog << "trainkit: GRAD_ACCUMULATE_STEPS=" << key.accumulation
-              << " is not one of the compiled counts {1, 2, 4, 8}; running " << runs.name()
+    std::clog << "trainkit: " << key.dynamic_reason() << "; running " << runs.name()
               << " (same results; set TrainerOptions::accumulation_steps, which trainer_options() does)\n";
+  if (runs.master_weights) return detail::with_master_weights(runs.precision, runs.clip, visitor);
   return detail::with_precision(runs.precision, [&](auto precision) -> decltype(auto) {
     return detail::with_accumulation(runs.accumulation, [&](auto n) -> decltype(auto) {
       return detail::with_clip(runs.clip, [&](auto clip) -> decltype(auto) {
@@ -159,6 +188,7 @@ inline TrainerOptions trainer_options(const Config& config) {
   std::vector<std::pair<std::string, double>> groups;  // TrainerOptions::lr_mult
   for (const auto& pair : t["LR_MULT"]) groups.emplace_back(pair[0].get<std::string>(), pair[1].get<double>());
   o.lr_mult(std::move(groups));
+  // keep_norm_fp32 keeps its default (on, as Apex O2's keep_batchnorm_fp32).
   o.config_json(config.dump(-1));
   return o;
 }
@@ -187,7 +217,10 @@ decltype(auto) with_optimizer(const OptimizerSettings& settings, F&& f) {
   TRAINKIT_FOR_EACH_REGISTERED_TRAINER_CLIP(X, P, Dynamic)
 #define TRAINKIT_FOR_EACH_REGISTERED_TRAINER(X)                                                        \
   TRAINKIT_FOR_EACH_REGISTERED_TRAINER_ACC(X, FP32) TRAINKIT_FOR_EACH_REGISTERED_TRAINER_ACC(X, BF16) \
-  TRAINKIT_FOR_EACH_REGISTERED_TRAINER_ACC(X, FP16Static) TRAINKIT_FOR_EACH_REGISTERED_TRAINER_ACC(X, FP16Dynamic)
+  TRAINKIT_FOR_EACH_REGISTERED_TRAINER_ACC(X, FP16Static) TRAINKIT_FOR_EACH_REGISTERED_TRAINER_ACC(X, FP16Dynamic) \
+  TRAINKIT_FOR_EACH_REGISTERED_TRAINER_CLIP(X, MasterWeights<BF16>, Dynamic)                    \
+  TRAINKIT_FOR_EACH_REGISTERED_TRAINER_CLIP(X, MasterWeights<FP16Static>, Dynamic)              \
+  TRAINKIT_FOR_EACH_REGISTERED_TRAINER_CLIP(X, MasterWeights<FP16Dynamic>, Dynamic)
 
 #if defined(TRAINKIT_INSTANTIATE_TRAINERS)
 #define TRAINKIT_INSTANTIATE_ONE(...) template class __VA_ARGS__;

@@ -22,6 +22,7 @@
 
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -254,6 +255,12 @@ class TorchOptimizer final : public UpdateRule {
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   std::vector<double> base_lrs_;
 };
+
+/// True for std::shared_ptr<O> with O a torch::optim::Optimizer (the unfused path).
+template <class T>
+struct is_torch_optimizer : std::false_type {};
+template <class O>
+struct is_torch_optimizer<std::shared_ptr<O>> : std::is_base_of<torch::optim::Optimizer, O> {};
 
 inline std::unique_ptr<UpdateRule> make_rule(const SGD& o, const std::vector<ParamGroup>& g) {
   return std::make_unique<FusedSGD>(o, g);

@@ -44,6 +44,10 @@ struct TrainerOptions {
   TORCH_ARG(std::int64_t, accumulation_steps) = 1;   ///< AccumulationPolicy<Dynamic>'s N
   TORCH_ARG(PartialWindow, partial_window) = PartialWindow::flush;
   TORCH_ARG(NonFinite, nonfinite) = NonFinite::skip;
+  /// Master weights (PrecisionPolicy<MasterWeights<T>>): keep the parameters and buffers of
+  /// LayerNorm, GroupNorm, BatchNorm and InstanceNorm layers in fp32 (Apex O2's
+  /// keep_batchnorm_fp32, on by default as there); false stores them in half as well.
+  TORCH_ARG(bool, keep_norm_fp32) = true;
   /// Parameter groups: the first name-substring that matches a parameter's name sets its LR
   /// multiplier (VL-BERT's LR_MULT); unmatched parameters have multiplier 1.
   using LrMult = std::vector<std::pair<std::string, double>>;

@@ -11,8 +11,17 @@
 ///   check(step)         the host-side checks that need a value (the collapse error); called
 ///                       by the trainer only at windows where it reads values anyway
 ///   save / load         the scaler's state, for checkpoints
+///   master_weights      constexpr; when true, the model's parameters are stored in
+///                       storage_dtype and the trainer keeps fp32 master copies (below)
 /// Guarantees: scale() and every counter stay on the device; with all extras of
 /// LossScaleOptions off, FP16Dynamic's scale follows torch.amp.GradScaler exactly.
+///
+/// Master weights (Apex O2): `PrecisionPolicy<MasterWeights<FP16Dynamic>>` (or FP16Static,
+/// BF16) is the wrapped mode's scaler and autocast region, with the model stored in half
+/// precision. The trainer keeps the fp32 masters in its flat parameter storage, gathers the
+/// half gradients into its fp32 gradient storage at the start of the optimizer phase (one
+/// cast pass), runs the unchanged phases 6-9 on fp32, and rewrites the half parameters from
+/// the masters (one copy). See trainer.hpp ("Storage") for what the model then holds.
 #include <trainkit/detail/type_traits.hpp>
 #include <trainkit/options.hpp>
 
@@ -22,6 +31,7 @@
 
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 
 namespace trainkit {
 
@@ -37,6 +47,31 @@ struct FP16Static {
 };
 struct FP16Dynamic {
   static constexpr const char* name = "FP16Dynamic";
+};
+
+namespace detail {
+template <class Mode>
+inline constexpr bool is_half_mode =
+    std::is_same_v<Mode, BF16> || std::is_same_v<Mode, FP16Static> || std::is_same_v<Mode, FP16Dynamic>;
+template <class Mode>
+inline constexpr const char* master_weights_name = "MasterWeights<?>";
+template <>
+inline constexpr const char* master_weights_name<BF16> = "MasterWeights<BF16>";
+template <>
+inline constexpr const char* master_weights_name<FP16Static> = "MasterWeights<FP16Static>";
+template <>
+inline constexpr const char* master_weights_name<FP16Dynamic> = "MasterWeights<FP16Dynamic>";
+}  // namespace detail
+
+/// Master-weights modifier of a half-precision tag: `PrecisionPolicy<MasterWeights<BF16>>`,
+/// `<MasterWeights<FP16Static>>`, `<MasterWeights<FP16Dynamic>>`. The wrapped tag still says
+/// which half type and which loss scaling; the modifier says where the weights live (half in
+/// the model, fp32 masters in the trainer). A wrapper rather than three new tags, so that the
+/// scaling choice stays one axis and `MasterWeights<FP32>` is a readable compile error.
+template <class Mode>
+struct MasterWeights {
+  using wrapped = Mode;
+  static constexpr const char* name = detail::master_weights_name<Mode>;
 };
 
 /// Thrown when the dynamic loss scale has collapsed (see LossScaleOptions::collapse_windows).
@@ -80,7 +115,7 @@ template <class Mode>
 class PrecisionPolicy {
   static_assert(detail::always_false<Mode>,
                 "trainkit::PrecisionPolicy<T>: T must be one of tk::FP32, tk::BF16, "
-                "tk::FP16Static or tk::FP16Dynamic");
+                "tk::FP16Static or tk::FP16Dynamic (or tk::MasterWeights<one of the last three>)");
 };
 
 namespace detail {
@@ -89,6 +124,7 @@ namespace detail {
 class UnitScale {
  public:
   static constexpr bool scales_loss = false;
+  static constexpr bool master_weights = false;
   UnitScale(const LossScaleOptions&, torch::Device device)
       : device_(device), one_(torch::ones({}, torch::dtype(torch::kFloat).device(device))) {}
   const torch::Tensor& scale() const { return one_; }
@@ -130,6 +166,7 @@ class PrecisionPolicy<FP16Static> {
  public:
   using mode = FP16Static;
   static constexpr bool scales_loss = true;
+  static constexpr bool master_weights = false;
   PrecisionPolicy(const LossScaleOptions& options, torch::Device device)
       : device_(device),
         scale_(torch::full({}, options.static_scale(),
@@ -159,6 +196,7 @@ class PrecisionPolicy<FP16Dynamic> {
  public:
   using mode = FP16Dynamic;
   static constexpr bool scales_loss = true;
+  static constexpr bool master_weights = false;
 
   PrecisionPolicy(const LossScaleOptions& options, torch::Device device)
       : options_(options), device_(device) {
@@ -253,12 +291,61 @@ class PrecisionPolicy<FP16Dynamic> {
   torch::Tensor scale_, growth_tracker_, overflows_in_a_row_, collapsed_windows_;
 };
 
-/// True for PrecisionPolicy<Tag> with a valid tag.
+namespace detail {
+/// Stands in for the base of PrecisionPolicy<MasterWeights<T>> with an invalid T, so that the
+/// only error is MasterWeights' own static_assert.
+struct InvalidMasterWeights {
+  static constexpr bool scales_loss = false;
+  InvalidMasterWeights(const LossScaleOptions&, torch::Device) {}
+};
+}  // namespace detail
+
+/// Master weights: the wrapped mode's region and loss scale; the model's parameters stored in
+/// storage_dtype (float16 for the FP16 modes, bfloat16 for BF16), fp32 masters in the trainer.
+/// The forward keeps the wrapped mode's autocast region: with half weights autocast casts
+/// nothing that is already half, still casts fp32 inputs for matmul-like ops (so the model
+/// receives its inputs as they are), and keeps its fp32 islands (losses; on CUDA also softmax
+/// and normalisation), which Apex O2 has to patch in by hand.
+template <class Mode>
+class PrecisionPolicy<MasterWeights<Mode>>
+    : public std::conditional_t<detail::is_half_mode<Mode>, PrecisionPolicy<Mode>,
+                                detail::InvalidMasterWeights> {
+  static_assert(detail::is_half_mode<Mode>,
+                "trainkit::MasterWeights<T>: T must be one of tk::BF16, tk::FP16Static or "
+                "tk::FP16Dynamic (with tk::FP32 the weights are fp32 already: use "
+                "tk::PrecisionPolicy<tk::FP32>)");
+  using Base = std::conditional_t<detail::is_half_mode<Mode>, PrecisionPolicy<Mode>,
+                                  detail::InvalidMasterWeights>;
+
+ public:
+  using mode = MasterWeights<Mode>;
+  static constexpr bool master_weights = true;
+  static constexpr at::ScalarType storage_dtype =
+      std::is_same_v<Mode, BF16> ? at::kBFloat16 : at::kHalf;
+  using Base::Base;
+};
+
+/// The scaling mode of a precision tag: T itself, or T of MasterWeights<T>.
+template <class Mode>
+struct scaling_mode {
+  using type = Mode;
+};
+template <class Mode>
+struct scaling_mode<MasterWeights<Mode>> {
+  using type = Mode;
+};
+template <class Mode>
+using scaling_mode_t = typename scaling_mode<Mode>::type;
+
+/// True for PrecisionPolicy<Tag> with a valid tag (MasterWeights<T> with T a half mode).
 template <class T>
 struct is_precision_policy : std::false_type {};
 template <class Mode>
 struct is_precision_policy<PrecisionPolicy<Mode>>
     : std::bool_constant<std::is_same_v<Mode, FP32> || std::is_same_v<Mode, BF16> ||
                          std::is_same_v<Mode, FP16Static> || std::is_same_v<Mode, FP16Dynamic>> {};
+template <class Mode>
+struct is_precision_policy<PrecisionPolicy<MasterWeights<Mode>>>
+    : std::bool_constant<detail::is_half_mode<Mode>> {};
 
 }  // namespace trainkit

@@ -20,9 +20,17 @@
 /// reads the gradient as one tensor (norm, update, zeroing, a bucketed all-reduce). Move the
 /// model to its device *before* constructing the trainer, and do not replace parameters or
 /// their .grad afterwards (the trainer checks and says so).
+///
+/// Master weights (PrecisionPolicy<MasterWeights<T>>): the flat fp32 buffer holds the masters,
+/// and the model's parameters become views into a flat half buffer of the same layout (their
+/// .grad into a flat half gradient buffer), except normalisation layers with
+/// TrainerOptions::keep_norm_fp32, which stay views into the fp32 buffers. The model then
+/// receives its inputs as they are (the autocast region casts fp32 inputs for matmul-like
+/// ops). Checkpoints hold the masters; loading restores the half parameters from them.
 #include <trainkit/accumulation.hpp>
 #include <trainkit/clip.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/master_weights.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
@@ -40,6 +48,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -47,6 +56,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -168,7 +178,8 @@ template <class Precision = PrecisionPolicy<FP32>, class Accumulation = Accumula
 class Trainer {
   static_assert(is_precision_policy<Precision>::value,
                 "trainkit::Trainer<P, A, C>: P (the first argument) must be "
-                "tk::PrecisionPolicy<tk::FP32 | tk::BF16 | tk::FP16Static | tk::FP16Dynamic>");
+                "tk::PrecisionPolicy<tk::FP32 | tk::BF16 | tk::FP16Static | tk::FP16Dynamic>, or "
+                "tk::PrecisionPolicy<tk::MasterWeights<tk::BF16 | tk::FP16Static | tk::FP16Dynamic>>");
   static_assert(is_accumulation_policy<Accumulation>::value,
                 "trainkit::Trainer<P, A, C>: A (the second argument) must be "
                 "tk::AccumulationPolicy<N> with N >= 1, or tk::AccumulationPolicy<tk::Dynamic>");
@@ -204,6 +215,10 @@ class Trainer {
         precision_(options_.loss_scale(), device_),
         accumulation_(options_),
         clip_(options_) {
+    static_assert(!Precision::master_weights || !detail::is_torch_optimizer<Optimizer>::value,
+                  "trainkit::Trainer with MasterWeights<T>: a torch::optim::Optimizer would update "
+                  "the model's half parameters, not the fp32 masters; use the fused tk::SGD, "
+                  "tk::Adam or tk::AdamW, or PrecisionPolicy<T> without MasterWeights");
     flatten_parameters();
     rule_ = detail::make_rule(std::move(optimizer), groups_);
     const auto long_opts = torch::dtype(torch::kLong).device(device_);
@@ -241,6 +256,7 @@ class Trainer {
         return std::nullopt;
       case PartialWindow::drop:
         flat_grad_.zero_();
+        if constexpr (Precision::master_weights) half_.zero_grad();
         window_loss_.zero_();
         accumulation_.reset();
         return std::nullopt;
@@ -266,6 +282,7 @@ class Trainer {
     TORCH_CHECK(accumulation_.position() == 0, "set_replicas: a window is open (",
                 accumulation_.position(), " micro-batches); attach between windows");
     replicas->attach(*module_, flat_params_);
+    if constexpr (Precision::master_weights) half_.write_back(flat_params_);  // rank 0's masters
     replicas_ = std::move(replicas);
   }
   /// rank(), world_size(), is_main() for the loop; average() for its metrics.
@@ -291,7 +308,13 @@ class Trainer {
   torch::Device device() const { return device_; }
   /// The flat gradient storage (every trainable parameter's .grad is a view into it).
   const torch::Tensor& gradients() const { return flat_grad_; }
+  /// The flat fp32 parameter storage: the model's parameters, or with master weights the
+  /// masters.
   const torch::Tensor& parameters() const { return flat_params_; }
+  /// Master weights: the flat half storage the model's parameters and .grad are views into
+  /// (same layout as parameters()); undefined tensors otherwise.
+  const torch::Tensor& half_parameters() const { return half_.params(); }
+  const torch::Tensor& half_gradients() const { return half_.grad(); }
   const std::vector<detail::ParamGroup>& groups() const { return groups_; }
 
   /// Writes the whole trainer state to `path` atomically (temporary file in the same
@@ -305,7 +328,7 @@ class Trainer {
     archive.write("meta.config", c10::IValue(options_.config_json()));
     torch::NoGradGuard no_grad;
     for (const auto& p : module_->named_parameters(true))
-      archive.write("model.param." + p.key(), p.value(), /*is_buffer=*/true);
+      archive.write("model.param." + p.key(), stored(p.key(), p.value()), /*is_buffer=*/true);
     for (const auto& b : module_->named_buffers(true))
       archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
     rule_->save(archive);
@@ -321,6 +344,7 @@ class Trainer {
     // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
     if (acc.position > 0) {
       archive.write("window.gradient", flat_grad_, true);
+      if constexpr (Precision::master_weights) archive.write("window.gradient_half", half_.grad(), true);
       archive.write("window.loss", window_loss_, true);
     }
     archive.write("schedule.state", c10::IValue(schedule_->state()));
@@ -360,11 +384,13 @@ class Trainer {
                                       detail::shape_string(target.sizes())));
       copies.emplace_back(target, saved);
     };
-    for (const auto& p : module_->named_parameters(true)) collect("model.param.", p.key(), p.value());
+    for (const auto& p : module_->named_parameters(true))
+      collect("model.param.", p.key(), stored(p.key(), p.value()));
     for (const auto& b : module_->named_buffers(true)) collect("model.buffer.", b.key(), b.value());
     {
       torch::NoGradGuard no_grad;
       for (auto& [target, saved] : copies) target.copy_(saved);
+      if constexpr (Precision::master_weights) half_.write_back(flat_params_);
     }
     rule_->load(archive);
     precision_.load(archive);
@@ -385,9 +411,12 @@ class Trainer {
     accumulation_.load_state(acc);
     if (acc.position > 0) {
       flat_grad_.copy_(detail::read_tensor(archive, "window.gradient"));
+      if constexpr (Precision::master_weights)
+        half_.grad().copy_(detail::read_tensor(archive, "window.gradient_half"));
       window_loss_.copy_(detail::read_tensor(archive, "window.loss"));
     } else {
       flat_grad_.zero_();
+      if constexpr (Precision::master_weights) half_.zero_grad();
       window_loss_.zero_();
     }
     archive.read("schedule.state", v);
@@ -434,9 +463,13 @@ class Trainer {
       const auto& t = p.value();
       TORCH_CHECK(t.device() == device_, "Trainer: parameter '", p.key(), "' is on ", t.device(),
                   ", the others on ", device_, "; move the whole model to one device first");
-      TORCH_CHECK(t.scalar_type() == torch::kFloat, "Trainer: parameter '", p.key(), "' is ",
-                  t.scalar_type(), "; trainkit keeps parameters in fp32 (mixed precision comes "
-                  "from the precision policy)");
+      if constexpr (Precision::master_weights)
+        TORCH_CHECK(t.is_floating_point(), "Trainer: parameter '", p.key(), "' is ",
+                    t.scalar_type(), "; master weights need floating-point parameters");
+      else
+        TORCH_CHECK(t.scalar_type() == torch::kFloat, "Trainer: parameter '", p.key(), "' is ",
+                    t.scalar_type(), "; trainkit keeps parameters in fp32 (mixed precision comes "
+                    "from the precision policy)");
       double mult = 1.0;
       for (const auto& [substring, m] : options_.lr_mult())
         if (p.key().find(substring) != std::string::npos) {
@@ -459,6 +492,13 @@ class Trainer {
     const auto f32 = torch::dtype(torch::kFloat).device(device_);
     flat_params_ = torch::empty({total}, f32);
     flat_grad_ = torch::zeros({total}, f32);
+    // Master weights: which parameters stay fp32 (views into the fp32 storage, as without).
+    std::unordered_set<const c10::TensorImpl*> kept;
+    if constexpr (Precision::master_weights) {
+      if (options_.keep_norm_fp32()) kept = detail::normalisation_parameters(*module_);
+      half_.allocate(total, Precision::storage_dtype, device_, kept.empty());
+      detail::store_untrained_in(*module_, Precision::storage_dtype, options_.keep_norm_fp32());
+    }
     torch::NoGradGuard no_grad;
     std::int64_t offset = 0, group_begin = 0;
     for (size_t i = 0; i < entries.size(); ++i) {
@@ -466,8 +506,14 @@ class Trainer {
       const auto n = e.param.numel();
       auto param_view = flat_params_.narrow(0, offset, n);
       param_view.copy_(e.param.reshape({-1}));
-      e.param.set_data(param_view.view(e.param.sizes()));
-      e.param.mutable_grad() = flat_grad_.narrow(0, offset, n).view(e.param.sizes());
+      if (Precision::master_weights && kept.count(e.param.unsafeGetTensorImpl()) == 0) {
+        master_views_.emplace(e.name, param_view.view(e.param.sizes()));
+        e.param.set_data(half_.param_view(offset, n).view(e.param.sizes()));
+        e.param.mutable_grad() = half_.grad_view(offset, n).view(e.param.sizes());
+      } else {
+        e.param.set_data(param_view.view(e.param.sizes()));
+        e.param.mutable_grad() = flat_grad_.narrow(0, offset, n).view(e.param.sizes());
+      }
       grad_views_.push_back({e.param, e.param.grad().data_ptr(), e.name});
       offset += n;
       const bool group_ends = i + 1 == entries.size() || entries[i + 1].mult != e.mult;
@@ -477,6 +523,16 @@ class Trainer {
         group_begin = offset;
       }
     }
+    if constexpr (Precision::master_weights) half_.write_back(flat_params_);
+  }
+
+  // What a checkpoint holds for a parameter: its fp32 master where there is one, else itself.
+  const torch::Tensor& stored(const std::string& name, const torch::Tensor& param) const {
+    if constexpr (Precision::master_weights) {
+      const auto it = master_views_.find(name);
+      if (it != master_views_.end()) return it->second;
+    }
+    return param;
   }
 
   template <class Closure>
@@ -522,6 +578,10 @@ class Trainer {
   StepReport optimizer_phase() {
     check_grad_storage();
     const double rescale = accumulation_.rescale();
+    // Master weights: the half gradients join the fp32 gradient storage (one cast pass); from
+    // here on the phase runs on fp32 gradients and masters exactly as without (so phase 5
+    // reduces fp32 gradients).
+    if constexpr (Precision::master_weights) half_.gather_into(flat_grad_);
     // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat storage, once per
     //    window); `grad_rescale` makes it the mean over every rank's micro-batches or items.
     const auto acc = accumulation_.state();
@@ -548,6 +608,9 @@ class Trainer {
     lrs_.clear();
     for (const auto& g : groups_) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
     rule_->step(groups_, optimizer_divisor, found_inf, lrs_);
+    // Master weights: the model's half parameters from the masters, one copy. A skipped step
+    // left the masters unchanged, so it rewrites the same values (no host sync to tell).
+    if constexpr (Precision::master_weights) half_.write_back(flat_params_);
     // 10. Loss-scale update; the schedule advances (through applied_) only on applied steps.
     StepReport report;
     report.values_ = std::make_shared<StepReport::Values>();
@@ -567,8 +630,9 @@ class Trainer {
     report.window_ = windows_;
     report.micro_batches_ = accumulation_.position();
     report.items_ = accumulation_.items();
-    // 11. Zero the gradient: one fill of the flat storage.
+    // 11. Zero the gradient: one fill of the flat storage (and of the half one).
     flat_grad_.zero_();
+    if constexpr (Precision::master_weights) half_.zero_grad();
     window_loss_ = torch::zeros_like(window_loss_);
     accumulation_.reset();
     host_checks(report);
@@ -578,7 +642,7 @@ class Trainer {
   // Checks that need a host value, run only where they were asked for.
   void host_checks(const StepReport& report) {
     const auto collapse = options_.loss_scale().collapse_windows();
-    if constexpr (std::is_same_v<precision_mode, FP16Dynamic>)
+    if constexpr (std::is_same_v<scaling_mode_t<precision_mode>, FP16Dynamic>)
       if (collapse > 0 && windows_ % collapse == 0) precision_.check(windows_);
     if constexpr (!Precision::scales_loss) {
       if (options_.nonfinite() == NonFinite::abort && report.skipped()) {
@@ -633,6 +697,8 @@ class Trainer {
   std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
 
   torch::Tensor flat_params_, flat_grad_;
+  detail::HalfStorage half_;                             // master weights only
+  std::map<std::string, torch::Tensor> master_views_;   // master weights: name -> fp32 master
   std::vector<detail::ParamGroup> groups_;
   std::vector<GradView> grad_views_;
   std::vector<torch::Tensor> lrs_;

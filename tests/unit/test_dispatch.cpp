@@ -35,7 +35,7 @@ class CaptureClog {
 
 TEST_CASE("dispatch reaches the registered type of every key") {
   const std::vector<std::string> registry = tk::registered_trainers();
-  CHECK(registry.size() == 60);
+  CHECK(registry.size() == 69);
   std::size_t i = 0;
   CaptureClog clog;
   for (tk::PrecisionKind p : {tk::PrecisionKind::FP32, tk::PrecisionKind::BF16, tk::PrecisionKind::FP16Static,
@@ -51,6 +51,32 @@ TEST_CASE("dispatch reaches the registered type of every key") {
         CHECK(name == key.dispatched().name());
         CHECK(name == registry[i++]);
       }
+  // Master weights: every accumulation count runs on Accumulate<Dynamic>.
+  for (tk::PrecisionKind p : {tk::PrecisionKind::BF16, tk::PrecisionKind::FP16Static, tk::PrecisionKind::FP16Dynamic})
+    for (tk::ClipKind c : {tk::ClipKind::NoClip, tk::ClipKind::ClipNorm, tk::ClipKind::ClipValue}) {
+      const tk::TrainerKey key{p, 4, c, /*master_weights=*/true};
+      const std::string name = tk::dispatch(key, [](auto tag) { return decltype(tag)::type::name(); });
+      CAPTURE(key.name());
+      CHECK(name == key.dispatched().name());
+      CHECK(name.rfind("Trainer<MasterWeights<", 0) == 0);
+      CHECK(name == registry[i++]);
+    }
+  CHECK(i == registry.size());
+}
+
+TEST_CASE("TRAIN.MASTER_WEIGHTS selects MasterWeights<T>, and needs FP16 or BF16") {
+  CaptureClog clog;
+  const tk::Config c = from_json(R"({"TRAIN": {"FP16": true, "FP16_LOSS_SCALE": "dynamic", "MASTER_WEIGHTS": true,
+      "GRAD_ACCUMULATE_STEPS": 4, "CLIP_GRAD_NORM": 1.0}})");
+  CHECK(c.trainer_key().name() == "Trainer<MasterWeights<FP16Dynamic>, Accumulate<4>, ClipNorm>");
+  const std::string name = tk::dispatch(c, [](auto tag) { return decltype(tag)::type::name(); });
+  CHECK(name == "Trainer<MasterWeights<FP16Dynamic>, Accumulate<Dynamic>, ClipNorm>");
+  CHECK(clog.text().find("master-weight trainers are compiled for Accumulate<Dynamic> only") != std::string::npos);
+  CHECK(tk::trainer_options(c).accumulation_steps() == 4);
+  CHECK(from_json(R"({"TRAIN": {"BF16": true, "MASTER_WEIGHTS": true}})").trainer_key().name() ==
+        "Trainer<MasterWeights<BF16>, Accumulate<1>, NoClip>");
+  CHECK_THROWS_WITH_AS(from_json(R"({"TRAIN": {"MASTER_WEIGHTS": true}})"),
+                       doctest::Contains("TRAIN.MASTER_WEIGHTS: needs FP16 or BF16"), tk::ConfigError);
 }
 
 TEST_CASE("an accumulation count outside {1, 2, 4, 8} runs on Dynamic and says so") {
