@@ -463,13 +463,14 @@ class Trainer {
       const auto& t = p.value();
       TORCH_CHECK(t.device() == device_, "Trainer: parameter '", p.key(), "' is on ", t.device(),
                   ", the others on ", device_, "; move the whole model to one device first");
-      if constexpr (Precision::master_weights)
+      if constexpr (Precision::master_weights) {
         TORCH_CHECK(t.is_floating_point(), "Trainer: parameter '", p.key(), "' is ",
                     t.scalar_type(), "; master weights need floating-point parameters");
-      else
+      } else {
         TORCH_CHECK(t.scalar_type() == torch::kFloat, "Trainer: parameter '", p.key(), "' is ",
                     t.scalar_type(), "; trainkit keeps parameters in fp32 (mixed precision comes "
                     "from the precision policy)");
+      }
       double mult = 1.0;
       for (const auto& [substring, m] : options_.lr_mult())
         if (p.key().find(substring) != std::string::npos) {
