@@ -57,7 +57,8 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 41);  // VL-BERT's 28 TRAIN keys and trainkit's 13
+  CHECK(t.size() == 42);  // VL-BERT's 28 TRAIN keys and trainkit's 14
+  CHECK(t["MASTER_WEIGHTS"] == false);
   CHECK(t["LR"] == 0.1);
   CHECK(t["OPTIMIZER"] == "SGD");
   CHECK(t["BATCH_IMAGES"] == 1);
