@@ -177,6 +177,11 @@ def main():
                f"every implementation (torch::set_num_threads / torch.set_num_threads; TRAINKIT_BENCH_THREADS).")
     out.append(f"Load average at start {load_start}, at end {load()}; {args.reps} repetitions, interleaved; "
                f"{time.time() - started:.0f} s in all.")
+    busy = max(float(load_start.split()[0]), float(load().split()[0]))
+    if busy > 0.5 * (os.cpu_count() or 1):
+        out.append(f"**The machine was loaded (load average up to {busy:.1f} on {os.cpu_count()} cores): other "
+                   "processes took CPU time from these runs, so single timings are inflated and noisy; read the "
+                   "ratios as rough.**")
     out.append("Command: `benchmarks/run_all.sh` (= `python3 benchmarks/compare/driver.py "
                + " ".join(sys.argv[1:]) + "`).")
     out.append("")
