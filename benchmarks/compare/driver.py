@@ -61,7 +61,7 @@ class Runner:
         self.raw = open(args.raw, "w") if args.raw else None
         self.failures = []
 
-    def run(self, impl, model, precision, accum, micro_batch=0, windows=None, warmup=None):
+    def run(self, impl, model, precision, accum, micro_batch=0, windows=None, warmup=None, extra=()):
         budget, u = BUDGET[model]
         slow_fp16 = precision == "fp16" and model in FP16_CPU_BATCH and not self.args.full_fp16
         if slow_fp16:
@@ -77,6 +77,7 @@ class Runner:
             common += ["--micro-batch", str(micro_batch)]
         if seq:
             common += ["--seq", str(seq)]
+        common += list(extra)
         if impl in ("python", "python-fused"):
             cmd = [self.args.python, os.path.join(self.args.here, "loop.py")] + common
             if impl == "python-fused":
@@ -127,6 +128,7 @@ def main():
     ap.add_argument("--sweep", default="bert-tiny:16", help="MODEL:EFFECTIVE_BATCH for the memory table, or 'none'")
     ap.add_argument("--full-fp16", action="store_true",
                     help="FP16 at the models' default micro-batch (slow on CPUs without fp16 arithmetic)")
+    ap.add_argument("--count-ops", type=int, default=1, help="1: also count the ATen calls of each phase")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--raw", default="", help="also write every process's JSON line to this file")
     args = ap.parse_args()
@@ -150,6 +152,16 @@ def main():
                     records.setdefault((m, p, n, impl), []).append(rec)
         print(f"[driver] repetition {rep + 1}/{args.reps} done after {time.time() - started:.0f} s, load {load()}",
               file=sys.stderr)
+
+    # ATen operator calls per optimizer phase: separate, short runs (counting costs time).
+    op_counts = {}
+    if args.count_ops:
+        for m in models:
+            for p in [p for p in precisions if p in ("fp32", "fp16")]:
+                for impl in [i for i in impls if i in ("trainkit", "branching", "libtorch")]:
+                    rec = runner.run(impl, m, p, 1, windows=2, warmup=1, extra=["--count-ops", "1", "--bandwidth", "0"])
+                    if rec and rec.get("phase_ops"):
+                        op_counts[(m, p, impl)] = statistics.median(rec["phase_ops"])
 
     sweep = []
     if args.sweep != "none":
@@ -239,6 +251,17 @@ def main():
     out.append("Resident memory before the model is built (the runtime itself): " +
                ", ".join(f"{i} {fmt(starts[i], 0)} MiB" for i in shown) + ".")
     out.append("")
+
+    if op_counts:
+        out.append("### ATen operator calls per optimizer phase (top level, N = 1; a separate short run)")
+        out.append("")
+        out.append("| model | precision | trainkit | branching | hand-written LibTorch |")
+        out.append("|---|---|---|---|---|")
+        for m in models:
+            for p in [p for p in precisions if p in ("fp32", "fp16")]:
+                out.append(f"| {m} | {p} | " + " | ".join(fmt(op_counts.get((m, p, i)), 0)
+                                                          for i in ("trainkit", "branching", "libtorch")) + " |")
+        out.append("")
 
     if sweep:
         out.append(f"### Peak resident memory at a fixed effective batch ({args.sweep.split(':')[1]} sequences, "

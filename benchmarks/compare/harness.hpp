@@ -5,10 +5,12 @@
 // configuration (so that its peak memory is its own); driver.py interleaves the processes.
 #include "models.hpp"
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -53,10 +55,37 @@ inline void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize();
 }
 
+/// ATen operator calls made at the top level (not those an operator makes itself), counted
+/// once count_ops() has installed its RecordFunction callbacks (which cost ~0.1 us per call, so
+/// runs that count are not the runs that time).
+inline std::atomic<int64_t> top_level_ops{0};
+inline thread_local int64_t op_depth = 0;
+inline void count_ops() {
+  at::addGlobalCallback(
+      at::RecordFunctionCallback(
+          [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+            if (op_depth++ == 0) ++top_level_ops;
+            return nullptr;
+          },
+          [](const at::RecordFunction&, at::ObserverContext*) { --op_depth; })
+          .scopes({at::RecordScope::FUNCTION}));
+}
+
+/// Where the optimizer phase began: when the window's last backward ended, and the operator
+/// count then.
+struct PhaseStart {
+  double ms = 0;
+  int64_t ops = 0;
+  void mark() {
+    ms = now_ms();
+    ops = top_level_ops;
+  }
+};
+
 /// The per-window figures of one run. `losses` are read after the timed loop (reading one
 /// inside it would add a sync to implementations that do not need one).
 struct Result {
-  std::vector<double> window_ms, phase_ms;
+  std::vector<double> window_ms, phase_ms, phase_ops;
   std::vector<std::function<double()>> losses;
   int64_t skipped = 0;  ///< skipped (overflowing) optimizer steps, counted at the end
 };
@@ -64,35 +93,39 @@ struct Result {
 /// Called from the closure on the loss of a micro-step: when the backward that starts from it
 /// has finished (every gradient accumulated), `*t` gets the time. This is how the optimizer
 /// phase of a trainer, which runs inside micro_step, is timed from outside it.
-inline torch::Tensor stamp_backward_end(torch::Tensor loss, double* t, torch::Device device) {
-  loss.register_hook([t, device](const torch::Tensor&) {
-    torch::autograd::Engine::get_default_engine().queue_callback([t, device] {
+inline torch::Tensor stamp_backward_end(torch::Tensor loss, PhaseStart* start, torch::Device device) {
+  loss.register_hook([start, device](const torch::Tensor&) {
+    torch::autograd::Engine::get_default_engine().queue_callback([start, device] {
       synchronize(device);
-      *t = now_ms();
+      start->mark();
     });
   });
   return loss;
 }
 
-/// Runs settings.warmup + settings.windows windows; `window(backward_end)` runs one window (its
-/// micro-steps and the optimizer phase), sets backward_end to when the last backward finished,
+/// Runs settings.warmup + settings.windows windows; `window(phase_start)` runs one window (its
+/// micro-steps and the optimizer phase), marks phase_start when the last backward finished,
 /// and returns how to read the window's loss later.
 template <class Window>
 Result measure(const Settings& s, Window&& window) {
   Result r;
   for (int64_t w = 0; w < s.warmup + s.windows; ++w) {
     synchronize(s.device);
-    double backward_end = 0;
+    PhaseStart phase;
     const double t0 = now_ms();
     if (s.on_window) s.on_window(true);
-    auto loss = window(backward_end);
+    auto loss = window(phase);
     if (s.on_window) s.on_window(false);
     synchronize(s.device);
     const double t1 = now_ms();
+    const int64_t ops = top_level_ops;
     r.losses.push_back(std::move(loss));
     if (w < s.warmup) continue;
     r.window_ms.push_back(t1 - t0);
-    if (s.time_phase) r.phase_ms.push_back(t1 - backward_end);
+    if (s.time_phase) {
+      r.phase_ms.push_back(t1 - phase.ms);
+      r.phase_ops.push_back(static_cast<double>(ops - phase.ops));
+    }
   }
   return r;
 }

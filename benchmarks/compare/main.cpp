@@ -3,12 +3,13 @@
 //
 //   build/benchmarks/compare/compare --impl trainkit|branching|libtorch --model bert-tiny
 //       --precision fp32|bf16|fp16 --accum 4 [--micro-batch B] [--seq S] [--windows 5] [--warmup 2]
-//       [--threads 2] [--bandwidth 0|1]
+//       [--threads 2] [--bandwidth 0|1] [--count-ops 0|1]
 //
 // Figures: the time of each window (its N micro-steps and the optimizer phase), the optimizer
 // phase alone (from the end of the window's last backward to the end of zeroing), peak resident
 // memory (VmHWM, read before the bandwidth test allocates), and the copy bandwidth over as many
-// floats as the model has parameters, from which the optimizer phase's floor follows.
+// floats as the model has parameters, from which the optimizer phase's floor follows. With
+// --count-ops 1 (a separate run: counting costs time), the ATen operator calls of each phase.
 #include "harness.hpp"
 
 #include <cstdlib>
@@ -18,7 +19,7 @@
 
 namespace {
 
-bench::Settings parse(int argc, char** argv, bool& bandwidth) {
+bench::Settings parse(int argc, char** argv, bool& bandwidth, bool& count_ops) {
   bench::Settings s;
   if (const char* t = std::getenv("TRAINKIT_BENCH_THREADS")) s.threads = std::atoi(t);
   for (int i = 1; i < argc; ++i) {
@@ -35,6 +36,7 @@ bench::Settings parse(int argc, char** argv, bool& bandwidth) {
     else if (key == "--warmup") s.warmup = std::stoll(value);
     else if (key == "--threads") s.threads = std::stoi(value);
     else if (key == "--bandwidth") bandwidth = value != "0";
+    else if (key == "--count-ops") count_ops = value != "0";
     else throw std::invalid_argument("unknown option " + key);
   }
   return s;
@@ -43,9 +45,10 @@ bench::Settings parse(int argc, char** argv, bool& bandwidth) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  bool bandwidth = true;
-  auto s = parse(argc, argv, bandwidth);
+  bool bandwidth = true, count_ops = false;
+  auto s = parse(argc, argv, bandwidth, count_ops);
   torch::set_num_threads(s.threads);
+  if (count_ops) bench::count_ops();
   const auto rss_start = bench::status_kib("VmRSS");
   auto task = bench::make_task(s.model, s.micro_batch, s.seq, s.device);
   const auto params = bench::parameter_count(*task.module);
@@ -65,13 +68,14 @@ int main(int argc, char** argv) try {
   std::printf(
       "{\"impl\": \"%s\", \"model\": \"%s\", \"precision\": \"%s\", \"accum\": %lld, "
       "\"micro_batch\": %lld, \"seq\": %lld, \"threads\": %d, \"params\": %lld, \"tensors\": %zu, "
-      "\"window_ms\": %s, \"phase_ms\": %s, \"losses\": %s, \"skipped\": %lld, "
+      "\"window_ms\": %s, \"phase_ms\": %s, \"phase_ops\": %s, \"losses\": %s, \"skipped\": %lld, "
       "\"vmhwm_kib\": %lld, \"rss_start_kib\": %lld, \"copy_gbs\": %.3f, \"floor_ms\": %.4f}\n",
       s.impl.c_str(), s.model.c_str(), s.precision.c_str(), static_cast<long long>(s.accum),
       static_cast<long long>(task.pool.front().first.size(0)), static_cast<long long>(task.seq),
       torch::get_num_threads(),
       static_cast<long long>(params), tensors, bench::json_list(r.window_ms).c_str(),
-      bench::json_list(r.phase_ms).c_str(), bench::json_list(losses, 7).c_str(),
+      bench::json_list(r.phase_ms).c_str(), bench::json_list(r.phase_ops, 0).c_str(),
+      bench::json_list(losses, 7).c_str(),
       static_cast<long long>(r.skipped), static_cast<long long>(hwm),
       static_cast<long long>(rss_start), gbs, floor_ms);
   return 0;

@@ -75,7 +75,7 @@ Result run_libtorch(const Settings& s, Task& task) {
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(s.lr).weight_decay(s.weight_decay));
   GradScaler scaler(s.device);
   int64_t k = 0;
-  Result r = measure(s, [&](double& backward_end) -> std::function<double()> {
+  Result r = measure(s, [&](PhaseStart& phase) -> std::function<double()> {
     auto window_loss = torch::zeros({}, torch::dtype(torch::kFloat).device(s.device));
     for (int64_t i = 0; i < s.accum; ++i) {
       torch::Tensor loss;
@@ -90,7 +90,7 @@ Result run_libtorch(const Settings& s, Task& task) {
     }
     if (s.time_phase) {
       synchronize(s.device);
-      backward_end = now_ms();
+      phase.mark();
     }
     if (fp16) scaler.unscale_(params);
     torch::nn::utils::clip_grad_norm_(params, s.max_norm);
@@ -115,11 +115,11 @@ Result run_branching(const Settings& s, Task& task) {
   RuntimeTrainer trainer(task.module, trainkit::AdamW{s.lr, s.weight_decay}, precision, s.accum,
                          RuntimeClip::norm, s.max_norm);
   int64_t k = 0;
-  Result r = measure(s, [&](double& backward_end) -> std::function<double()> {
+  Result r = measure(s, [&](PhaseStart& phase) -> std::function<double()> {
     for (;;) {
       const bool closed = trainer.micro_step([&] {
         auto loss = task.loss(k++);
-        return s.time_phase ? stamp_backward_end(loss, &backward_end, s.device) : loss;
+        return s.time_phase ? stamp_backward_end(loss, &phase, s.device) : loss;
       });
       if (closed) return [loss = trainer.last_loss()] { return loss.item<double>(); };
     }

@@ -18,11 +18,11 @@ Result run_compiled(const Settings& s, Task& task) {
   Trainer trainer(task.module, tk::AdamW{s.lr, s.weight_decay},
                   tk::TrainerOptions().max_grad_norm(s.max_norm).accumulation_steps(s.accum));
   int64_t k = 0;
-  Result r = measure(s, [&](double& backward_end) -> std::function<double()> {
+  Result r = measure(s, [&](PhaseStart& phase) -> std::function<double()> {
     for (;;) {
       auto step = trainer.micro_step([&] {
         auto loss = task.loss(k++);
-        return s.time_phase ? stamp_backward_end(loss, &backward_end, s.device) : loss;
+        return s.time_phase ? stamp_backward_end(loss, &phase, s.device) : loss;
       });
       if (step.window_closed) return [report = step.report] { return report.loss(); };
     }
