@@ -63,7 +63,7 @@ class Runner:
 
     def run(self, impl, model, precision, accum, micro_batch=0, windows=None, warmup=None, extra=()):
         budget, u = BUDGET[model]
-        slow_fp16 = precision == "fp16" and model in FP16_CPU_BATCH and not self.args.full_fp16
+        slow_fp16 = precision.startswith("fp16") and model in FP16_CPU_BATCH and not self.args.full_fp16
         if slow_fp16:
             budget = FP16_CPU_BUDGET
         w = windows if windows is not None else max(1, round(-(-budget // accum) * self.args.scale))
@@ -121,7 +121,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("TRAINKIT_BENCH_THREADS", "2")))
     ap.add_argument("--models", default="mlp,bert-tiny,bert-8x512")
-    ap.add_argument("--precisions", default="fp32,bf16,fp16")
+    ap.add_argument("--precisions", default="fp32,bf16,fp16",
+                    help="also bf16master, fp16master: trainkit's master weights (trainkit only)")
     ap.add_argument("--accums", default="1,4")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--scale", type=float, default=1.0, help="multiplies the timed windows per process")
@@ -147,6 +148,8 @@ def main():
         for c, (m, p, n) in enumerate(configs):
             shift = (rep + c) % len(impls)
             for impl in impls[shift:] + impls[:shift]:
+                if p.endswith("master") and impl != "trainkit":
+                    continue  # master weights: a trainkit mode the others do not have
                 rec = runner.run(impl, m, p, n)
                 if rec:
                     records.setdefault((m, p, n, impl), []).append(rec)

@@ -53,11 +53,16 @@ Result run_precision(const Settings& s, Task& task) {
 
 Result run_trainkit(const Settings& s, Task& task) {
 #if TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS
-  // FP16 with fp32 master weights (the model stored in half), where trainkit has it.
+  // FP16 / BF16 with fp32 master weights (the model stored in half), where trainkit has them:
+  // trainkit only (the other implementations have no such mode).
+  using Clip = tk::ClipPolicy<tk::ClipNorm>;
   if (s.precision == "fp16master") {
     using P = tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>;
-    using Clip = tk::ClipPolicy<tk::ClipNorm>;
     if (s.accum == 1) return run_compiled<tk::Trainer<P, tk::AccumulationPolicy<1>, Clip>>(s, task);
+    return run_compiled<tk::Trainer<P, tk::AccumulationPolicy<tk::Dynamic>, Clip>>(s, task);
+  }
+  if (s.precision == "bf16master") {
+    using P = tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>;
     return run_compiled<tk::Trainer<P, tk::AccumulationPolicy<tk::Dynamic>, Clip>>(s, task);
   }
 #endif
