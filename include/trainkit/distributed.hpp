@@ -1,0 +1,565 @@
+#pragma once
+/// Data-parallel training on PyTorch's c10d: Gloo for CPU tensors, NCCL for CUDA ones.
+///
+///   auto group = tk::ProcessGroup::create(tk::DistributedOptions().timeout_seconds(600), device);
+///   Trainer trainer(model, tk::AdamW{1e-4, 1e-4}, options);
+///   trainer.set_replicas(std::make_shared<tk::DataParallel>(group));   // rank 0's weights to all
+///   tk::DistributedSampler sampler(size, batch, group.rank(), group.world_size(), seed);
+///   ... micro_step on sampler.batch(epoch, i) ...; log and save where group.is_main()
+///
+/// Where the ranks come from (DistributedOptions::rendezvous, `environment` by default):
+///   torchrun   RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. With
+///              TORCHELASTIC_USE_AGENT_STORE=True (torchrun's default) the agent hosts the
+///              TCPStore and every rank connects as a client; otherwise rank 0 hosts it.
+///   slurm      SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the address from the options, else
+///              MASTER_ADDR / MASTER_PORT; rank 0 hosts the store.
+///   options    rank, world_size, local_rank, master_addr, master_port as given.
+///   environment: torchrun's variables when RANK and WORLD_SIZE are set, else Slurm's when
+///              SLURM_PROCID and SLURM_NTASKS are, else the options (by default one process).
+/// One process (world size 1) runs the same code over an in-memory store.
+///
+/// Communication: the gradient is summed once per window (step.md phase 5) by a bucketed
+/// all-reduce of the trainer's flat gradient storage, `bucket_bytes` per collective, all
+/// buckets in flight at once; the division by the world size is folded into the factor the
+/// trainer already applies (no extra pass). Nothing is sent inside a window. Overlapping the
+/// all-reduce with the last micro-batch's backward is not done.
+///
+/// Failures: every collective runs under the group's timeout (Gloo's own timeout; NCCL's
+/// watchdog). A collective that fails throws tk::DistributedError on the surviving ranks,
+/// naming what was being done and the ranks that did not answer a short roll call through the
+/// store (the dead or hung ones), or saying that the store's host itself is gone.
+///
+/// Build: PyTorch's wheel ships c10d's headers but not Gloo's, which ProcessGroupGloo.hpp
+/// includes; any Gloo headers do (only declarations are used, the code is LibTorch's):
+/// Debian's libgloo-dev, or third_party/gloo of a PyTorch source tree on the include path.
+/// NCCL is used where LibTorch was built with it (USE_C10D_NCCL, defined by its CMake
+/// package) and nccl.h is found.
+#if !__has_include(<gloo/algorithm.h>)
+#error "trainkit/distributed.hpp needs Gloo's headers (PyTorch's wheel does not ship them): install Debian's libgloo-dev, or put a PyTorch source tree's third_party/gloo on the include path"
+#endif
+#if !defined(USE_C10D_GLOO)
+#error "trainkit/distributed.hpp: this LibTorch was built without Gloo (USE_C10D_GLOO is not defined by its CMake package); link the target `torch` from a distributed build"
+#endif
+
+#include <trainkit/replicas.hpp>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#if defined(USE_C10D_NCCL) && __has_include(<nccl.h>)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#define TRAINKIT_HAVE_NCCL 1
+#else
+#define TRAINKIT_HAVE_NCCL 0
+#endif
+
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace trainkit {
+
+/// A collective or the rendezvous failed: a rank died or hangs, or the ranks disagree.
+class DistributedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Where the ranks and the store's address come from (see the file comment).
+enum class Rendezvous { environment, torchrun, slurm, options };
+
+/// How to form the process group. Fluent setters; checked by validate().
+struct DistributedOptions {
+  TORCH_ARG(Rendezvous, rendezvous) = Rendezvous::environment;
+  /// Rendezvous::options (and the default of `environment` without launcher variables).
+  TORCH_ARG(int, rank) = 0;
+  TORCH_ARG(int, world_size) = 1;
+  TORCH_ARG(int, local_rank) = 0;
+  /// The store's host and port; empty / 0: MASTER_ADDR / MASTER_PORT, else 127.0.0.1:29500.
+  TORCH_ARG(std::string, master_addr) = "";
+  TORCH_ARG(int, master_port) = 0;
+  /// Seconds before a collective, the rendezvous or a store operation gives up (torch's
+  /// default is 30 minutes).
+  TORCH_ARG(double, timeout_seconds) = 1800.0;
+  /// "" (by device: Gloo for the CPU, NCCL for CUDA), "gloo" or "nccl".
+  TORCH_ARG(std::string, backend) = "";
+
+ public:
+  void validate() const {
+    auto fail = [](const std::string& what) {
+      throw std::invalid_argument("trainkit::DistributedOptions: " + what);
+    };
+    if (world_size_ < 1) fail("world_size must be >= 1, got " + std::to_string(world_size_));
+    if (rank_ < 0 || rank_ >= world_size_)
+      fail("rank must be in [0, world_size), got " + std::to_string(rank_) + " of " +
+           std::to_string(world_size_));
+    if (master_port_ < 0 || master_port_ > 65535)
+      fail("master_port must be in [0, 65535], got " + std::to_string(master_port_));
+    if (!(timeout_seconds_ > 0) || !std::isfinite(timeout_seconds_))
+      fail("timeout_seconds must be finite and > 0, got " + std::to_string(timeout_seconds_));
+    if (!backend_.empty() && backend_ != "gloo" && backend_ != "nccl")
+      fail("backend must be \"\", \"gloo\" or \"nccl\", got \"" + backend_ + "\"");
+  }
+};
+
+namespace detail {
+
+inline const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+inline int env_int(const char* name, int fallback) {
+  const char* v = env(name);
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  const long value = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0')
+    throw DistributedError(std::string("trainkit: environment variable ") + name +
+                           " must be an integer, got \"" + v + "\"");
+  return static_cast<int>(value);
+}
+
+inline std::string ranks_string(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+}  // namespace detail
+
+/// Who this process is in the group, and how that was found out.
+struct RankInfo {
+  int rank = 0, world_size = 1, local_rank = 0;
+  std::string launcher;  ///< "torchrun", "slurm", "options" or "single process"
+  std::string store;     ///< "host:port (hosted by ...)", or "in memory"
+};
+
+/// A c10d process group: a store and one backend (Gloo or NCCL), with the rank's identity and a
+/// timeout. A cheap handle: copies share the group.
+class ProcessGroup {
+ public:
+  /// Forms the group from the environment or the options (see the file comment) for tensors
+  /// on `device`: Gloo for the CPU, NCCL for CUDA. Blocks until every rank has joined or the
+  /// timeout has passed.
+  static ProcessGroup create(const DistributedOptions& options = {},
+                             torch::Device device = torch::kCPU) {
+    options.validate();
+    const RankInfo info = resolve(options);
+    const auto timeout = std::chrono::milliseconds(
+        static_cast<std::int64_t>(std::llround(options.timeout_seconds() * 1000.0)));
+    c10::intrusive_ptr<c10d::Store> store;
+    std::string store_text = "in memory";
+    if (info.world_size == 1 && info.launcher == "single process") {
+      store = c10::make_intrusive<c10d::HashStore>();
+    } else {
+      const std::string host = !options.master_addr().empty() ? options.master_addr()
+                               : detail::env("MASTER_ADDR")   ? detail::env("MASTER_ADDR")
+                                                              : "127.0.0.1";
+      const int port = options.master_port() != 0 ? options.master_port()
+                                                  : detail::env_int("MASTER_PORT", 29500);
+      const char* agent = detail::env("TORCHELASTIC_USE_AGENT_STORE");
+      const bool agent_store = info.launcher == "torchrun" && agent != nullptr &&
+                               (std::string(agent) == "True" || std::string(agent) == "1");
+      c10d::TCPStoreOptions so;
+      so.port = static_cast<std::uint16_t>(port);
+      so.isServer = !agent_store && info.rank == 0;
+      so.numWorkers = agent_store ? std::nullopt : std::optional<std::size_t>(info.world_size);
+      so.waitWorkers = !agent_store;
+      so.timeout = timeout;
+      store_text = host + ":" + std::to_string(port) +
+                   (agent_store ? " (hosted by torchrun's agent)" : " (hosted by rank 0)");
+      c10::intrusive_ptr<c10d::Store> tcp;
+      try {
+        tcp = c10::make_intrusive<c10d::TCPStore>(host, so);
+      } catch (const std::exception& e) {
+        throw DistributedError("trainkit: rank " + std::to_string(info.rank) + " of " +
+                               std::to_string(info.world_size) + " (" + info.launcher +
+                               ") could not join the store at " + store_text + " within " +
+                               std::to_string(options.timeout_seconds()) + " s: " + e.what());
+      }
+      // Keys of one launch attempt never meet those of another (torchrun restarts).
+      const std::string prefix =
+          "trainkit/attempt_" + std::to_string(detail::env_int("TORCHELASTIC_RESTART_COUNT", 0));
+      store = c10::make_intrusive<c10d::PrefixStore>(prefix, tcp);
+    }
+    store->setTimeout(timeout);
+    RankInfo full = info;
+    full.store = store_text;
+
+    const bool cuda = device.is_cuda();
+    const std::string backend = !options.backend().empty() ? options.backend() : cuda ? "nccl" : "gloo";
+    if (backend == "nccl" && !cuda)
+      throw std::invalid_argument("trainkit::ProcessGroup: NCCL needs a CUDA device, got " +
+                                  device.str() + "; use Gloo for CPU tensors");
+    if (backend == "gloo" && cuda)
+      throw std::invalid_argument("trainkit::ProcessGroup: this group runs its collectives on " +
+                                  device.str() + "; Gloo here is for CPU tensors, use NCCL");
+    c10::intrusive_ptr<c10d::Backend> pg;
+    try {
+      if (backend == "gloo") {
+        auto gloo = c10d::ProcessGroupGloo::Options::create_default(timeout);
+        if (const char* ifname = detail::env("GLOO_SOCKET_IFNAME")) {
+          gloo->devices.clear();
+          std::stringstream names(ifname);
+          for (std::string name; std::getline(names, name, ',');)
+            gloo->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+        }
+        pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, full.rank, full.world_size, gloo);
+      } else {
+#if TRAINKIT_HAVE_NCCL
+        auto nccl = c10d::ProcessGroupNCCL::Options::create();
+        nccl->timeout = timeout;
+        pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, full.rank, full.world_size, nccl);
+#else
+        throw std::invalid_argument(
+            "trainkit::ProcessGroup: this build has no NCCL (LibTorch without USE_C10D_NCCL, or "
+            "no nccl.h); CUDA tensors cannot be all-reduced");
+#endif
+      }
+    } catch (const std::invalid_argument&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw DistributedError("trainkit: rank " + std::to_string(full.rank) + " of " +
+                             std::to_string(full.world_size) + " could not create the " + backend +
+                             " process group: " + e.what());
+    }
+    return ProcessGroup(store, pg, full, timeout, cuda ? device : torch::Device(torch::kCPU));
+  }
+
+  /// From parts: a store, a backend built over it (e.g. a wrapper around another group's
+  /// backend), the identity and timeout.
+  ProcessGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
+               RankInfo info, std::chrono::milliseconds timeout, torch::Device device)
+      : state_(std::make_shared<State>(
+            State{std::move(store), std::move(backend), std::move(info), timeout, device})) {
+    TORCH_CHECK(state_->backend->getRank() == state_->info.rank &&
+                    state_->backend->getSize() == state_->info.world_size,
+                "ProcessGroup: the backend is rank ", state_->backend->getRank(), " of ",
+                state_->backend->getSize(), ", the info says ", state_->info.rank, " of ",
+                state_->info.world_size);
+  }
+
+  /// Which rank this process would be, from the environment or the options, without joining.
+  static RankInfo resolve(const DistributedOptions& options) {
+    RankInfo info;
+    const bool torchrun = detail::env("RANK") && detail::env("WORLD_SIZE");
+    const bool slurm = detail::env("SLURM_PROCID") && detail::env("SLURM_NTASKS");
+    Rendezvous how = options.rendezvous();
+    if (how == Rendezvous::environment)
+      how = torchrun ? Rendezvous::torchrun : slurm ? Rendezvous::slurm : Rendezvous::options;
+    switch (how) {
+      case Rendezvous::torchrun:
+        if (!torchrun)
+          throw DistributedError("trainkit: Rendezvous::torchrun, but RANK and WORLD_SIZE are not "
+                                 "set; launch with torchrun, or use Rendezvous::environment");
+        info = {detail::env_int("RANK", 0), detail::env_int("WORLD_SIZE", 1),
+                detail::env_int("LOCAL_RANK", 0), "torchrun", ""};
+        break;
+      case Rendezvous::slurm:
+        if (!slurm)
+          throw DistributedError("trainkit: Rendezvous::slurm, but SLURM_PROCID and SLURM_NTASKS "
+                                 "are not set; launch with srun, or use Rendezvous::environment");
+        info = {detail::env_int("SLURM_PROCID", 0), detail::env_int("SLURM_NTASKS", 1),
+                detail::env_int("SLURM_LOCALID", 0), "slurm", ""};
+        break;
+      case Rendezvous::options:
+      case Rendezvous::environment:
+        info = {options.rank(), options.world_size(), options.local_rank(),
+                options.world_size() == 1 && options.rendezvous() == Rendezvous::environment
+                    ? "single process"
+                    : "options",
+                ""};
+        break;
+    }
+    if (info.world_size < 1 || info.rank < 0 || info.rank >= info.world_size)
+      throw DistributedError("trainkit: " + info.launcher + " gives rank " +
+                             std::to_string(info.rank) + " of world size " +
+                             std::to_string(info.world_size) + "; need 0 <= rank < world size");
+    return info;
+  }
+
+  int rank() const { return state_->info.rank; }
+  int world_size() const { return state_->info.world_size; }
+  int local_rank() const { return state_->info.local_rank; }
+  bool is_main() const { return rank() == 0; }
+  const RankInfo& info() const { return state_->info; }
+  std::chrono::milliseconds timeout() const { return state_->timeout; }
+  /// Where collectives run: the CPU (Gloo) or this rank's GPU (NCCL).
+  torch::Device device() const { return state_->device; }
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return state_->backend; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return state_->store; }
+
+  /// Starts an all-reduce of `tensor` (contiguous, on device()), in place.
+  c10::intrusive_ptr<c10d::Work> start_all_reduce(const torch::Tensor& tensor,
+                                                  c10d::ReduceOp op = c10d::ReduceOp::SUM) const {
+    std::vector<torch::Tensor> tensors{tensor};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op;
+    return state_->backend->allreduce(tensors, o);
+  }
+  /// Waits for `work`; on failure throws DistributedError naming `what` and the silent ranks.
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what) const {
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      fail(what, e.what());
+    }
+  }
+  void all_reduce(const torch::Tensor& tensor, const std::string& what,
+                  c10d::ReduceOp op = c10d::ReduceOp::SUM) const {
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = start_all_reduce(tensor, op);
+    } catch (const std::exception& e) {
+      fail(what, e.what());
+    }
+    wait(work, what);
+  }
+  /// Rank `root`'s `tensor` (contiguous, on device()) to every rank, in place.
+  void broadcast(const torch::Tensor& tensor, const std::string& what, int root = 0) const {
+    std::vector<torch::Tensor> tensors{tensor};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = state_->backend->broadcast(tensors, o);
+    } catch (const std::exception& e) {
+      fail(what, e.what());
+    }
+    wait(work, what);
+  }
+  /// The mean over ranks of a few host scalars (metrics); every rank calls it alike.
+  std::vector<double> average(std::vector<double> values) const {
+    if (values.empty()) return values;
+    auto t = torch::tensor(values, torch::kDouble).to(device());
+    all_reduce(t, "averaging " + std::to_string(values.size()) + " metric values");
+    t = (t / static_cast<double>(world_size())).cpu();
+    for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<std::int64_t>(i)].item<double>();
+    return values;
+  }
+
+  /// Throws DistributedError for a failed `what`: rank and peers, and which ranks do not answer
+  /// a roll call through the store within a few seconds (they died or hang).
+  [[noreturn]] void fail(const std::string& what, const std::string& error) const {
+    std::ostringstream msg;
+    msg << "trainkit: rank " << rank() << " of " << world_size() << ": " << what << " failed";
+    const auto grace = std::min<std::chrono::milliseconds>(state_->timeout, std::chrono::seconds(3));
+    try {
+      auto& store = *state_->store;
+      store.set("failed/" + std::to_string(rank()), std::vector<std::uint8_t>{1});
+      std::vector<int> silent;
+      for (int r = 0; r < world_size(); ++r)
+        if (r != rank()) silent.push_back(r);
+      const auto deadline = std::chrono::steady_clock::now() + grace;
+      while (!silent.empty()) {
+        std::vector<int> still;
+        for (int r : silent)
+          if (!store.check({"failed/" + std::to_string(r)})) still.push_back(r);
+        silent.swap(still);
+        if (silent.empty() || std::chrono::steady_clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      if (silent.empty())
+        msg << "; every other rank failed too";
+      else
+        msg << "; rank" << (silent.size() > 1 ? "s " : " ") << detail::ranks_string(silent)
+            << (silent.size() > 1 ? " do" : " does") << " not answer (within "
+            << grace.count() / 1000.0 << " s): died or hangs";
+    } catch (const std::exception& e) {
+      msg << "; the store at " << state_->info.store << " does not answer either (" << e.what()
+          << "): its host is gone";
+    }
+    msg << " (timeout " << state_->timeout.count() / 1000.0 << " s). " << state_->backend->getBackendName()
+        << " said: " << error;
+    throw DistributedError(msg.str());
+  }
+
+ private:
+  struct State {
+    c10::intrusive_ptr<c10d::Store> store;
+    c10::intrusive_ptr<c10d::Backend> backend;
+    RankInfo info;
+    std::chrono::milliseconds timeout;
+    torch::Device device;
+  };
+  std::shared_ptr<State> state_;
+};
+
+/// A c10d backend that counts the all-reduce calls and bytes that pass through it to `inner`
+/// (tests, benchmarks, a traffic log): ProcessGroup(g.store(), counter, g.info(), ...).
+class CountingBackend final : public c10d::Backend {
+ public:
+  explicit CountingBackend(c10::intrusive_ptr<c10d::Backend> inner)
+      : c10d::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)) {}
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    ++all_reduce_calls;
+    for (const auto& t : tensors) all_reduce_bytes += static_cast<std::int64_t>(t.nbytes());
+    return inner_->allreduce(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    return inner_->broadcast(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return inner_->barrier(opts);
+  }
+  const std::string getBackendName() const override { return inner_->getBackendName(); }
+
+  std::int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> inner_;
+};
+
+/// Replicas over a ProcessGroup (replicas.hpp): rank 0's weights at attach, the gradient summed
+/// by a bucketed all-reduce once per window, the same state checked after load.
+class DataParallel final : public Replicas {
+ public:
+  /// DDP's default bucket: 25 MiB.
+  static constexpr std::int64_t kDefaultBucketBytes = 25 * 1024 * 1024;
+
+  explicit DataParallel(ProcessGroup group, std::int64_t bucket_bytes = kDefaultBucketBytes)
+      : group_(std::move(group)), bucket_bytes_(bucket_bytes) {
+    if (bucket_bytes_ < 1)
+      throw std::invalid_argument("trainkit::DataParallel: bucket_bytes must be >= 1, got " +
+                                  std::to_string(bucket_bytes_));
+  }
+
+  int rank() const override { return group_.rank(); }
+  int world_size() const override { return group_.world_size(); }
+  const ProcessGroup& group() const { return group_; }
+  std::int64_t bucket_bytes() const { return bucket_bytes_; }
+  /// All-reduce calls per window for a gradient of `numel` elements of `element_size` bytes.
+  std::int64_t buckets(std::int64_t numel, std::int64_t element_size = 4) const {
+    const std::int64_t per = std::max<std::int64_t>(1, bucket_bytes_ / element_size);
+    return numel == 0 ? 0 : (numel + per - 1) / per;
+  }
+  /// Optimizer phases this replica has reduced.
+  std::int64_t windows() const { return windows_; }
+
+  void attach(torch::nn::Module& model, const torch::Tensor& flat_params) override {
+    check_device(flat_params, "the parameters");
+    torch::NoGradGuard no_grad;
+    group_.broadcast(flat_params, "broadcast of the parameters from rank 0 at start");
+    // Everything else the model holds (frozen parameters, buffers, and any parameter that is
+    // not a view of the flat storage), one broadcast per dtype.
+    std::map<c10::ScalarType, std::vector<torch::Tensor>> rest;
+    for (const auto& p : model.parameters(true))
+      if (!p.is_alias_of(flat_params)) rest[p.scalar_type()].push_back(p);
+    for (const auto& b : model.buffers(true))
+      if (b.defined()) rest[b.scalar_type()].push_back(b);
+    for (auto& [dtype, tensors] : rest) {
+      std::vector<torch::Tensor> flat;
+      for (const auto& t : tensors) {
+        check_device(t, "a parameter or buffer");
+        flat.push_back(t.reshape({-1}));
+      }
+      auto packed = torch::cat(flat);
+      group_.broadcast(packed, "broadcast of the model's " + std::string(c10::toString(dtype)) +
+                                   " parameters and buffers from rank 0 at start");
+      std::int64_t offset = 0;
+      for (auto& t : tensors) {
+        t.copy_(packed.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    }
+  }
+
+  double reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) override {
+    ++windows_;
+    const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
+    // With item counts the ranks' windows hold different numbers of items: send each rank's
+    // sum over its items, and divide by the total over all ranks (exact global mean).
+    torch::Tensor items;
+    if (window.items >= 0) {
+      flat_grad.mul_(window.rescale * static_cast<double>(window.items));
+      items = torch::full({1}, window.items, torch::dtype(torch::kLong).device(group_.device()));
+    }
+    const auto n = buckets(flat_grad.numel(), static_cast<std::int64_t>(flat_grad.element_size()));
+    const std::int64_t per = n == 0 ? 0 : (flat_grad.numel() + n - 1) / n;
+    works_.clear();
+    try {
+      for (std::int64_t b = 0; b < n; ++b) {
+        const auto begin = b * per;
+        works_.push_back(group_.start_all_reduce(
+            flat_grad.narrow(0, begin, std::min(per, flat_grad.numel() - begin))));
+      }
+      if (items.defined()) works_.push_back(group_.start_all_reduce(items));
+    } catch (const std::exception& e) {
+      group_.fail("starting the gradient all-reduce" + step, e.what());
+    }
+    for (size_t b = 0; b < works_.size(); ++b)
+      group_.wait(works_[b], b < static_cast<size_t>(n)
+                                 ? "all-reduce of gradient bucket " + std::to_string(b + 1) + "/" +
+                                       std::to_string(n) + step
+                                 : "all-reduce of the window's item count" + step);
+    works_.clear();
+    if (items.defined()) {
+      const auto total = items.item<std::int64_t>();
+      if (total <= 0)
+        throw std::invalid_argument("optimizer step: the window's item counts sum to 0 over all "
+                                    "ranks; a window needs at least one item");
+      return 1.0 / static_cast<double>(total);
+    }
+    return window.rescale / static_cast<double>(world_size());
+  }
+
+  void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) override {
+    std::vector<torch::Tensor> parts;
+    for (const auto& t : state) {
+      const auto d = t.detach().to(torch::kDouble);
+      parts.push_back(d.sum().reshape({1}));
+      parts.push_back(d.abs().sum().reshape({1}));
+    }
+    const auto f = torch::cat(parts).to(group_.device());
+    auto both = torch::cat({f, -f});
+    group_.all_reduce(both, "comparing the loaded state across ranks", c10d::ReduceOp::MAX);
+    both = both.cpu();
+    const auto k = f.numel();
+    for (std::int64_t i = 0; i < k; ++i) {
+      const double hi = both[i].item<double>(), lo = -both[k + i].item<double>();
+      if (hi != lo) {
+        std::ostringstream msg;
+        msg << what << ": state item " << i / 2 << " differs between the " << world_size()
+            << " ranks (this rank: " << f[i].item<double>() << ", min " << lo << ", max " << hi
+            << "); every rank must load the same checkpoint file";
+        throw DistributedError(msg.str());
+      }
+    }
+  }
+
+  void average(std::vector<double>& values) override { values = group_.average(std::move(values)); }
+
+ private:
+  void check_device(const torch::Tensor& t, const std::string& what) const {
+    if (t.device() != group_.device())
+      throw std::invalid_argument("trainkit::DataParallel: " + what + " are on " + t.device().str() +
+                                  ", the process group communicates on " + group_.device().str() +
+                                  "; create the group for the model's device");
+  }
+
+  ProcessGroup group_;
+  std::int64_t bucket_bytes_;
+  std::int64_t windows_ = 0;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+};
+
+}  // namespace trainkit

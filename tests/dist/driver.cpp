@@ -1,0 +1,154 @@
+// The worker of the distributed tests (tests/unit/test_distributed.cpp), also run under
+// torchrun: trains a tiny MLP data-parallel on a synthetic regression set and writes its final
+// parameters and a summary. Launched without launcher variables it is one process.
+//
+//   trainkit_dist_driver --out PREFIX [--steps K] [--batch B] [--accum N] [--precision fp32|fp16]
+//       [--bucket-bytes X] [--timeout S] [--sleep-ms M] [--samples M]
+//       [--overflow-rank R --overflow-window W]   inject an inf loss on rank R in window W (1-based)
+//       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
+//       [--save PATH]                              rank 0 writes a checkpoint at the end
+// Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
+// "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
+#include <trainkit/distributed.hpp>
+#include <trainkit/sampler.hpp>
+#include <trainkit/trainer.hpp>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <string>
+#include <thread>
+
+namespace tk = trainkit;
+
+namespace {
+
+struct Args {
+  std::string out, load, load_rank1, save, precision = "fp32";
+  std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
+  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0;
+  double timeout = 60;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  std::map<std::string, std::string> kv;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    if (k.rfind("--", 0) != 0 || i + 1 >= argc) throw std::invalid_argument("bad argument " + k);
+    kv[k.substr(2)] = argv[++i];
+  }
+  auto take = [&](const char* k, auto& v) {
+    auto it = kv.find(k);
+    if (it == kv.end()) return;
+    if constexpr (std::is_same_v<std::decay_t<decltype(v)>, std::string>) v = it->second;
+    else if constexpr (std::is_same_v<std::decay_t<decltype(v)>, double>) v = std::stod(it->second);
+    else v = static_cast<std::decay_t<decltype(v)>>(std::stoll(it->second));
+    kv.erase(it);
+  };
+  take("out", a.out), take("load", a.load), take("load-rank1", a.load_rank1), take("save", a.save);
+  take("precision", a.precision), take("steps", a.steps), take("batch", a.batch);
+  take("accum", a.accum), take("samples", a.samples), take("bucket-bytes", a.bucket_bytes);
+  take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
+  take("sleep-ms", a.sleep_ms), take("timeout", a.timeout);
+  if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
+  if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
+  return a;
+}
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
+              fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Mlp);
+
+template <class Trainer>
+int run(const Args& a) {
+  auto base = tk::ProcessGroup::create(tk::DistributedOptions().timeout_seconds(a.timeout));
+  auto counter = c10::make_intrusive<tk::CountingBackend>(base.backend());
+  tk::ProcessGroup group(base.store(), counter, base.info(), base.timeout(), base.device());
+  const int rank = group.rank(), world = group.world_size();
+
+  // Every rank starts from other weights: the broadcast at attach makes them rank 0's.
+  torch::manual_seed(1000 + rank);
+  Mlp model;
+  auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
+  const auto x = torch::randn({a.samples, 8}, data_gen);
+  const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
+
+  Trainer trainer(model, tk::AdamW{1e-2, 1e-2},
+                  tk::TrainerOptions().accumulation_steps(a.accum).max_grad_norm(0.05));
+  auto replicas = std::make_shared<tk::DataParallel>(group, a.bucket_bytes);
+  trainer.set_replicas(replicas);
+  const std::string load = rank == 1 && !a.load_rank1.empty() ? a.load_rank1 : a.load;
+  if (!load.empty()) trainer.load(load);
+
+  tk::DistributedSampler sampler(a.samples, a.batch, rank, world, /*seed*/ 7);
+  const auto per_epoch = sampler.batches_per_epoch();
+  if (per_epoch % a.accum != 0)
+    throw std::invalid_argument("choose --samples, --batch and --accum so that windows do not span epochs");
+  const auto calls_before = counter->all_reduce_calls;
+  const auto windows_before = trainer.windows();
+  std::int64_t m = trainer.windows() * a.accum;  // micro-batches so far: the sampler's position
+  tk::StepReport last;
+  while (trainer.windows() < a.steps) {
+    const auto idx = torch::tensor(sampler.batch(m / per_epoch, m % per_epoch), torch::kLong);
+    const bool inject = rank == a.overflow_rank && trainer.windows() + 1 == a.overflow_window &&
+                        trainer.window_position() == a.accum - 1;
+    auto r = trainer.micro_step([&] {
+      auto loss = torch::mse_loss(model(x.index_select(0, idx)), y.index_select(0, idx));
+      return inject ? loss * std::numeric_limits<float>::infinity() : loss;
+    });
+    ++m;
+    if (r.window_closed) {
+      last = r.report;
+      std::cout << "window " << trainer.windows() << std::endl;
+    }
+    if (a.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.sleep_ms));
+  }
+  if (!a.save.empty() && group.is_main()) trainer.save(a.save);
+
+  const auto params = trainer.parameters().contiguous();
+  const std::string prefix = a.out + ".rank" + std::to_string(rank);
+  std::ofstream(prefix + ".bin", std::ios::binary)
+      .write(static_cast<const char*>(params.data_ptr()), params.numel() * sizeof(float));
+  auto mean = std::vector<double>{last.empty() ? 0.0 : last.loss()};
+  replicas->average(mean);
+  nlohmann::json j = {{"rank", rank},
+                      {"world", world},
+                      {"launcher", group.info().launcher},
+                      {"windows", trainer.windows() - windows_before},
+                      {"applied", trainer.applied_steps().template item<std::int64_t>()},
+                      {"skipped", trainer.skipped_steps().template item<std::int64_t>()},
+                      {"scale", trainer.loss_scale().template item<double>()},
+                      {"allreduce_calls", counter->all_reduce_calls - calls_before},
+                      {"buckets", replicas->buckets(trainer.gradients().numel())},
+                      {"numel", trainer.gradients().numel()},
+                      {"mean_loss", mean[0]}};
+  std::ofstream(prefix + ".json") << j.dump() << "\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Args a = parse(argc, argv);
+    using Acc = tk::AccumulationPolicy<tk::Dynamic>;
+    using Clip = tk::ClipPolicy<tk::ClipNorm>;
+    if (a.precision == "fp16") return run<tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, Acc, Clip>>(a);
+    if (a.precision == "fp32") return run<tk::Trainer<tk::PrecisionPolicy<tk::FP32>, Acc, Clip>>(a);
+    throw std::invalid_argument("--precision must be fp32 or fp16");
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}

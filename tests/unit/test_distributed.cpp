@@ -1,0 +1,321 @@
+// Data parallel over c10d/Gloo, two processes on loopback: the test launches the worker
+// tests/dist/driver.cpp (trainkit_dist_driver, next to this binary) as separate processes, so
+// that no LibTorch thread pool is ever forked.
+#if __has_include(<gloo/algorithm.h>)
+
+#include "helpers.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <dlfcn.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+
+extern char** environ;
+
+namespace {
+
+std::string here() {
+  char buf[4096];
+  const auto n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  REQUIRE(n > 0);
+  std::string self(buf, static_cast<size_t>(n));
+  return self.substr(0, self.rfind('/'));
+}
+std::string driver() { return here() + "/trainkit_dist_driver"; }
+
+// torchrun of the torch wheel that this binary's LibTorch comes from (.../site-packages/torch/
+// lib/libtorch_cpu.so -> .../bin/torchrun), or $TRAINKIT_TORCHRUN.
+std::string torchrun() {
+  if (const char* t = std::getenv("TRAINKIT_TORCHRUN")) return t;
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&c10::GetCPUAllocator), &info) == 0 || !info.dli_fname) return "";
+  std::string lib = info.dli_fname;  // <venv>/lib/pythonX.Y/site-packages/torch/lib/libc10.so
+  for (int up = 0; up < 5; ++up) lib = lib.substr(0, lib.rfind('/'));
+  return lib + "/bin/torchrun";
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  socklen_t len = sizeof(addr);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A child process with its own environment (the launcher variables replaced) and its output
+// in files.
+struct Child {
+  pid_t pid = -1;
+  std::string out, err;
+};
+
+Child spawn(const std::vector<std::string>& argv, const std::map<std::string, std::string>& vars,
+            const std::string& log) {
+  std::vector<std::string> env_strings;
+  static const char* const launcher[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                         "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+                                         "TORCHELASTIC_USE_AGENT_STORE"};
+  for (char** e = environ; *e; ++e) {
+    const std::string s = *e;
+    bool drop = false;
+    for (const char* name : launcher) drop |= s.rfind(std::string(name) + "=", 0) == 0;
+    if (!drop) env_strings.push_back(s);
+  }
+  for (const auto& [k, v] : vars) env_strings.push_back(k + "=" + v);
+  std::vector<char*> envp, args;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argv_copy = argv;
+  for (auto& s : argv_copy) args.push_back(s.data());
+  args.push_back(nullptr);
+  Child c;
+  c.out = log + ".out";
+  c.err = log + ".err";
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, c.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, 2, c.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int rc = ::posix_spawn(&c.pid, args[0], &actions, nullptr, args.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  REQUIRE_MESSAGE(rc == 0, "could not start " << argv[0]);
+  return c;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// The exit status, or -1 if it has not exited within `seconds` (it is then killed).
+int wait_exit(const Child& c, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  int status = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (::waitpid(c.pid, &status, WNOHANG) == c.pid)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::kill(c.pid, SIGKILL);
+  ::waitpid(c.pid, &status, 0);
+  return -1;
+}
+
+void expect_success(const Child& c, int status) {
+  INFO("stderr of " << c.err << ":\n" << slurp(c.err));
+  REQUIRE(status == 0);
+}
+
+std::vector<std::string> driver_args(const std::string& out, const std::vector<std::string>& extra) {
+  std::vector<std::string> a{driver(), "--out", out};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// Two ranks on loopback (rank 0 hosts the store), launched by the harness.
+void run_two(const std::string& out, const std::vector<std::string>& extra, double seconds = 120) {
+  const std::string port = std::to_string(free_port());
+  std::vector<Child> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.push_back(spawn(driver_args(out, extra),
+                          {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(r)},
+                           {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}},
+                          out + ".log" + std::to_string(r)));
+  for (auto& c : ranks) expect_success(c, wait_exit(c, seconds));
+}
+
+void run_one(const std::string& out, const std::vector<std::string>& extra) {
+  auto c = spawn(driver_args(out, extra), {}, out + ".log");
+  expect_success(c, wait_exit(c, 120));
+}
+
+torch::Tensor params(const std::string& out, int rank) {
+  const std::string bytes = slurp(out + ".rank" + std::to_string(rank) + ".bin");
+  REQUIRE(!bytes.empty());
+  return torch::from_blob(const_cast<char*>(bytes.data()),
+                          {static_cast<std::int64_t>(bytes.size() / sizeof(float))}, torch::kFloat)
+      .clone();
+}
+nlohmann::json summary(const std::string& out, int rank) {
+  return nlohmann::json::parse(slurp(out + ".rank" + std::to_string(rank) + ".json"));
+}
+double max_relative(const torch::Tensor& a, const torch::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max()).item<double>();
+}
+
+}  // namespace
+
+TEST_CASE("data parallel: 2 ranks with micro-batch B equal 1 process with 2B") {
+  testing::TempDir dir;
+  struct Case {
+    const char* name;
+    std::vector<std::string> args;
+  };
+  // 64 samples; 2 ranks x 4 = 1 x 8 per micro-batch, 8 micro-batches per epoch.
+  const std::vector<Case> cases = {
+      {"FP32, N = 1", {"--accum", "1", "--steps", "12"}},
+      {"FP32, N = 4", {"--accum", "4", "--steps", "6"}},
+      {"FP16Dynamic, N = 4, overflow on rank 1 in window 2",
+       {"--accum", "4", "--steps", "6", "--precision", "fp16", "--overflow-window", "2"}},
+  };
+  for (const auto& c : cases) {
+    SUBCASE(c.name) {
+      const bool overflow = std::string(c.name).find("overflow") != std::string::npos;
+      auto two = c.args, one = c.args;
+      two.insert(two.end(), {"--batch", "4"});
+      one.insert(one.end(), {"--batch", "8"});
+      if (overflow) {
+        two.insert(two.end(), {"--overflow-rank", "1"});
+        one.insert(one.end(), {"--overflow-rank", "0"});
+      }
+      run_two(dir / "two", two);
+      run_one(dir / "one", one);
+      const auto p0 = params(dir / "two", 0), p1 = params(dir / "two", 1), ref = params(dir / "one", 0);
+      // The ranks hold the same parameters, bit for bit (same reduced gradient, same update),
+      // and they are the big-batch run's.
+      CHECK(torch::equal(p0, p1));
+      CHECK(max_relative(p0, ref) <= 1e-5);
+      const auto s0 = summary(dir / "two", 0), s1 = summary(dir / "two", 1), s = summary(dir / "one", 0);
+      CHECK(s0["world"] == 2);
+      CHECK(s["world"] == 1);
+      CHECK(s0["applied"] == s["applied"]);
+      CHECK(s1["applied"] == s["applied"]);
+      CHECK(s0["mean_loss"] == s1["mean_loss"]);  // averaged over ranks: the same number on both
+      if (overflow) {
+        // Both ranks skipped window 2 (only rank 1 overflowed) and backed off the scale.
+        CHECK(s0["skipped"] == 1);
+        CHECK(s1["skipped"] == 1);
+        CHECK(s0["scale"] == 32768.0);
+        CHECK(s1["scale"] == 32768.0);
+        CHECK(s["scale"] == 32768.0);
+      } else {
+        CHECK(s0["skipped"] == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("data parallel: all-reduce calls per optimizer step equal the buckets, for any N") {
+  testing::TempDir dir;
+  // 212 parameters (848 bytes) in 256-byte buckets: 4 buckets.
+  for (const char* n : {"1", "4"}) {
+    CAPTURE(n);
+    const std::string out = dir / (std::string("n") + n);
+    run_two(out, {"--accum", n, "--steps", "4", "--bucket-bytes", "256"});
+    for (int r = 0; r < 2; ++r) {
+      const auto s = summary(out, r);
+      CHECK(s["numel"] == 212);
+      CHECK(s["buckets"] == 4);
+      CHECK(s["windows"] == 4);
+      // Only the gradient buckets were all-reduced during training, once per window.
+      CHECK(s["allreduce_calls"].get<int>() == 4 * 4);
+    }
+  }
+}
+
+TEST_CASE("data parallel: resume on every rank from the same checkpoint equals never stopping") {
+  testing::TempDir dir;
+  const std::vector<std::string> common{"--accum", "2", "--batch", "4", "--precision", "fp16"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), common.begin(), common.end());
+    return more;
+  };
+  run_two(dir / "straight", with({"--steps", "8"}));
+  run_two(dir / "first", with({"--steps", "4", "--save", dir / "ckpt.pt"}));
+  CHECK(testing::file_exists(dir / "ckpt.pt"));
+  run_two(dir / "resumed", with({"--steps", "8", "--load", dir / "ckpt.pt"}));
+  CHECK(torch::equal(params(dir / "resumed", 0), params(dir / "straight", 0)));
+  CHECK(torch::equal(params(dir / "resumed", 1), params(dir / "straight", 1)));
+
+  SUBCASE("ranks that load different checkpoints are stopped") {
+    run_two(dir / "other", with({"--steps", "2", "--save", dir / "other.pt"}));
+    const std::string port = std::to_string(free_port());
+    std::vector<Child> ranks;
+    for (int r = 0; r < 2; ++r)
+      ranks.push_back(spawn(driver_args(dir / "mixed", with({"--steps", "8", "--load", dir / "ckpt.pt",
+                                                             "--load-rank1", dir / "other.pt"})),
+                            {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                             {"MASTER_PORT", port}},
+                            dir / ("mixed.log" + std::to_string(r))));
+    for (auto& c : ranks) {
+      CHECK(wait_exit(c, 120) == 1);
+      CHECK(slurp(c.err).find("the ranks loaded different training states") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("data parallel: torchrun --no-python trains like the harness' launch") {
+  const std::string launcher = torchrun();
+  if (!testing::file_exists(launcher)) {
+    MESSAGE("skipped: no torchrun at '" << launcher << "' (set TRAINKIT_TORCHRUN)");
+    return;
+  }
+  testing::TempDir dir;
+  const std::vector<std::string> extra{"--accum", "2", "--steps", "6", "--batch", "4"};
+  std::vector<std::string> argv{launcher, "--no-python", "--nproc-per-node", "2", "--master-addr",
+                                "127.0.0.1", "--master-port", std::to_string(free_port())};
+  const auto worker = driver_args(dir / "torchrun", extra);
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  auto c = spawn(argv, {}, dir / "torchrun.log");
+  expect_success(c, wait_exit(c, 180));
+  run_two(dir / "harness", extra);
+  for (int r = 0; r < 2; ++r) {
+    CHECK(summary(dir / "torchrun", r)["launcher"] == "torchrun");
+    CHECK(torch::equal(params(dir / "torchrun", r), params(dir / "harness", r)));
+  }
+}
+
+TEST_CASE("data parallel: a rank that dies or hangs stops the other within the timeout") {
+  testing::TempDir dir;
+  for (const int signal : {SIGKILL, SIGSTOP}) {
+    CAPTURE(signal);
+    const double timeout = 4;
+    const std::string port = std::to_string(free_port());
+    const std::string out = dir / (signal == SIGKILL ? "killed" : "stopped");
+    std::vector<Child> ranks;
+    for (int r = 0; r < 2; ++r)
+      ranks.push_back(spawn(driver_args(out, {"--steps", "100000", "--batch", "4", "--sleep-ms", "5",
+                                              "--timeout", std::to_string(timeout)}),
+                            {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                             {"MASTER_PORT", port}},
+                            out + ".log" + std::to_string(r)));
+    // Wait until they train, then take rank 1 away.
+    const auto start = std::chrono::steady_clock::now();
+    while (slurp(ranks[0].out).find("window 3\n") == std::string::npos &&
+           std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    REQUIRE(slurp(ranks[0].out).find("window 3\n") != std::string::npos);
+    ::kill(ranks[1].pid, signal);
+    const auto t0 = std::chrono::steady_clock::now();
+    const int status = wait_exit(ranks[0], timeout + 10);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string err = slurp(ranks[0].err);
+    INFO("rank 0's stderr: " << err);
+    CHECK(status == 1);          // an error, not a hang (-1) or a crash
+    CHECK(took < timeout + 5);   // the timeout, plus the roll call and the exit
+    CHECK(err.find("rank 0 of 2") != std::string::npos);
+    CHECK(err.find("rank 1 does not answer") != std::string::npos);
+    ::kill(ranks[1].pid, SIGKILL);
+    wait_exit(ranks[1], 10);
+  }
+}
+
+#endif  // Gloo's headers
