@@ -360,7 +360,9 @@ class ProcessGroup {
   [[noreturn]] void fail(const std::string& what, const std::string& error) const {
     std::ostringstream msg;
     msg << "trainkit: rank " << rank() << " of " << world_size() << ": " << what << " failed";
-    const auto grace = std::min<std::chrono::milliseconds>(state_->timeout, std::chrono::seconds(3));
+    // Short against the timeout: a dead peer is usually seen at once (connection reset), and
+    // the survivors should stop well within the timeout.
+    const auto grace = std::min<std::chrono::milliseconds>(state_->timeout / 4, std::chrono::seconds(3));
     try {
       auto& store = *state_->store;
       store.set("failed/" + std::to_string(rank()), std::vector<std::uint8_t>{1});

@@ -3,7 +3,7 @@
 // parameters and a summary. Launched without launcher variables it is one process.
 //
 //   trainkit_dist_driver --out PREFIX [--steps K] [--batch B] [--accum N] [--precision fp32|fp16]
-//       [--bucket-bytes X] [--timeout S] [--sleep-ms M] [--samples M]
+//       [--model mlp|affine] [--bucket-bytes X] [--timeout S] [--sleep-ms M] [--samples M]
 //       [--overflow-rank R --overflow-window W]   inject an inf loss on rank R in window W (1-based)
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
 //       [--save PATH]                              rank 0 writes a checkpoint at the end
@@ -30,7 +30,7 @@ namespace tk = trainkit;
 namespace {
 
 struct Args {
-  std::string out, load, load_rank1, save, precision = "fp32";
+  std::string out, load, load_rank1, save, precision = "fp32", model = "mlp";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0;
   double timeout = 60;
@@ -53,7 +53,7 @@ Args parse(int argc, char** argv) {
     kv.erase(it);
   };
   take("out", a.out), take("load", a.load), take("load-rank1", a.load_rank1), take("save", a.save);
-  take("precision", a.precision), take("steps", a.steps), take("batch", a.batch);
+  take("precision", a.precision), take("model", a.model), take("steps", a.steps), take("batch", a.batch);
   take("accum", a.accum), take("samples", a.samples), take("bucket-bytes", a.bucket_bytes);
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
   take("sleep-ms", a.sleep_ms), take("timeout", a.timeout);
@@ -62,10 +62,22 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
+// `mlp`: Linear(8, 16), tanh, Linear(16, 4). `affine`: elementwise only (no op that autocast
+// runs in fp16), for comparisons that fp16 rounding of batch-size-dependent matmuls would blur.
 struct MlpImpl : torch::nn::Module {
-  MlpImpl() : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
-              fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  explicit MlpImpl(bool affine)
+      : affine(affine),
+        fc1(register_module("fc1", torch::nn::Linear(8, 16))),
+        fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (affine) {  // 8 inputs -> 4 outputs from the same 212 parameters, elementwise
+      const auto w = fc1->weight.reshape({-1}).narrow(0, 0, 8), b = fc1->bias.narrow(0, 0, 8);
+      const auto h = torch::tanh(x * w + b).reshape({-1, 4, 2}).sum(2);
+      return h * fc2->weight.reshape({-1}).narrow(0, 0, 4) + fc2->bias;
+    }
+    return fc2(torch::tanh(fc1(x)));
+  }
+  bool affine;
   torch::nn::Linear fc1, fc2;
 };
 TORCH_MODULE(Mlp);
@@ -79,7 +91,8 @@ int run(const Args& a) {
 
   // Every rank starts from other weights: the broadcast at attach makes them rank 0's.
   torch::manual_seed(1000 + rank);
-  Mlp model;
+  if (a.model != "mlp" && a.model != "affine") throw std::invalid_argument("--model must be mlp or affine");
+  Mlp model(a.model == "affine");
   auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
   const auto x = torch::randn({a.samples, 8}, data_gen);
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
@@ -114,6 +127,7 @@ int run(const Args& a) {
     }
     if (a.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.sleep_ms));
   }
+  const auto training_calls = counter->all_reduce_calls - calls_before;
   if (!a.save.empty() && group.is_main()) trainer.save(a.save);
 
   const auto params = trainer.parameters().contiguous();
@@ -129,7 +143,7 @@ int run(const Args& a) {
                       {"applied", trainer.applied_steps().template item<std::int64_t>()},
                       {"skipped", trainer.skipped_steps().template item<std::int64_t>()},
                       {"scale", trainer.loss_scale().template item<double>()},
-                      {"allreduce_calls", counter->all_reduce_calls - calls_before},
+                      {"allreduce_calls", training_calls},
                       {"buckets", replicas->buckets(trainer.gradients().numel())},
                       {"numel", trainer.gradients().numel()},
                       {"mean_loss", mean[0]}};

@@ -40,9 +40,9 @@ std::string driver() { return here() + "/trainkit_dist_driver"; }
 std::string torchrun() {
   if (const char* t = std::getenv("TRAINKIT_TORCHRUN")) return t;
   Dl_info info{};
-  if (::dladdr(reinterpret_cast<void*>(&c10::GetCPUAllocator), &info) == 0 || !info.dli_fname) return "";
+  if (::dladdr(reinterpret_cast<void*>(&c10::GetAllocator), &info) == 0 || !info.dli_fname) return "";
   std::string lib = info.dli_fname;  // <venv>/lib/pythonX.Y/site-packages/torch/lib/libc10.so
-  for (int up = 0; up < 5; ++up) lib = lib.substr(0, lib.rfind('/'));
+  for (int up = 0; up < 6; ++up) lib = lib.substr(0, lib.rfind('/'));
   return lib + "/bin/torchrun";
 }
 
@@ -168,13 +168,19 @@ TEST_CASE("data parallel: 2 ranks with micro-batch B equal 1 process with 2B") {
   struct Case {
     const char* name;
     std::vector<std::string> args;
+    double tolerance = 1e-5;
   };
   // 64 samples; 2 ranks x 4 = 1 x 8 per micro-batch, 8 micro-batches per epoch.
   const std::vector<Case> cases = {
       {"FP32, N = 1", {"--accum", "1", "--steps", "12"}},
       {"FP32, N = 4", {"--accum", "4", "--steps", "6"}},
+      // Elementwise model: nothing runs in fp16, so the comparison is as tight as FP32's.
       {"FP16Dynamic, N = 4, overflow on rank 1 in window 2",
-       {"--accum", "4", "--steps", "6", "--precision", "fp16", "--overflow-window", "2"}},
+       {"--accum", "4", "--steps", "6", "--precision", "fp16", "--overflow-window", "2", "--model", "affine"}},
+      // The MLP's matmuls run in fp16 (autocast): a sum over 4 rows in fp16 is not the same
+      // number as over 8, so batch 4 + 4 and batch 8 differ by fp16 rounding (5e-5 seen).
+      {"FP16Dynamic MLP, N = 4, overflow on rank 1 in window 2",
+       {"--accum", "4", "--steps", "6", "--precision", "fp16", "--overflow-window", "2"}, 1e-3},
   };
   for (const auto& c : cases) {
     SUBCASE(c.name) {
@@ -192,7 +198,7 @@ TEST_CASE("data parallel: 2 ranks with micro-batch B equal 1 process with 2B") {
       // The ranks hold the same parameters, bit for bit (same reduced gradient, same update),
       // and they are the big-batch run's.
       CHECK(torch::equal(p0, p1));
-      CHECK(max_relative(p0, ref) <= 1e-5);
+      CHECK(max_relative(p0, ref) <= c.tolerance);
       const auto s0 = summary(dir / "two", 0), s1 = summary(dir / "two", 1), s = summary(dir / "one", 0);
       CHECK(s0["world"] == 2);
       CHECK(s["world"] == 1);
@@ -310,7 +316,8 @@ TEST_CASE("data parallel: a rank that dies or hangs stops the other within the t
     const std::string err = slurp(ranks[0].err);
     INFO("rank 0's stderr: " << err);
     CHECK(status == 1);          // an error, not a hang (-1) or a crash
-    CHECK(took < timeout + 5);   // the timeout, plus the roll call and the exit
+    // Killed: the connection resets at once; stopped: Gloo's timeout passes first.
+    CHECK(took < (signal == SIGKILL ? timeout : timeout + 4));
     CHECK(err.find("rank 0 of 2") != std::string::npos);
     CHECK(err.find("rank 1 does not answer") != std::string::npos);
     ::kill(ranks[1].pid, SIGKILL);
