@@ -185,7 +185,8 @@ def main():
 
     shown = IMPLS + [i for i in OPTIONAL if i in impls]
     fused = "python-fused" in impls
-    torch_version = next((r.get("torch") for rs in records.values() for r in rs if r.get("torch")), "?")
+    everything = [r for rs in records.values() for r in rs] + [r for _, _, row in sweep for r in row.values() if r]
+    torch_version = next((r.get("torch") for r in everything if r.get("torch")), "?")
     out = []
     out.append(f"Date: {date}. Machine: {machine()}.")
     out.append(f"torch {torch_version} (the same wheel for LibTorch and Python), {args.threads} intra-op threads in "
@@ -201,59 +202,60 @@ def main():
                + " ".join(sys.argv[1:]) + "`).")
     out.append("")
 
-    out.append("### Time per optimizer step (one whole window), ms, median")
-    out.append("")
-    if not args.full_fp16:
-        out.append("FP16 BERT rows use micro-batches of " + ", ".join(
-            f"{b} x {t} tokens ({m})" for m, (b, t) in FP16_CPU_BATCH.items()) +
-            " (this CPU has no fp16 arithmetic: fp16 matrix products are ~40x slower than fp32); "
-            "the other rows use the models' defaults (bert-tiny 4 x 64, bert-8x512 4 x 32, MLP 32 samples).")
+    if args.reps > 0:  # timing runs were made
+        out.append("### Time per optimizer step (one whole window), ms, median")
         out.append("")
-    out.append("| model | precision | N | trainkit | branching | hand-written LibTorch | Python | LibTorch / trainkit | Python / trainkit | branching / trainkit |"
-               + (" Python, fused AdamW | its / trainkit |" if fused else ""))
-    out.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fused else ""))
-    for m, p, n in configs:
-        t = {i: fig((m, p, n, i), "window_ms") for i in shown}
-        out.append(f"| {m} | {p} | {n} | {fmt(t['trainkit'])} | {fmt(t['branching'])} | {fmt(t['libtorch'])} | "
-                   f"{fmt(t['python'])} | {fmt(ratio(t['libtorch'], t['trainkit']))}x | "
-                   f"{fmt(ratio(t['python'], t['trainkit']))}x | {fmt(ratio(t['branching'], t['trainkit']), 3)}x |"
-                   + (f" {fmt(t['python-fused'])} | {fmt(ratio(t['python-fused'], t['trainkit']))}x |" if fused else ""))
-    out.append("")
+        if not args.full_fp16:
+            out.append("FP16 BERT rows use micro-batches of " + ", ".join(
+                f"{b} x {t} tokens ({m})" for m, (b, t) in FP16_CPU_BATCH.items()) +
+                " (this CPU has no fp16 arithmetic: fp16 matrix products are ~40x slower than fp32); "
+                "the other rows use the models' defaults (bert-tiny 4 x 64, bert-8x512 4 x 32, MLP 32 samples).")
+            out.append("")
+        out.append("| model | precision | N | trainkit | branching | hand-written LibTorch | Python | LibTorch / trainkit | Python / trainkit | branching / trainkit |"
+                   + (" Python, fused AdamW | its / trainkit |" if fused else ""))
+        out.append("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fused else ""))
+        for m, p, n in configs:
+            t = {i: fig((m, p, n, i), "window_ms") for i in shown}
+            out.append(f"| {m} | {p} | {n} | {fmt(t['trainkit'])} | {fmt(t['branching'])} | {fmt(t['libtorch'])} | "
+                       f"{fmt(t['python'])} | {fmt(ratio(t['libtorch'], t['trainkit']))}x | "
+                       f"{fmt(ratio(t['python'], t['trainkit']))}x | {fmt(ratio(t['branching'], t['trainkit']), 3)}x |"
+                       + (f" {fmt(t['python-fused'])} | {fmt(ratio(t['python-fused'], t['trainkit']))}x |" if fused else ""))
+        out.append("")
 
-    out.append("### Optimizer phase alone (unscale + clip + update + zero), ms, median")
-    out.append("")
-    out.append("Floor: 32 bytes per parameter (AdamW reads p, g, m, v and writes p, m, v; zeroing writes g) over the "
-               "copy bandwidth measured in each C++ process at the model's size.")
-    out.append("")
-    out.append("| model | precision | N | params | copy GB/s | floor | trainkit | trainkit / floor | hand-written LibTorch | LibTorch / trainkit | Python | Python / trainkit |"
-               + (" Python, fused AdamW | its / trainkit |" if fused else ""))
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fused else ""))
-    floors = {}
-    for m, p, n in configs:
-        cpp = [r for i in ("trainkit", "branching", "libtorch") for r in records.get((m, p, n, i), [])]
-        gbs = med([r["copy_gbs"] for r in cpp if r["copy_gbs"] > 0])
-        fl = med([r["floor_ms"] for r in cpp if r["floor_ms"] > 0])
-        params = cpp[0]["params"] if cpp else None
-        t = {i: fig((m, p, n, i), "phase_ms") for i in shown}
-        floors[(m, p, n)] = fl
-        out.append(f"| {m} | {p} | {n} | {fmt(params / 1e6 if params else None)} M | {fmt(gbs, 1)} | {fmt(fl, 3)} | "
-                   f"{fmt(t['trainkit'], 3)} | {fmt(ratio(t['trainkit'], fl))}x | {fmt(t['libtorch'], 3)} | "
-                   f"{fmt(ratio(t['libtorch'], t['trainkit']))}x | {fmt(t['python'], 3)} | "
-                   f"{fmt(ratio(t['python'], t['trainkit']))}x |"
-                   + (f" {fmt(t['python-fused'], 3)} | {fmt(ratio(t['python-fused'], t['trainkit']))}x |" if fused else ""))
-    out.append("")
+        out.append("### Optimizer phase alone (unscale + clip + update + zero), ms, median")
+        out.append("")
+        out.append("Floor: 32 bytes per parameter (AdamW reads p, g, m, v and writes p, m, v; zeroing writes g) over the "
+                   "copy bandwidth measured in each C++ process at the model's size.")
+        out.append("")
+        out.append("| model | precision | N | params | copy GB/s | floor | trainkit | trainkit / floor | hand-written LibTorch | LibTorch / trainkit | Python | Python / trainkit |"
+                   + (" Python, fused AdamW | its / trainkit |" if fused else ""))
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if fused else ""))
+        floors = {}
+        for m, p, n in configs:
+            cpp = [r for i in ("trainkit", "branching", "libtorch") for r in records.get((m, p, n, i), [])]
+            gbs = med([r["copy_gbs"] for r in cpp if r["copy_gbs"] > 0])
+            fl = med([r["floor_ms"] for r in cpp if r["floor_ms"] > 0])
+            params = cpp[0]["params"] if cpp else None
+            t = {i: fig((m, p, n, i), "phase_ms") for i in shown}
+            floors[(m, p, n)] = fl
+            out.append(f"| {m} | {p} | {n} | {fmt(params / 1e6 if params else None)} M | {fmt(gbs, 1)} | {fmt(fl, 3)} | "
+                       f"{fmt(t['trainkit'], 3)} | {fmt(ratio(t['trainkit'], fl))}x | {fmt(t['libtorch'], 3)} | "
+                       f"{fmt(ratio(t['libtorch'], t['trainkit']))}x | {fmt(t['python'], 3)} | "
+                       f"{fmt(ratio(t['python'], t['trainkit']))}x |"
+                       + (f" {fmt(t['python-fused'], 3)} | {fmt(ratio(t['python-fused'], t['trainkit']))}x |" if fused else ""))
+        out.append("")
 
-    out.append("### Peak resident memory (VmHWM), MiB, median (one process per configuration)")
-    out.append("")
-    out.append("| model | precision | N | " + " | ".join(shown) + " |")
-    out.append("|---|---|---|" + "---|" * len(shown))
-    for m, p, n in configs:
-        out.append(f"| {m} | {p} | {n} | " + " | ".join(fmt(hwm((m, p, n, i)), 0) for i in shown) + " |")
-    starts = {i: med([r["rss_start_kib"] / 1024 for k, rs in records.items() if k[3] == i for r in rs]) for i in shown}
-    out.append("")
-    out.append("Resident memory before the model is built (the runtime itself): " +
-               ", ".join(f"{i} {fmt(starts[i], 0)} MiB" for i in shown) + ".")
-    out.append("")
+        out.append("### Peak resident memory (VmHWM), MiB, median (one process per configuration)")
+        out.append("")
+        out.append("| model | precision | N | " + " | ".join(shown) + " |")
+        out.append("|---|---|---|" + "---|" * len(shown))
+        for m, p, n in configs:
+            out.append(f"| {m} | {p} | {n} | " + " | ".join(fmt(hwm((m, p, n, i)), 0) for i in shown) + " |")
+        starts = {i: med([r["rss_start_kib"] / 1024 for k, rs in records.items() if k[3] == i for r in rs]) for i in shown}
+        out.append("")
+        out.append("Resident memory before the model is built (the runtime itself): " +
+                   ", ".join(f"{i} {fmt(starts[i], 0)} MiB" for i in shown) + ".")
+        out.append("")
 
     if op_counts:
         out.append("### ATen operator calls per optimizer phase (top level, N = 1; a separate short run)")
@@ -278,56 +280,57 @@ def main():
                 fmt(row[i]["vmhwm_kib"] / 1024 if row.get(i) else None, 0) for i in names) + " |")
         out.append("")
 
-    out.append("### Same model, same data: the first window's loss (before any update) and the last one's")
-    out.append("")
-    out.append("| model | precision | N | " + " | ".join(shown) + " |")
-    out.append("|---|---|---|" + "---|" * len(shown))
-    for m, p, n in configs:
-        cells = []
-        for i in shown:
-            rs = records.get((m, p, n, i), [])
-            cells.append(f"{rs[0]['losses'][0]:.5f} / {rs[0]['losses'][-1]:.5f}" if rs else "n/a")
-        out.append(f"| {m} | {p} | {n} | " + " | ".join(cells) + " |")
-    out.append("")
+    if args.reps > 0:  # timing runs were made
+        out.append("### Same model, same data: the first window's loss (before any update) and the last one's")
+        out.append("")
+        out.append("| model | precision | N | " + " | ".join(shown) + " |")
+        out.append("|---|---|---|" + "---|" * len(shown))
+        for m, p, n in configs:
+            cells = []
+            for i in shown:
+                rs = records.get((m, p, n, i), [])
+                cells.append(f"{rs[0]['losses'][0]:.5f} / {rs[0]['losses'][-1]:.5f}" if rs else "n/a")
+            out.append(f"| {m} | {p} | {n} | " + " | ".join(cells) + " |")
+        out.append("")
 
-    # --- targets ---------------------------------------------------------------------------
-    out.append("### Targets")
-    out.append("")
+        # --- targets ---------------------------------------------------------------------------
+        out.append("### Targets")
+        out.append("")
 
-    def span(values):
-        values = [v for v in values if v is not None]
-        return (min(values), max(values)) if values else (None, None)
+        def span(values):
+            values = [v for v in values if v is not None]
+            return (min(values), max(values)) if values else (None, None)
 
-    rows = []
-    for m in models:
-        cfg = [(m, p, n) for p, n in [(p, n) for p in precisions for n in accums]]
-        tk_floor = span([ratio(fig(c + ("trainkit",), "phase_ms"), floors[c]) for c in cfg])
-        rows.append((f"{m}: optimizer phase <= 1.3x the bandwidth floor", tk_floor[1] is not None and tk_floor[1] <= 1.3,
-                     f"trainkit / floor {fmt(tk_floor[0])}x .. {fmt(tk_floor[1])}x"))
-        vs_lt = span([ratio(fig(c + ("libtorch",), "phase_ms"), fig(c + ("trainkit",), "phase_ms")) for c in cfg])
-        rows.append((f"{m}: optimizer phase >= 2x faster than hand-written LibTorch", vs_lt[0] is not None and vs_lt[0] >= 2,
-                     f"speed-up {fmt(vs_lt[0])}x .. {fmt(vs_lt[1])}x"))
-        w_lt = span([ratio(fig(c + ("libtorch",), "window_ms"), fig(c + ("trainkit",), "window_ms")) for c in cfg])
-        w_py = span([ratio(fig(c + ("python",), "window_ms"), fig(c + ("trainkit",), "window_ms")) for c in cfg])
-        if m == "bert-tiny":
-            rows.append(("bert-tiny: window >= 1.3x faster than Python", w_py[0] is not None and w_py[0] >= 1.3,
-                         f"speed-up {fmt(w_py[0])}x .. {fmt(w_py[1])}x"))
-            rows.append(("bert-tiny: window >= 1.1x faster than hand-written LibTorch", w_lt[0] is not None and w_lt[0] >= 1.1,
-                         f"speed-up {fmt(w_lt[0])}x .. {fmt(w_lt[1])}x"))
-        rows.append((f"{m}: window never slower than LibTorch or Python",
-                     None not in (w_lt[0], w_py[0]) and min(w_lt[0], w_py[0]) >= 1.0,
-                     f"vs LibTorch {fmt(w_lt[0])}x .. {fmt(w_lt[1])}x, vs Python {fmt(w_py[0])}x .. {fmt(w_py[1])}x"))
-    if sweep:
-        tk = [row.get("trainkit") for _, _, row in sweep]
-        if all(tk):
-            mib = [r["vmhwm_kib"] / 1024 for r in tk]
-            rows.append(("peak memory falls as the micro-batch shrinks (trainkit, N = 1, 2, 4, 8)",
-                         all(a > b for a, b in zip(mib, mib[1:])), " > ".join(f"{v:.0f}" for v in mib) + " MiB"))
-    out.append("| target | met | figures (min .. max over the precisions and N) |")
-    out.append("|---|---|---|")
-    for name, met, detail in rows:
-        out.append(f"| {name} | {'yes' if met else 'NO'} | {detail} |")
-    out.append("")
+        rows = []
+        for m in models:
+            cfg = [(m, p, n) for p, n in [(p, n) for p in precisions for n in accums]]
+            tk_floor = span([ratio(fig(c + ("trainkit",), "phase_ms"), floors[c]) for c in cfg])
+            rows.append((f"{m}: optimizer phase <= 1.3x the bandwidth floor", tk_floor[1] is not None and tk_floor[1] <= 1.3,
+                         f"trainkit / floor {fmt(tk_floor[0])}x .. {fmt(tk_floor[1])}x"))
+            vs_lt = span([ratio(fig(c + ("libtorch",), "phase_ms"), fig(c + ("trainkit",), "phase_ms")) for c in cfg])
+            rows.append((f"{m}: optimizer phase >= 2x faster than hand-written LibTorch", vs_lt[0] is not None and vs_lt[0] >= 2,
+                         f"speed-up {fmt(vs_lt[0])}x .. {fmt(vs_lt[1])}x"))
+            w_lt = span([ratio(fig(c + ("libtorch",), "window_ms"), fig(c + ("trainkit",), "window_ms")) for c in cfg])
+            w_py = span([ratio(fig(c + ("python",), "window_ms"), fig(c + ("trainkit",), "window_ms")) for c in cfg])
+            if m == "bert-tiny":
+                rows.append(("bert-tiny: window >= 1.3x faster than Python", w_py[0] is not None and w_py[0] >= 1.3,
+                             f"speed-up {fmt(w_py[0])}x .. {fmt(w_py[1])}x"))
+                rows.append(("bert-tiny: window >= 1.1x faster than hand-written LibTorch", w_lt[0] is not None and w_lt[0] >= 1.1,
+                             f"speed-up {fmt(w_lt[0])}x .. {fmt(w_lt[1])}x"))
+            rows.append((f"{m}: window never slower than LibTorch or Python",
+                         None not in (w_lt[0], w_py[0]) and min(w_lt[0], w_py[0]) >= 1.0,
+                         f"vs LibTorch {fmt(w_lt[0])}x .. {fmt(w_lt[1])}x, vs Python {fmt(w_py[0])}x .. {fmt(w_py[1])}x"))
+        if sweep:
+            tk = [row.get("trainkit") for _, _, row in sweep]
+            if all(tk):
+                mib = [r["vmhwm_kib"] / 1024 for r in tk]
+                rows.append(("peak memory falls as the micro-batch shrinks (trainkit, N = 1, 2, 4, 8)",
+                             all(a > b for a, b in zip(mib, mib[1:])), " > ".join(f"{v:.0f}" for v in mib) + " MiB"))
+        out.append("| target | met | figures (min .. max over the precisions and N) |")
+        out.append("|---|---|---|")
+        for name, met, detail in rows:
+            out.append(f"| {name} | {'yes' if met else 'NO'} | {detail} |")
+        out.append("")
     if runner.failures:
         out.append("Failed runs:")
         out.extend(f"- `{f}`" for f in runner.failures)
