@@ -94,11 +94,17 @@ if [[ "$MODE" == "--dry-run" ]]; then
 else
   TORCH_PREFIX="$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')"
   prefix="$TORCH_PREFIX"
-  flags=()
+  cxxflags=""
   if [[ -d "$DEPS" ]]; then
     prefix="$TORCH_PREFIX;$DEPS"
-    flags=(-DCMAKE_CXX_FLAGS="-isystem $DEPS/include")
+    cxxflags="-isystem $DEPS/include"
   fi
+  # The wheel ships nccl.h (nvidia-nccl) outside LibTorch's include path; distributed.hpp uses
+  # NCCL only where it finds that header.
+  NCCL_INC="$($PY -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "include"))' 2>/dev/null || true)"
+  [[ -n "$NCCL_INC" && -f "$NCCL_INC/nccl.h" ]] && cxxflags="$cxxflags -isystem $NCCL_INC"
+  flags=()
+  [[ -n "$cxxflags" ]] && flags=(-DCMAKE_CXX_FLAGS="$cxxflags")
   step configure 120 cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" -DCMAKE_PREFIX_PATH="$prefix" \
     -DTRAINKIT_BUILD_EXAMPLES=OFF -DTRAINKIT_BUILD_TOOLS=OFF -DTRAINKIT_WITH_YAML=OFF \
