@@ -153,6 +153,8 @@ def main():
                 rec = runner.run(impl, m, p, n)
                 if rec:
                     records.setdefault((m, p, n, impl), []).append(rec)
+            print(f"[driver] repetition {rep + 1}/{args.reps}, configuration {c + 1}/{len(configs)} "
+                  f"({m} {p} N={n}) done at {time.time() - started:.0f} s", file=sys.stderr)
         print(f"[driver] repetition {rep + 1}/{args.reps} done after {time.time() - started:.0f} s, load {load()}",
               file=sys.stderr)
 
