@@ -172,6 +172,8 @@ def main():
     if args.sweep != "none":
         sm, eff = args.sweep.split(":")
         eff = int(eff)
+        if eff % 8:
+            ap.error(f"--sweep {args.sweep}: the effective batch must be a multiple of 8 (N = 1, 2, 4, 8)")
         for n in (1, 2, 4, 8):
             row = {}
             for impl in [i for i in impls if i not in ("branching", "python-fused")]:
