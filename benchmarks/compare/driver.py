@@ -152,6 +152,7 @@ def main():
                     continue  # master weights: a trainkit mode the others do not have
                 rec = runner.run(impl, m, p, n)
                 if rec:
+                    rec["_rep"] = rep
                     records.setdefault((m, p, n, impl), []).append(rec)
             print(f"[driver] repetition {rep + 1}/{args.reps}, configuration {c + 1}/{len(configs)} "
                   f"({m} {p} N={n}) done at {time.time() - started:.0f} s", file=sys.stderr)
@@ -184,6 +185,18 @@ def main():
         recs = records.get(key, [])
         return med([statistics.median(r[field]) for r in recs if r[field]])
 
+    def paired(key, impl, field):
+        """Median over the repetitions of impl / trainkit, each repetition's pair measured back to
+        back (so a slow change of load cancels out), of the per-process medians."""
+        mine = {r["_rep"]: statistics.median(r[field]) for r in records.get(key + (impl,), []) if r[field]}
+        tk = {r["_rep"]: statistics.median(r[field]) for r in records.get(key + ("trainkit",), []) if r[field]}
+        return med([mine[k] / tk[k] for k in mine if k in tk and tk[k] > 0])
+
+    def over_floor(key):
+        """trainkit's phase over the floor measured in the same process, median over processes."""
+        return med([statistics.median(r["phase_ms"]) / r["floor_ms"]
+                    for r in records.get(key + ("trainkit",), []) if r["phase_ms"] and r["floor_ms"] > 0])
+
     def hwm(key):
         return med([r["vmhwm_kib"] / 1024 for r in records.get(key, [])])
 
@@ -209,6 +222,11 @@ def main():
     if args.reps > 0:  # timing runs were made
         out.append("### Time per optimizer step (one whole window), ms, median")
         out.append("")
+        out.append("Ratios here and below: the median over the repetitions of each repetition's own pair (the "
+                   "processes of one repetition run back to back, so a change of load cancels out); they need "
+                   "not equal the ratio of the medians shown. trainkit / floor: each process's phase over the "
+                   "floor measured in that process.")
+        out.append("")
         if not args.full_fp16:
             out.append("FP16 BERT rows use micro-batches of " + ", ".join(
                 f"{b} x {t} tokens ({m})" for m, (b, t) in FP16_CPU_BATCH.items()) +
@@ -221,9 +239,9 @@ def main():
         for m, p, n in configs:
             t = {i: fig((m, p, n, i), "window_ms") for i in shown}
             out.append(f"| {m} | {p} | {n} | {fmt(t['trainkit'])} | {fmt(t['branching'])} | {fmt(t['libtorch'])} | "
-                       f"{fmt(t['python'])} | {fmt(ratio(t['libtorch'], t['trainkit']))}x | "
-                       f"{fmt(ratio(t['python'], t['trainkit']))}x | {fmt(ratio(t['branching'], t['trainkit']), 3)}x |"
-                       + (f" {fmt(t['python-fused'])} | {fmt(ratio(t['python-fused'], t['trainkit']))}x |" if fused else ""))
+                       f"{fmt(t['python'])} | {fmt(paired((m, p, n), 'libtorch', 'window_ms'))}x | "
+                       f"{fmt(paired((m, p, n), 'python', 'window_ms'))}x | {fmt(paired((m, p, n), 'branching', 'window_ms'), 3)}x |"
+                       + (f" {fmt(t['python-fused'])} | {fmt(paired((m, p, n), 'python-fused', 'window_ms'))}x |" if fused else ""))
         out.append("")
 
         out.append("### Optimizer phase alone (unscale + clip + update + zero), ms, median")
@@ -243,10 +261,10 @@ def main():
             t = {i: fig((m, p, n, i), "phase_ms") for i in shown}
             floors[(m, p, n)] = fl
             out.append(f"| {m} | {p} | {n} | {fmt(params / 1e6 if params else None)} M | {fmt(gbs, 1)} | {fmt(fl, 3)} | "
-                       f"{fmt(t['trainkit'], 3)} | {fmt(ratio(t['trainkit'], fl))}x | {fmt(t['libtorch'], 3)} | "
-                       f"{fmt(ratio(t['libtorch'], t['trainkit']))}x | {fmt(t['python'], 3)} | "
-                       f"{fmt(ratio(t['python'], t['trainkit']))}x |"
-                       + (f" {fmt(t['python-fused'], 3)} | {fmt(ratio(t['python-fused'], t['trainkit']))}x |" if fused else ""))
+                       f"{fmt(t['trainkit'], 3)} | {fmt(over_floor((m, p, n)))}x | {fmt(t['libtorch'], 3)} | "
+                       f"{fmt(paired((m, p, n), 'libtorch', 'phase_ms'))}x | {fmt(t['python'], 3)} | "
+                       f"{fmt(paired((m, p, n), 'python', 'phase_ms'))}x |"
+                       + (f" {fmt(t['python-fused'], 3)} | {fmt(paired((m, p, n), 'python-fused', 'phase_ms'))}x |" if fused else ""))
         out.append("")
 
         out.append("### Peak resident memory (VmHWM), MiB, median (one process per configuration)")
@@ -308,14 +326,14 @@ def main():
         rows = []
         for m in models:
             cfg = [(m, p, n) for p, n in [(p, n) for p in precisions for n in accums]]
-            tk_floor = span([ratio(fig(c + ("trainkit",), "phase_ms"), floors[c]) for c in cfg])
+            tk_floor = span([over_floor(c) for c in cfg])
             rows.append((f"{m}: optimizer phase <= 1.3x the bandwidth floor", tk_floor[1] is not None and tk_floor[1] <= 1.3,
                          f"trainkit / floor {fmt(tk_floor[0])}x .. {fmt(tk_floor[1])}x"))
-            vs_lt = span([ratio(fig(c + ("libtorch",), "phase_ms"), fig(c + ("trainkit",), "phase_ms")) for c in cfg])
+            vs_lt = span([paired(c, "libtorch", "phase_ms") for c in cfg])
             rows.append((f"{m}: optimizer phase >= 2x faster than hand-written LibTorch", vs_lt[0] is not None and vs_lt[0] >= 2,
                          f"speed-up {fmt(vs_lt[0])}x .. {fmt(vs_lt[1])}x"))
-            w_lt = span([ratio(fig(c + ("libtorch",), "window_ms"), fig(c + ("trainkit",), "window_ms")) for c in cfg])
-            w_py = span([ratio(fig(c + ("python",), "window_ms"), fig(c + ("trainkit",), "window_ms")) for c in cfg])
+            w_lt = span([paired(c, "libtorch", "window_ms") for c in cfg])
+            w_py = span([paired(c, "python", "window_ms") for c in cfg])
             if m == "bert-tiny":
                 rows.append(("bert-tiny: window >= 1.3x faster than Python", w_py[0] is not None and w_py[0] >= 1.3,
                              f"speed-up {fmt(w_py[0])}x .. {fmt(w_py[1])}x"))
