@@ -127,10 +127,12 @@ fi
 say ""
 say "### The Python AMP loop on the same model (loop.py, torch.autocast + GradScaler)"
 say ""
+say "Same model, weights and data as gpu_check: the FP32 losses should equal its rows (to GPU rounding)."
+say ""
 say "| precision | step ms (median) | peak GPU memory MiB | first / last loss |"
 say "|---|---|---|---|"
 if [[ "$MODE" == "--dry-run" ]]; then
-  pyargs=(--device cpu --model bert-tiny --micro-batch 2 --seq 16 --windows 1 --warmup 1)
+  pyargs=(--device cpu --model bert-tiny --micro-batch 1 --seq 8 --windows 2 --warmup 1)
   precisions="fp32"
 else
   pyargs=(--device cuda --model bert-base --micro-batch 32 --windows 10 --warmup 3 --threads 8)
