@@ -5,6 +5,7 @@
 //   trainkit_dist_driver --out PREFIX [--steps K] [--batch B] [--accum N] [--precision fp32|fp16]
 //       [--model mlp|affine] [--bucket-bytes X] [--timeout S] [--sleep-ms M] [--samples M]
 //       [--overflow-rank R --overflow-window W]   inject an inf loss on rank R in window W (1-based)
+//       [--items 1]                                 item-weighted windows (uneven counts per rank)
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
 //       [--save PATH]                              rank 0 writes a checkpoint at the end
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
@@ -32,7 +33,7 @@ namespace {
 struct Args {
   std::string out, load, load_rank1, save, precision = "fp32", model = "mlp";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
-  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0;
+  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0;
   double timeout = 60;
 };
 
@@ -56,7 +57,7 @@ Args parse(int argc, char** argv) {
   take("precision", a.precision), take("model", a.model), take("steps", a.steps), take("batch", a.batch);
   take("accum", a.accum), take("samples", a.samples), take("bucket-bytes", a.bucket_bytes);
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
-  take("sleep-ms", a.sleep_ms), take("timeout", a.timeout);
+  take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -116,10 +117,16 @@ int run(const Args& a) {
     const auto idx = torch::tensor(sampler.batch(m / per_epoch, m % per_epoch), torch::kLong);
     const bool inject = rank == a.overflow_rank && trainer.windows() + 1 == a.overflow_window &&
                         trainer.window_position() == a.accum - 1;
-    auto r = trainer.micro_step([&] {
-      auto loss = torch::mse_loss(model(x.index_select(0, idx)), y.index_select(0, idx));
+    // --items 1: sample i counts as 1 + i % 3 items (tokens), so the ranks' windows hold
+    // different item counts; the loss is the item-weighted mean over the micro-batch.
+    const auto weights = (idx % 3 + 1).to(torch::kFloat);
+    auto closure = [&] {
+      auto per_row = (model(x.index_select(0, idx)) - y.index_select(0, idx)).square().mean(1);
+      auto loss = a.items ? (per_row * weights).sum() / weights.sum() : per_row.mean();
       return inject ? loss * std::numeric_limits<float>::infinity() : loss;
-    });
+    };
+    auto r = a.items ? trainer.micro_step(closure, weights.sum().template item<std::int64_t>())
+                     : trainer.micro_step(closure);
     ++m;
     if (r.window_closed) {
       last = r.report;

@@ -174,6 +174,9 @@ TEST_CASE("data parallel: 2 ranks with micro-batch B equal 1 process with 2B") {
   const std::vector<Case> cases = {
       {"FP32, N = 1", {"--accum", "1", "--steps", "12"}},
       {"FP32, N = 4", {"--accum", "4", "--steps", "6"}},
+      // Sample i weighs 1 + i % 3 items: the ranks' windows hold different counts, and the
+      // average is over all items of both (not the mean of the two ranks' means).
+      {"FP32, N = 4, item counts that differ between ranks", {"--accum", "4", "--steps", "6", "--items", "1"}},
       // Elementwise model: nothing runs in fp16, so the comparison is as tight as FP32's.
       {"FP16Dynamic, N = 4, overflow on rank 1 in window 2",
        {"--accum", "4", "--steps", "6", "--precision", "fp16", "--overflow-window", "2", "--model", "affine"}},
