@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -99,47 +100,58 @@ int work(const std::map<std::string, std::string>& kv) {
   std::printf("%3s  %-26s %10s %12s %10s %9s %12s\n", "N", "mode", "calls/step", "MB/step/rank",
               "ms/step", "vs window", "max |diff|");
   for (const int n : {1, 4, 8}) {
-    std::map<bool, double> ms;
-    std::map<bool, torch::Tensor> final_params;
-    for (const bool eager : {false, true}) {
-      torch::manual_seed(0);
+    // Both modes side by side, timed in alternation (repeat r of one, then of the other), so
+    // that a change of the machine's load hits both alike.
+    struct Mode {
+      bool eager;
       torch::nn::Sequential model;
-      for (int l = 0; l < layers; ++l) model->push_back(torch::nn::Linear(width, width));
-      Trainer trainer(model, tk::SGD{1e-3}, tk::TrainerOptions().accumulation_steps(n));
-      auto replicas = std::make_shared<tk::DataParallel>(group);
-      trainer.set_replicas(replicas);
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + group.rank());
-      const auto x = torch::randn({batch, width}, gen);
-      auto micro = [&] {
-        const bool closes = trainer.window_position() + 1 == n;
-        trainer.micro_step([&] { return model->forward(x).square().mean(); });
-        if (eager && !closes) {
-          // VL-BERT / DDP without no_sync: every backward all-reduces (and averages) the
-          // gradient accumulated so far.
-          auto g = trainer.gradients();
-          group.all_reduce(g, "eager all-reduce");
-          g.mul_(1.0 / group.world_size());
-        }
-      };
-      for (int w = 0; w < n; ++w) micro();  // warm-up window
+      std::unique_ptr<Trainer> trainer;
       std::vector<double> times;
       std::int64_t calls = 0, bytes = 0;
-      for (int rep = 0; rep < repeats; ++rep) {
+    };
+    std::vector<Mode> modes;
+    for (const bool eager : {false, true}) {
+      Mode m{eager, torch::nn::Sequential(), nullptr, {}, 0, 0};
+      torch::manual_seed(0);
+      for (int l = 0; l < layers; ++l) m.model->push_back(torch::nn::Linear(width, width));
+      m.trainer = std::make_unique<Trainer>(m.model, tk::SGD{1e-3}, tk::TrainerOptions().accumulation_steps(n));
+      m.trainer->set_replicas(std::make_shared<tk::DataParallel>(group));
+      modes.push_back(std::move(m));
+    }
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1 + group.rank());
+    const auto x = torch::randn({batch, width}, gen);
+    auto micro = [&](Mode& m) {
+      const bool closes = m.trainer->window_position() + 1 == n;
+      m.trainer->micro_step([&] { return m.model->forward(x).square().mean(); });
+      if (m.eager && !closes) {
+        // VL-BERT / DDP without no_sync: every backward all-reduces (and averages) the
+        // gradient accumulated so far.
+        auto g = m.trainer->gradients();
+        group.all_reduce(g, "eager all-reduce");
+        g.mul_(1.0 / group.world_size());
+      }
+    };
+    for (auto& m : modes)
+      for (int w = 0; w < n; ++w) micro(m);  // warm-up window
+    for (int rep = 0; rep < repeats; ++rep)
+      for (auto& m : modes) {
         const auto c0 = counter->all_reduce_calls, b0 = counter->all_reduce_bytes;
         const auto t0 = std::chrono::steady_clock::now();
-        for (int s = 0; s < steps * n; ++s) micro();
-        times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps);
-        calls = counter->all_reduce_calls - c0;
-        bytes = counter->all_reduce_bytes - b0;
+        for (int s = 0; s < steps * n; ++s) micro(m);
+        m.times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps);
+        m.calls = counter->all_reduce_calls - c0;
+        m.bytes = counter->all_reduce_bytes - b0;
       }
-      std::sort(times.begin(), times.end());
-      ms[eager] = times[times.size() / 2];
-      final_params[eager] = trainer.parameters().clone();
-      const double diff = eager ? (final_params[true] - final_params[false]).abs().max().item<double>() : 0.0;
+    double window_ms = 0;
+    for (auto& m : modes) {
+      std::sort(m.times.begin(), m.times.end());
+      const double ms = m.times[m.times.size() / 2];
+      if (!m.eager) window_ms = ms;
+      const double diff = (m.trainer->parameters() - modes[0].trainer->parameters()).abs().max().item<double>();
       std::printf("%3d  %-26s %10.1f %12.2f %10.2f %9.2f %12.3g\n", n,
-                  eager ? "every micro-step (VL-BERT)" : "window boundary (trainkit)",
-                  static_cast<double>(calls) / steps, static_cast<double>(bytes) / steps / 1e6, ms[eager],
-                  ms[eager] / ms[false], diff);
+                  m.eager ? "every micro-step (VL-BERT)" : "window boundary (trainkit)",
+                  static_cast<double>(m.calls) / steps, static_cast<double>(m.bytes) / steps / 1e6, ms,
+                  ms / window_ms, diff);
     }
   }
   return 0;
