@@ -8,8 +8,9 @@
 # benchmarks/compare/driver.py, which runs trainkit, the branching variant, the hand-written
 # LibTorch loop (build/benchmarks/compare/compare) and the Python loop (.venv/bin/python
 # benchmarks/compare/loop.py), each configuration in its own process, repetitions interleaved.
-# Arguments go to driver.py (--help lists them). The raw JSON lines of every process are kept in
-# $TRAINKIT_BUILD_DIR/benchmarks/compare/last_run.jsonl.
+# Arguments go to driver.py (--help lists them). The tables are also kept in
+# $TRAINKIT_BUILD_DIR/benchmarks/compare/last_run.md (for benchmarks/RESULTS.md), the raw JSON
+# lines of every process in last_run.jsonl next to it.
 #
 # Environment: TRAINKIT_BENCH_THREADS (default 2) intra-op threads in every implementation;
 # TRAINKIT_JOBS (default 1 here) compile jobs; TRAINKIT_BUILD_DIR as for scripts/build.
@@ -18,6 +19,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${TRAINKIT_BUILD_DIR:-$ROOT/build}"
 TRAINKIT_JOBS="${TRAINKIT_JOBS:-1}" TRAINKIT_BUILD_DIR="$BUILD_DIR" \
   "$ROOT/scripts/build" --target benchmark_compare >&2
-exec python3 "$ROOT/benchmarks/compare/driver.py" \
+python3 "$ROOT/benchmarks/compare/driver.py" \
   --compare "$BUILD_DIR/benchmarks/compare/compare" --python "$ROOT/.venv/bin/python" \
-  --raw "$BUILD_DIR/benchmarks/compare/last_run.jsonl" "$@"
+  --raw "$BUILD_DIR/benchmarks/compare/last_run.jsonl" "$@" |
+  tee "$BUILD_DIR/benchmarks/compare/last_run.md"
