@@ -21,12 +21,13 @@
 /// best one (by the validation metric recorded in LoopState); older ones are deleted. Stale
 /// temporary files left by a killed process are deleted too.
 ///
-/// Resuming: resume_newest() loads the newest complete file. A file that does not read as a
-/// complete archive (truncated, corrupt, not a trainkit checkpoint of a fit loop) is reported on
-/// stderr with its name and why, and the previous one is tried. A checkpoint of another trainer
-/// type or other parameter shapes is an error (Trainer::load's message names the file and the
-/// first mismatch): that is a wrong configuration, not a damaged file.
+/// Resuming: resume_newest() loads the newest complete file. A file that is not a complete,
+/// undamaged archive (truncated, a record that fails its CRC-32, not a trainkit checkpoint of a
+/// fit loop) is reported on stderr with its name and why, and the previous one is tried. A
+/// checkpoint of another trainer type or other parameter shapes is an error (Trainer::load's
+/// message names the file and the first mismatch): a wrong configuration, not a damaged file.
 #include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/zip_check.hpp>
 
 #include <ATen/Context.h>
 #include <torch/serialize/archive.h>
@@ -230,9 +231,15 @@ class CheckpointManager {
     return std::nullopt;
   }
 
-  /// Whether `path` reads as a complete archive written by this manager; `why` says what is
-  /// wrong when not. Reads the whole file.
+  /// Whether `path` is a complete, undamaged archive written by this manager (every record
+  /// matches its CRC-32, the fit loop's records are there); `why` says what is wrong when not.
+  /// Reads the whole file.
   static bool is_complete(const std::string& path, std::string* why = nullptr) {
+    // LibTorch's reader finds a truncated file but not flipped bytes: check the CRC-32s first.
+    if (const std::string damage = detail::check_archive_file(path); !damage.empty()) {
+      if (why) *why = damage;
+      return false;
+    }
     try {
       torch::serialize::InputArchive archive;
       detail::read_archive(archive, path);

@@ -314,7 +314,7 @@ class FitLoop {
       state_.best_path = saved.best_path;
     }
     result_.resumed_from = loaded->path;
-    if (options_.progress())
+    if (options_.write_files())
       std::cerr << "trainkit: resumed from '" << loaded->path << "' at epoch " << saved.position.epoch
                 << ", micro-batch " << saved.position.index << " (optimizer step " << trainer_.windows() << ")\n";
     return saved.position;

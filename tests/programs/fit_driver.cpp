@@ -1,0 +1,147 @@
+// fit_driver: a tiny training program driven by tk::fit, for the process-level tests of the fit
+// loop (tests/unit/test_fit_process.cpp): SIGKILL at random instants, SIGTERM, resume.
+//
+//   fit_driver --model-dir DIR [--set K=V]... [--sleep-ms MS] [--raise EPOCH:INDEX[:COUNT]]
+//   fit_driver --bench-checkpoint HIDDEN --model-dir DIR     (times CheckpointManager::save)
+//
+// Trains a 2-layer MLP with dropout (FP16Dynamic, Accumulate<2>, ClipNorm, AdamW) on a fixed
+// regression set, 7 micro-batches per epoch, the batch of (epoch, index) drawn from a generator
+// seeded by (RNG_SEED, epoch). On completion prints "final-hash <hex>": an FNV-1a hash of the
+// parameters, the optimizer's moments, the loss scale and the step counters. Exit status 0 when
+// it finished or stopped on a signal, 1 on an error (message on stderr).
+#include <trainkit/dispatch.hpp>
+#include <trainkit/fit.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace tk = trainkit;
+
+namespace {
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(int hidden)
+      : fc1(register_module("fc1", torch::nn::Linear(8, hidden))),
+        fc2(register_module("fc2", torch::nn::Linear(hidden, 3))),
+        drop(register_module("drop", torch::nn::Dropout(0.2))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(drop(torch::tanh(fc1(x)))); }
+  torch::nn::Linear fc1, fc2;
+  torch::nn::Dropout drop;
+};
+TORCH_MODULE(Mlp);
+
+using Trainer = tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, tk::AccumulationPolicy<2>,
+                            tk::ClipPolicy<tk::ClipNorm>>;
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+std::uint64_t fnv1a(std::uint64_t h, const torch::Tensor& t) {
+  const auto c = t.contiguous().cpu();
+  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+  for (std::int64_t i = 0; i < c.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+int bench_checkpoint(int hidden, const std::string& dir) {
+  torch::manual_seed(0);
+  Mlp model(hidden);
+  Trainer trainer(model, tk::AdamW{1e-3});
+  tk::CheckpointManager checkpoints(dir, "bench", 2);
+  checkpoints.create_directory();
+  std::vector<double> ms;
+  for (int i = 0; i < 7; ++i) {
+    tk::LoopState state;
+    state.position = {i + 1, 0};
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto path = checkpoints.save(trainer, state, true);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool ok = tk::CheckpointManager::is_complete(checkpoints.epoch_path(6));
+  const double check_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("parameters %lld  file %.1f MB  save median %.1f ms (min %.1f, max %.1f)  integrity check %.1f ms (%s)\n",
+              static_cast<long long>(trainer.parameters().numel()),
+              static_cast<double>(trainer.parameters().numel()) * 4 * 3 / 1e6, ms[3], ms[0], ms[6], check_ms,
+              ok ? "complete" : "DAMAGED");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    torch::set_num_threads(1);  // deterministic and cheap: the model is tiny
+    const auto cl = tk::CommandLine::parse(argc, argv);
+    int sleep_ms = 0;
+    std::int64_t raise_epoch = -1, raise_index = -1, raise_count = 1;
+    for (size_t i = 0; i < cl.rest.size(); ++i) {
+      const std::string a = cl.rest[i];
+      const bool has_value = i + 1 < cl.rest.size();
+      if (a == "--sleep-ms" && has_value) {
+        sleep_ms = std::stoi(cl.rest[++i]);
+      } else if (a == "--raise" && has_value) {
+        long long e = -1, x = -1, n = 1;
+        if (std::sscanf(cl.rest[++i].c_str(), "%lld:%lld:%lld", &e, &x, &n) < 2) throw std::runtime_error("--raise EPOCH:INDEX[:COUNT]");
+        raise_epoch = e, raise_index = x, raise_count = n;
+      } else if (a == "--bench-checkpoint" && has_value) {
+        return bench_checkpoint(std::stoi(cl.rest[++i]), cl.model_dir.empty() ? "./bench" : cl.model_dir);
+      } else {
+        throw std::runtime_error("unknown argument '" + a + "'");
+      }
+    }
+
+    tk::Config config;
+    config.load_string("{}", tk::Config::Format::json, cl.overrides());
+    const tk::FitOptions options = tk::fit_options(config).progress(false);
+    torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
+
+    Mlp model(16);
+    Trainer trainer(model, tk::AdamW{1e-2}, tk::trainer_options(config));
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
+    const auto x = torch::randn({96, 8}, gen);
+    const auto y = torch::sin(x.matmul(torch::randn({8, 3}, gen)));
+
+    tk::Task<Batch> task;
+    task.batches_per_epoch = [](std::int64_t) { return std::int64_t{7}; };
+    task.batch = [&](std::int64_t epoch, std::int64_t index) {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(options.seed() * 1000 + epoch));
+      const auto rows = torch::randperm(96, g).narrow(0, index * 12, 12);
+      return Batch{x.index_select(0, rows), y.index_select(0, rows)};
+    };
+    task.loss = [&](const Batch& b, tk::Metrics&) { return torch::mse_loss(model(b.x), b.y); };
+
+    tk::Callbacks callbacks;
+    callbacks.batch_end = [&](tk::BatchEnd& e) {
+      if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+      if (e.epoch == raise_epoch && e.index == raise_index)
+        for (std::int64_t i = 0; i < raise_count; ++i) std::raise(SIGTERM);
+    };
+    const tk::FitResult r = tk::fit(trainer, task, options, callbacks);
+    if (r.stopped) return 0;  // fit printed how to resume
+
+    std::uint64_t h = 1469598103934665603ull;
+    h = fnv1a(h, trainer.parameters());
+    auto& rule = dynamic_cast<tk::detail::FusedAdam<tk::AdamW, true>&>(trainer.update_rule());
+    for (const auto& t : rule.exp_avg()) h = fnv1a(h, t);
+    for (const auto& t : rule.exp_avg_sq()) h = fnv1a(h, t);
+    h = fnv1a(h, trainer.loss_scale());
+    h = fnv1a(h, trainer.applied_steps());
+    h = fnv1a(h, trainer.skipped_steps());
+    std::printf("final-hash %016" PRIx64 " windows %lld\n", h, static_cast<long long>(r.windows));
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,309 @@
+// CheckpointManager: names and order, keep-N plus the best, the newest complete one for
+// AUTO_RESUME (a damaged newest one reported and skipped), refusal of another trainer or shape
+// naming the file, and a full or read-only output directory: a clear error, the old
+// checkpoints byte-identical.
+#include "helpers.hpp"
+
+#include <trainkit/fit.hpp>
+
+#include <csignal>
+#include <fstream>
+#include <sstream>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+
+using testing::make_mlp;
+using testing::TempDir;
+
+namespace {
+
+using T = tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, tk::AccumulationPolicy<2>,
+                      tk::ClipPolicy<tk::ClipNorm>>;
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << bytes;
+}
+
+std::vector<std::string> names_in(const std::string& dir) {
+  std::vector<std::string> names;
+  DIR* d = ::opendir(dir.c_str());
+  REQUIRE(d != nullptr);
+  while (auto* e = ::readdir(d)) {
+    const std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(n);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+/// A trainer that has taken a few steps (so that its state differs from a fresh one).
+struct Trained {
+  testing::TinyMlp model = make_mlp(21, 8, 16, 3);
+  T trainer{model, tk::AdamW{1e-2}};
+  testing::Regression data = testing::regression(32);
+  void steps(int n) {
+    for (int i = 0; i < n; ++i)
+      trainer.micro_step([&] { return torch::mse_loss(model(data.x), data.y); });
+  }
+};
+
+tk::LoopState at(std::int64_t epoch, std::int64_t index = 0) {
+  tk::LoopState s;
+  s.position = {epoch, index};
+  return s;
+}
+
+/// A small tmpfs mounted on a fresh directory, unmounted at scope exit; `ok` is false where
+/// mount(2) is not permitted.
+struct SmallTmpfs {
+  TempDir dir;
+  bool ok = false;
+  explicit SmallTmpfs(const std::string& size) {
+    ok = ::mount("tmpfs", dir.path.c_str(), "tmpfs", 0, ("size=" + size).c_str()) == 0;
+  }
+  bool remount_read_only() {
+    return ::mount("tmpfs", dir.path.c_str(), "tmpfs", MS_REMOUNT | MS_RDONLY, nullptr) == 0;
+  }
+  ~SmallTmpfs() {
+    if (ok) ::umount2(dir.path.c_str(), MNT_DETACH);
+  }
+};
+
+/// Fills the file system of `dir` until a write fails (ENOSPC).
+void fill(const std::string& dir) {
+  const int fd = ::open((dir + "/filler").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  REQUIRE(fd >= 0);
+  std::vector<char> block(4096, 'x');
+  while (::write(fd, block.data(), block.size()) > 0) {
+  }
+  while (::write(fd, block.data(), 1) > 0) {
+  }
+  ::close(fd);
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint names: epoch files and position files, ordered by where they resume") {
+  TempDir dir;
+  Trained t;
+  tk::CheckpointManager m(dir.path, "vl", 10);
+  CHECK(m.epoch_path(3) == dir / "vl-0003.ckpt");
+  CHECK(m.position_path({2, 17}) == dir / "vl-0002-000017.ckpt");
+  CHECK(m.save(t.trainer, at(2, 5), false) == dir / "vl-0002-000005.ckpt");
+  CHECK(m.save(t.trainer, at(1), true) == dir / "vl-0000.ckpt");
+  CHECK(m.save(t.trainer, at(2), true) == dir / "vl-0001.ckpt");
+  write_bytes(dir / "vl-notes.ckpt", "not one of ours");
+  write_bytes(dir / "other-0009.ckpt", "another prefix");
+  const auto files = m.list();
+  REQUIRE(files.size() == 3);
+  CHECK(files[0].path == dir / "vl-0000.ckpt");
+  CHECK(files[1].path == dir / "vl-0001.ckpt");
+  CHECK(files[2].path == dir / "vl-0002-000005.ckpt");
+  CHECK(files[1].resume_at() == tk::FitPosition{2, 0});
+  CHECK(files[2].resume_at() == tk::FitPosition{2, 5});
+}
+
+TEST_CASE("the loop's state round-trips, and resume_newest loads the newest") {
+  TempDir dir;
+  Trained t;
+  tk::CheckpointManager m(dir.path, "model", 3);
+  t.steps(3);
+  tk::LoopState s = at(4, 6);
+  s.seed = 77;
+  s.config_json = R"({"TRAIN":{"LR":0.1}})";
+  s.best_metric = "Acc";
+  s.best_value = 0.5;
+  s.best_path = m.epoch_path(2);
+  m.save(t.trainer, at(3), true);
+  m.save(t.trainer, s, false);
+  const auto params = testing::flat(*t.model);
+  const auto scale = t.trainer.loss_scale().clone();
+
+  Trained other;
+  std::ostringstream report;
+  const auto loaded = m.resume_newest(other.trainer, {}, report);
+  REQUIRE(loaded.has_value());
+  CHECK(loaded->path == dir / "model-0004-000006.ckpt");
+  CHECK(loaded->state.position == tk::FitPosition{4, 6});
+  CHECK(loaded->state.seed == 77);
+  CHECK(loaded->state.config_json == s.config_json);
+  CHECK(loaded->state.best_metric == "Acc");
+  CHECK(loaded->state.best_value == 0.5);
+  CHECK(loaded->state.best_path == s.best_path);
+  CHECK(torch::equal(testing::flat(*other.model), params));
+  CHECK(torch::equal(other.trainer.loss_scale(), scale));
+  CHECK(other.trainer.windows() == 1);
+  CHECK(report.str().empty());
+
+  TempDir empty;
+  CHECK_FALSE(tk::CheckpointManager(empty.path).resume_newest(other.trainer).has_value());
+}
+
+TEST_CASE("retention: the newest CHECKPOINT_KEEP plus the best; stale temporary files go") {
+  TempDir dir;
+  Trained t;
+  tk::CheckpointManager m(dir.path, "model", 2);
+  write_bytes(dir / "model-0001.ckpt.tmp.999999999", "left by a killed process");
+  tk::LoopState s;
+  for (int epoch = 0; epoch < 6; ++epoch) {
+    s.position = {epoch + 1, 0};
+    if (epoch == 1) s.best_path = m.epoch_path(1);  // epoch 1 validated best
+    m.save(t.trainer, s, true);
+  }
+  CHECK(names_in(dir.path) == std::vector<std::string>{"model-0001.ckpt", "model-0004.ckpt", "model-0005.ckpt"});
+  // A new best releases the old one at the next save.
+  s.position = {7, 0};
+  s.best_path = m.epoch_path(6);
+  m.save(t.trainer, s, true);
+  CHECK(names_in(dir.path) == std::vector<std::string>{"model-0005.ckpt", "model-0006.ckpt"});
+}
+
+TEST_CASE("a damaged newest checkpoint is reported with its name and why, and the previous one used") {
+  TempDir dir;
+  Trained t;
+  tk::CheckpointManager m(dir.path, "model", 5);
+  m.save(t.trainer, at(1), true);
+  t.steps(2);
+  m.save(t.trainer, at(2), true);
+  const auto good = testing::flat(*t.model);
+  t.steps(2);
+  m.save(t.trainer, at(3), true);
+  const std::string newest = dir / "model-0002.ckpt";
+  const std::string bytes = read_bytes(newest);
+
+  struct Damage {
+    const char* name;
+    std::string bytes;
+    const char* why;
+  };
+  std::string flipped = bytes;
+  flipped[flipped.size() / 2] = static_cast<char>(flipped[flipped.size() / 2] ^ 0x5a);
+  const std::vector<Damage> damages = {
+      {"truncated", bytes.substr(0, bytes.size() * 2 / 3), "truncated"},
+      {"a flipped byte", flipped, "CRC-32"},
+      {"empty", "", "truncated"},
+      {"not an archive", std::string(4096, 'z'), "no end-of-directory record"},
+  };
+  for (const auto& d : damages) {
+    CAPTURE(d.name);
+    write_bytes(newest, d.bytes);
+    std::string why;
+    CHECK_FALSE(tk::CheckpointManager::is_complete(newest, &why));
+    CHECK(why.find(d.why) != std::string::npos);
+    Trained other;
+    std::ostringstream report;
+    const auto loaded = m.resume_newest(other.trainer, {}, report);
+    REQUIRE(loaded.has_value());
+    CHECK(loaded->path == dir / "model-0001.ckpt");
+    CHECK(torch::equal(testing::flat(*other.model), good));
+    CHECK(report.str().find("skipping checkpoint '" + newest + "'") != std::string::npos);
+    CHECK(report.str().find(d.why) != std::string::npos);
+    CHECK(report.str().find("trying the previous one") != std::string::npos);
+  }
+  // A file written by Trainer::save alone (no loop state) is not a fit checkpoint.
+  t.trainer.save(newest);
+  std::string why;
+  CHECK_FALSE(tk::CheckpointManager::is_complete(newest, &why));
+  CHECK(why.find("not written by the fit loop") != std::string::npos);
+}
+
+TEST_CASE("another trainer type or other shapes: refused with the file's name, no fallback") {
+  TempDir dir;
+  Trained t;
+  tk::CheckpointManager m(dir.path, "model", 5);
+  m.save(t.trainer, at(1), true);
+  m.save(t.trainer, at(2), true);
+  SUBCASE("another trainer type") {
+    auto model = make_mlp(30);
+    tk::Trainer<> plain(model, tk::AdamW{1e-2});
+    CHECK_THROWS_WITH(m.resume_newest(plain),
+                      doctest::Contains("checkpoint '" + dir / "model-0001.ckpt" + "': written by Trainer<FP16Dynamic"));
+  }
+  SUBCASE("other shapes") {
+    auto wider = make_mlp(31, 8, 32, 3);
+    T other(wider, tk::AdamW{1e-2});
+    CHECK_THROWS_WITH(m.resume_newest(other),
+                      doctest::Contains("checkpoint '" + dir / "model-0001.ckpt" + "': 'fc1.weight' has shape [16, 8]"));
+  }
+}
+
+TEST_CASE("a full disk: a clear error naming the file and the step; the old checkpoints stay byte-identical") {
+  SmallTmpfs fs("256k");
+  Trained t;
+  if (!fs.ok) MESSAGE("mount(2) not permitted here: the full disk is simulated with RLIMIT_FSIZE");
+  TempDir fallback;
+  const std::string out = fs.ok ? fs.dir.path : fallback.path;
+  tk::CheckpointManager m(out, "model", 5);
+  m.save(t.trainer, at(1), true);
+  const std::string old_path = out + "/model-0000.ckpt";
+  const std::string old_bytes = read_bytes(old_path);
+  REQUIRE(old_bytes.size() > 1000);
+  t.steps(2);
+
+  rlimit saved{};
+  ::getrlimit(RLIMIT_FSIZE, &saved);
+  auto previous_xfsz = std::signal(SIGXFSZ, SIG_IGN);
+  if (fs.ok) {
+    fill(out);
+  } else {
+    rlimit small = saved;
+    small.rlim_cur = 1000;
+    REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+  }
+  // Through the fit loop: it names the step too.
+  testing::Regression data = testing::regression(32);
+  tk::Task<int> task;
+  task.batches_per_epoch = [](std::int64_t) { return std::int64_t{2}; };
+  task.batch = [](std::int64_t, std::int64_t i) { return static_cast<int>(i); };
+  task.loss = [&](const int&, tk::Metrics&) { return torch::mse_loss(t.model(data.x), data.y); };
+  std::string message;
+  try {
+    tk::fit(t.trainer, task, tk::FitOptions().output_path(out).end_epoch(3).auto_resume(false).progress(false));
+  } catch (const tk::CheckpointError& e) {
+    message = e.what();
+  }
+  if (!fs.ok) ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, previous_xfsz);
+  CAPTURE(message);
+  CHECK(message.find("cannot write checkpoint '" + out + "/model-0000.ckpt'") != std::string::npos);
+  CHECK(message.find("disk full") != std::string::npos);
+  CHECK(message.find("at epoch 1, micro-batch 0 (optimizer step 2)") != std::string::npos);
+  CHECK(read_bytes(old_path) == old_bytes);  // the failed write of the same name changed nothing
+  CHECK(tk::CheckpointManager::is_complete(old_path));
+  for (const auto& name : names_in(out))
+    CHECK(name.find(".tmp.") == std::string::npos);  // the temporary file was removed
+}
+
+TEST_CASE("a read-only output directory: a clear error; the old checkpoints stay byte-identical") {
+  Trained t;
+  SmallTmpfs fs("1m");
+  if (fs.ok) {
+    tk::CheckpointManager m(fs.dir.path, "model", 5);
+    m.save(t.trainer, at(1), true);
+    const std::string old_path = fs.dir / "model-0000.ckpt";
+    const std::string old_bytes = read_bytes(old_path);
+    REQUIRE(fs.remount_read_only());
+    CHECK_THROWS_WITH(m.save(t.trainer, at(2), true),
+                      doctest::Contains("cannot write checkpoint '" + fs.dir / "model-0001.ckpt" + "'"));
+    CHECK_THROWS_WITH(m.save(t.trainer, at(2), true), doctest::Contains("not writable"));
+    CHECK(read_bytes(old_path) == old_bytes);
+  } else {
+    MESSAGE("mount(2) not permitted here: only the directory-under-a-file case runs");
+  }
+  // An output path below a regular file cannot be created: the error names it.
+  TempDir dir;
+  write_bytes(dir / "file", "x");
+  CHECK_THROWS_WITH(tk::CheckpointManager(dir / "file/out").create_directory(),
+                    doctest::Contains("cannot create the output directory '" + dir / "file/out" + "'"));
+}

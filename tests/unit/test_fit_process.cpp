@@ -1,0 +1,237 @@
+// The fit loop as a process (tests/programs/fit_driver): SIGKILL at random instants never leaves
+// a partial checkpoint and every run resumes to the uninterrupted run's final state; SIGTERM
+// writes a checkpoint and exits 0 saying how to resume; a second signal exits at once.
+#include "helpers.hpp"
+
+#include <trainkit/checkpoint.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+using testing::TempDir;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string driver_path() {
+  char exe[4096];
+  const auto n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  REQUIRE(n > 0);
+  std::string path(exe, static_cast<size_t>(n));
+  return path.substr(0, path.find_last_of('/')) + "/fit_driver";
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+/// The driver's arguments for a run in `dir`: 12 epochs of 7 micro-batches, a checkpoint after
+/// each, two kept.
+std::vector<std::string> arguments(const std::string& dir, std::vector<std::string> more = {}) {
+  std::vector<std::string> a = {"--model-dir", dir, "--set", "RNG_SEED=3", "--set", "TRAIN.END_EPOCH=12",
+                                "--set", "LOG_FREQUENT=1", "--set", "TRAIN.CHECKPOINT_KEEP=2",
+                                "--set", "TRAIN.FP16_INIT_SCALE=1024", "--set", "TRAIN.FP16_GROWTH_INTERVAL=3"};
+  a.insert(a.end(), more.begin(), more.end());
+  return a;
+}
+
+/// Starts the driver with stdout and stderr going to files in `log_dir`.
+pid_t start(const std::vector<std::string>& args, const std::string& log_dir) {
+  const std::string driver = driver_path();
+  const std::string out = log_dir + "/stdout", err = log_dir + "/stderr";
+  std::vector<std::string> storage = args;
+  storage.insert(storage.begin(), driver);
+  std::vector<char*> argv;
+  for (auto& s : storage) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(o, 1);
+    ::dup2(e, 2);
+    ::execv(driver.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+/// The exit status, or 128 + the signal that ended it.
+int wait_for(pid_t pid) {
+  int status = 0;
+  REQUIRE(::waitpid(pid, &status, 0) == pid);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+struct Finished {
+  int status;
+  std::string out, err;
+  double seconds;
+};
+Finished run(const std::vector<std::string>& args, const std::string& log_dir) {
+  const auto t0 = Clock::now();
+  const int status = wait_for(start(args, log_dir));
+  return {status, read_file(log_dir + "/stdout"), read_file(log_dir + "/stderr"),
+          std::chrono::duration<double>(Clock::now() - t0).count()};
+}
+
+std::string final_hash(const std::string& out) {
+  const auto at = out.find("final-hash ");
+  return at == std::string::npos ? "" : out.substr(at + 11, 16);
+}
+
+/// The uninterrupted run: its final hash and how long it took.
+const Finished& reference() {
+  static TempDir dir;
+  static TempDir logs;
+  static const Finished f = run(arguments(dir.path), logs.path);
+  return f;
+}
+
+/// Every file under a checkpoint's final name reads back complete; returns how many there are.
+int check_checkpoints(const std::string& dir) {
+  tk::CheckpointManager m(dir, "model", 2);
+  int n = 0;
+  for (const auto& f : m.list()) {
+    std::string why;
+    CAPTURE(f.path);
+    CAPTURE(why);
+    CHECK(tk::CheckpointManager::is_complete(f.path, &why));
+    ++n;
+  }
+  return n;
+}
+
+bool wait_until_exists(const std::string& path, double seconds) {
+  const auto until = Clock::now() + std::chrono::duration<double>(seconds);
+  while (Clock::now() < until) {
+    if (testing::file_exists(path)) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("SIGKILL at random instants: no partial checkpoint, and every run resumes to the uninterrupted final state") {
+  const Finished& ref = reference();
+  REQUIRE(ref.status == 0);
+  const std::string expected = final_hash(ref.out);
+  REQUIRE(expected.size() == 16);
+
+  std::mt19937 rng(2026);  // fixed: a failure can be replayed
+  std::uniform_real_distribution<double> instant(0.0, ref.seconds);
+  const int chains = 8, kills_per_chain = 3;
+  int kills = 0, with_checkpoints = 0, finished_before_kill = 0;
+  const auto t0 = Clock::now();
+  for (int c = 0; c < chains; ++c) {
+    TempDir dir, logs;
+    for (int k = 0; k < kills_per_chain; ++k) {
+      const double at = instant(rng);
+      CAPTURE(c);
+      CAPTURE(k);
+      CAPTURE(at);
+      const pid_t pid = start(arguments(dir.path), logs.path);
+      std::this_thread::sleep_for(std::chrono::duration<double>(at));
+      ::kill(pid, SIGKILL);
+      const int status = wait_for(pid);
+      if (status == 128 + SIGKILL) ++kills;
+      else ++finished_before_kill;
+      if (check_checkpoints(dir.path) > 0) ++with_checkpoints;
+    }
+    const Finished last = run(arguments(dir.path), logs.path);
+    CAPTURE(last.err);
+    CHECK(last.status == 0);
+    CHECK(final_hash(last.out) == expected);
+    check_checkpoints(dir.path);
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  MESSAGE(kills << " SIGKILLs (" << with_checkpoints << " with checkpoints on disk, " << finished_before_kill
+                << " runs done before their kill) and " << chains << " resumed runs in " << seconds
+                << " s; an uninterrupted run takes " << ref.seconds << " s");
+  CHECK(kills >= 20);
+  CHECK(with_checkpoints >= 10);  // the kills did land during training, not only at start-up
+}
+
+TEST_CASE("SIGTERM from outside: a checkpoint, exit 0 with how to resume; resuming continues exactly") {
+  const Finished& ref = reference();
+  REQUIRE(ref.status == 0);
+  TempDir dir, logs;
+  const pid_t pid = start(arguments(dir.path, {"--sleep-ms", "10"}), logs.path);
+  REQUIRE(wait_until_exists(dir / "model-0001.ckpt", 60));
+  std::this_thread::sleep_for(std::chrono::milliseconds(25));  // somewhere inside epoch 2
+  ::kill(pid, SIGTERM);
+  CHECK(wait_for(pid) == 0);
+  const std::string err = read_file(logs / "stderr");
+  CAPTURE(err);
+  CHECK(err.find("stopped by SIGTERM at epoch") != std::string::npos);
+  CHECK(err.find("run the same command again (TRAIN.AUTO_RESUME is on)") != std::string::npos);
+  CHECK(final_hash(read_file(logs / "stdout")).empty());
+  const auto files = tk::CheckpointManager(dir.path).list();
+  REQUIRE(!files.empty());
+  CHECK(err.find("checkpoint '" + files.back().path + "' written") != std::string::npos);
+  check_checkpoints(dir.path);
+
+  const Finished resumed = run(arguments(dir.path), logs.path);
+  CHECK(resumed.status == 0);
+  CHECK(final_hash(resumed.out) == final_hash(ref.out));
+}
+
+TEST_CASE("SIGTERM at a known micro-batch: the window finishes, the checkpoint is named after it; a second signal exits at once") {
+  const Finished& ref = reference();
+  REQUIRE(ref.status == 0);
+  SUBCASE("one signal") {
+    TempDir dir, logs;
+    const Finished stopped = run(arguments(dir.path, {"--raise", "4:2"}), logs.path);
+    CHECK(stopped.status == 0);
+    CHECK(testing::file_exists(dir / "model-0004-000004.ckpt"));  // micro-batch 3 closes the window
+    CHECK(stopped.err.find("stopped by SIGTERM at epoch 4, micro-batch 4") != std::string::npos);
+    const Finished resumed = run(arguments(dir.path), logs.path);
+    CHECK(resumed.status == 0);
+    CHECK(resumed.err.find("resumed from '" + dir / "model-0004-000004.ckpt' at epoch 4, micro-batch 4") != std::string::npos);
+    CHECK(final_hash(resumed.out) == final_hash(ref.out));
+  }
+  SUBCASE("two signals") {
+    TempDir dir, logs;
+    const Finished killed = run(arguments(dir.path, {"--raise", "4:2:2"}), logs.path);
+    CHECK(killed.status == 128 + SIGTERM);
+    CHECK(killed.err.find("second signal: exiting now") != std::string::npos);
+    CHECK_FALSE(testing::file_exists(dir / "model-0004-000004.ckpt"));
+    CHECK(testing::file_exists(dir / "model-0003.ckpt"));
+    const Finished resumed = run(arguments(dir.path), logs.path);
+    CHECK(resumed.status == 0);
+    CHECK(final_hash(resumed.out) == final_hash(ref.out));
+  }
+}
+
+TEST_CASE("RESUME without a checkpoint is an error; a damaged newest checkpoint is skipped with a message") {
+  const Finished& ref = reference();
+  REQUIRE(ref.status == 0);
+  TempDir dir, logs;
+  const Finished none = run(arguments(dir.path, {"--resume"}), logs.path);
+  CHECK(none.status == 1);
+  CHECK(none.err.find("TRAIN.RESUME: no complete checkpoint") != std::string::npos);
+
+  const Finished stopped = run(arguments(dir.path, {"--raise", "6:0"}), logs.path);
+  REQUIRE(stopped.status == 0);
+  const std::string newest = dir / "model-0006-000002.ckpt";
+  REQUIRE(testing::file_exists(newest));
+  REQUIRE(::truncate(newest.c_str(), testing::file_size(newest) / 2) == 0);
+  const Finished resumed = run(arguments(dir.path), logs.path);
+  CHECK(resumed.status == 0);
+  CHECK(resumed.err.find("skipping checkpoint '" + newest + "': truncated") != std::string::npos);
+  CHECK(final_hash(resumed.out) == final_hash(ref.out));
+}
