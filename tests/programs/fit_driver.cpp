@@ -48,7 +48,7 @@ struct Batch {
 std::uint64_t fnv1a(std::uint64_t h, const torch::Tensor& t) {
   const auto c = t.contiguous().cpu();
   const auto* p = static_cast<const unsigned char*>(c.data_ptr());
-  for (std::int64_t i = 0; i < c.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  for (size_t i = 0; i < c.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
   return h;
 }
 

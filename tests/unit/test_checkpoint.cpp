@@ -58,7 +58,7 @@ struct Trained {
   }
 };
 
-tk::LoopState at(std::int64_t epoch, std::int64_t index = 0) {
+tk::LoopState state_at(std::int64_t epoch, std::int64_t index = 0) {
   tk::LoopState s;
   s.position = {epoch, index};
   return s;
@@ -100,9 +100,9 @@ TEST_CASE("checkpoint names: epoch files and position files, ordered by where th
   tk::CheckpointManager m(dir.path, "vl", 10);
   CHECK(m.epoch_path(3) == dir / "vl-0003.ckpt");
   CHECK(m.position_path({2, 17}) == dir / "vl-0002-000017.ckpt");
-  CHECK(m.save(t.trainer, at(2, 5), false) == dir / "vl-0002-000005.ckpt");
-  CHECK(m.save(t.trainer, at(1), true) == dir / "vl-0000.ckpt");
-  CHECK(m.save(t.trainer, at(2), true) == dir / "vl-0001.ckpt");
+  CHECK(m.save(t.trainer, state_at(2, 5), false) == dir / "vl-0002-000005.ckpt");
+  CHECK(m.save(t.trainer, state_at(1), true) == dir / "vl-0000.ckpt");
+  CHECK(m.save(t.trainer, state_at(2), true) == dir / "vl-0001.ckpt");
   write_bytes(dir / "vl-notes.ckpt", "not one of ours");
   write_bytes(dir / "other-0009.ckpt", "another prefix");
   const auto files = m.list();
@@ -119,13 +119,13 @@ TEST_CASE("the loop's state round-trips, and resume_newest loads the newest") {
   Trained t;
   tk::CheckpointManager m(dir.path, "model", 3);
   t.steps(3);
-  tk::LoopState s = at(4, 6);
+  tk::LoopState s = state_at(4, 6);
   s.seed = 77;
   s.config_json = R"({"TRAIN":{"LR":0.1}})";
   s.best_metric = "Acc";
   s.best_value = 0.5;
   s.best_path = m.epoch_path(2);
-  m.save(t.trainer, at(3), true);
+  m.save(t.trainer, state_at(3), true);
   m.save(t.trainer, s, false);
   const auto params = testing::flat(*t.model);
   const auto scale = t.trainer.loss_scale().clone();
@@ -173,12 +173,12 @@ TEST_CASE("a damaged newest checkpoint is reported with its name and why, and th
   TempDir dir;
   Trained t;
   tk::CheckpointManager m(dir.path, "model", 5);
-  m.save(t.trainer, at(1), true);
+  m.save(t.trainer, state_at(1), true);
   t.steps(2);
-  m.save(t.trainer, at(2), true);
+  m.save(t.trainer, state_at(2), true);
   const auto good = testing::flat(*t.model);
   t.steps(2);
-  m.save(t.trainer, at(3), true);
+  m.save(t.trainer, state_at(3), true);
   const std::string newest = dir / "model-0002.ckpt";
   const std::string bytes = read_bytes(newest);
 
@@ -222,19 +222,19 @@ TEST_CASE("another trainer type or other shapes: refused with the file's name, n
   TempDir dir;
   Trained t;
   tk::CheckpointManager m(dir.path, "model", 5);
-  m.save(t.trainer, at(1), true);
-  m.save(t.trainer, at(2), true);
+  m.save(t.trainer, state_at(1), true);
+  m.save(t.trainer, state_at(2), true);
   SUBCASE("another trainer type") {
     auto model = make_mlp(30);
     tk::Trainer<> plain(model, tk::AdamW{1e-2});
-    CHECK_THROWS_WITH(m.resume_newest(plain),
-                      doctest::Contains("checkpoint '" + dir / "model-0001.ckpt" + "': written by Trainer<FP16Dynamic"));
+    const std::string expected = "checkpoint '" + dir / "model-0001.ckpt" + "': written by Trainer<FP16Dynamic";
+    CHECK_THROWS_WITH(m.resume_newest(plain), doctest::Contains(expected.c_str()));
   }
   SUBCASE("other shapes") {
     auto wider = make_mlp(31, 8, 32, 3);
     T other(wider, tk::AdamW{1e-2});
-    CHECK_THROWS_WITH(m.resume_newest(other),
-                      doctest::Contains("checkpoint '" + dir / "model-0001.ckpt" + "': 'fc1.weight' has shape [16, 8]"));
+    const std::string expected = "checkpoint '" + dir / "model-0001.ckpt" + "': 'fc1.weight' has shape [16, 8]";
+    CHECK_THROWS_WITH(m.resume_newest(other), doctest::Contains(expected.c_str()));
   }
 }
 
@@ -245,7 +245,7 @@ TEST_CASE("a full disk: a clear error naming the file and the step; the old chec
   TempDir fallback;
   const std::string out = fs.ok ? fs.dir.path : fallback.path;
   tk::CheckpointManager m(out, "model", 5);
-  m.save(t.trainer, at(1), true);
+  m.save(t.trainer, state_at(1), true);
   const std::string old_path = out + "/model-0000.ckpt";
   const std::string old_bytes = read_bytes(old_path);
   REQUIRE(old_bytes.size() > 1000);
@@ -290,13 +290,13 @@ TEST_CASE("a read-only output directory: a clear error; the old checkpoints stay
   SmallTmpfs fs("1m");
   if (fs.ok) {
     tk::CheckpointManager m(fs.dir.path, "model", 5);
-    m.save(t.trainer, at(1), true);
+    m.save(t.trainer, state_at(1), true);
     const std::string old_path = fs.dir / "model-0000.ckpt";
     const std::string old_bytes = read_bytes(old_path);
     REQUIRE(fs.remount_read_only());
-    CHECK_THROWS_WITH(m.save(t.trainer, at(2), true),
-                      doctest::Contains("cannot write checkpoint '" + fs.dir / "model-0001.ckpt" + "'"));
-    CHECK_THROWS_WITH(m.save(t.trainer, at(2), true), doctest::Contains("not writable"));
+    const std::string expected = "cannot write checkpoint '" + fs.dir / "model-0001.ckpt" + "'";
+    CHECK_THROWS_WITH(m.save(t.trainer, state_at(2), true), doctest::Contains(expected.c_str()));
+    CHECK_THROWS_WITH(m.save(t.trainer, state_at(2), true), doctest::Contains("not writable"));
     CHECK(read_bytes(old_path) == old_bytes);
   } else {
     MESSAGE("mount(2) not permitted here: only the directory-under-a-file case runs");
@@ -304,6 +304,6 @@ TEST_CASE("a read-only output directory: a clear error; the old checkpoints stay
   // An output path below a regular file cannot be created: the error names it.
   TempDir dir;
   write_bytes(dir / "file", "x");
-  CHECK_THROWS_WITH(tk::CheckpointManager(dir / "file/out").create_directory(),
-                    doctest::Contains("cannot create the output directory '" + dir / "file/out" + "'"));
+  const std::string expected = "cannot create the output directory '" + dir / "file/out" + "'";
+  CHECK_THROWS_WITH(tk::CheckpointManager(dir / "file/out").create_directory(), doctest::Contains(expected.c_str()));
 }
