@@ -23,7 +23,9 @@
 ///   3. Every LOG_FREQUENT optimizer windows: read that window's StepReport (the only host sync
 ///      of the loop besides the epoch end) and log Train-Loss (the mean since the last log),
 ///      Train-<metric>, LR/Group_<i>, grad-para/Total-Norm, loss-scale, skipped-steps,
-///      samples-per-second, and draw the progress line.
+///      samples-per-second (log/scalars.hpp's tags; step = optimizer windows, applied + skipped)
+///      to <OUTPUT_PATH>/tensorboard/ (TensorBoard events) and <OUTPUT_PATH>/<prefix>-scalars.jsonl,
+///      and update the progress line (log/progress.hpp) on stderr.
 ///   4. End of an epoch: validation every VAL_FREQUENT epochs (and after the last), Val-<metric>
 ///      logged, the plateau schedule told, the epoch_end callback, a checkpoint every
 ///      CHECKPOINT_FREQUENT epochs (and after the last, at a new best, on request).
@@ -36,8 +38,10 @@
 /// micro-batch, the optimizer step and the loss value.
 #include <trainkit/checkpoint.hpp>
 #include <trainkit/config.hpp>
-#include <trainkit/detail/fit_log_standin.hpp>
 #include <trainkit/detail/stop_signals.hpp>
+#include <trainkit/log/progress.hpp>
+#include <trainkit/log/scalars.hpp>
+#include <trainkit/log/tensorboard.hpp>
 #include <trainkit/metrics.hpp>
 #include <trainkit/trainer.hpp>
 
@@ -168,6 +172,8 @@ struct EpochEnd {
 struct Callbacks {
   std::function<void(BatchEnd&)> batch_end;
   std::function<void(EpochEnd&)> epoch_end;
+  /// Every scalar the loop logs, as it logs it (besides the files): tag, value, step.
+  std::function<void(const std::string& tag, double value, std::int64_t step)> scalar;
 };
 
 /// What fit() did.
@@ -191,7 +197,7 @@ inline std::string position_text(std::int64_t epoch, std::int64_t index, std::in
   return "epoch " + std::to_string(epoch) + ", micro-batch " + std::to_string(index) + " of " + std::to_string(batches);
 }
 
-inline std::string format_double(double v) {
+inline std::string short_number(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.6g", v);
   return buf;
@@ -212,7 +218,14 @@ class FitLoop {
     StopSignals signals(options_.handle_signals());
     if (options_.write_files()) {
       checkpoints_.create_directory();
-      log_ = std::make_unique<FitLogStandIn>(options_.output_path(), options_.prefix());
+      log_ = std::make_unique<ScalarFanout>();
+      log_->emplace<TensorBoardWriter>(options_.output_path() + "/tensorboard");
+      log_->emplace<JsonlScalarWriter>(options_.output_path() + "/" + options_.prefix() + "-scalars.jsonl");
+      if (options_.progress()) {
+        ProgressOptions p;
+        p.every_steps = options_.log_frequent();
+        progress_ = std::make_unique<ProgressLine>(p);
+      }
     }
     state_.seed = options_.seed();
     state_.best_metric = task_.best_metric;
@@ -229,6 +242,8 @@ class FitLoop {
         metrics_.reset();
         logged_ = {};
       }
+      samples_in_epoch_ = 0;
+      if (progress_) progress_->update(progress_state(epoch, first, batches));
       trainer_.model().train();
       bool checkpoint_requested = false, stop_requested = false;
       for (std::int64_t index = first; index < batches; ++index) {
@@ -269,7 +284,12 @@ class FitLoop {
         end.validation = task_.validate(epoch);
         trainer_.model().train();
         result_.validation = end.validation;
-        for (const auto& [name, value] : end.validation) log_scalar("Val-" + name, value);
+        std::string shown = "epoch " + std::to_string(epoch) + " validation:";
+        for (const auto& [name, value] : end.validation) {
+          log_scalar(scalar_tags::validation(name), value, trainer_.windows());
+          shown += " " + name + " " + short_number(value);
+        }
+        if (progress_) progress_->message(shown);
         new_best = observe_best(epoch, end.validation);
       }
       if (callbacks_.epoch_end) callbacks_.epoch_end(end);
@@ -314,9 +334,9 @@ class FitLoop {
       state_.best_path = saved.best_path;
     }
     result_.resumed_from = loaded->path;
-    if (options_.write_files())
-      std::cerr << "trainkit: resumed from '" << loaded->path << "' at epoch " << saved.position.epoch
-                << ", micro-batch " << saved.position.index << " (optimizer step " << trainer_.windows() << ")\n";
+    say("trainkit: resumed from '" + loaded->path + "' at epoch " + std::to_string(saved.position.epoch) +
+        ", micro-batch " + std::to_string(saved.position.index) + " (optimizer step " +
+        std::to_string(trainer_.windows()) + ")");
     return saved.position;
   }
 
@@ -325,6 +345,7 @@ class FitLoop {
     const std::int64_t items = task_.items ? task_.items(batch) : -1;
     const double weight = items >= 0 ? static_cast<double>(items) : 1.0;
     samples_since_log_ += items >= 0 ? items : 1;
+    samples_in_epoch_ += items >= 0 ? items : 1;
     auto closure = [&] {
       torch::Tensor loss = task_.loss(batch, metrics_);
       TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
@@ -364,32 +385,54 @@ class FitLoop {
     if constexpr (!TrainerT::scales_loss) {
       if (trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
         throw NonFiniteGradient(position_text(epoch, done - 1, batches) + ", optimizer step " + std::to_string(step) +
-                                ": non-finite training loss " + format_double(loss) + " (mean since the last log)");
+                                ": non-finite training loss " + short_number(loss) + " (mean since the last log)");
     }
     const double seconds = std::chrono::duration<double>(Clock::now() - clock_).count();
     const double speed = seconds > 0 ? static_cast<double>(samples_since_log_) / seconds : 0.0;
     clock_ = Clock::now();
     samples_since_log_ = 0;
 
-    log_scalar("Train-Loss", loss, step);
+    log_scalar(scalar_tags::train_loss, loss, step);
     for (const auto& [name, value] : interval)
       if (name != "Loss") log_scalar("Train-" + name, value, step);
     const auto& groups = trainer_.groups();
     for (size_t g = 0; g < groups.size(); ++g)
-      log_scalar("LR/Group_" + std::to_string(g), report.lr() * groups[g].lr_mult, step);
-    log_scalar("grad-para/Total-Norm", report.grad_norm(), step);
-    log_scalar("loss-scale", report.loss_scale(), step);
-    log_scalar("skipped-steps", static_cast<double>(report.skipped_steps()), step);
-    log_scalar("samples-per-second", speed, step);
-    if (log_) log_->flush();
-    if (options_.progress() && options_.write_files())
-      std::cerr << "epoch " << epoch << " [" << done << "/" << batches << "] step " << step << "  loss "
-                << format_double(loss) << "  lr " << format_double(report.lr()) << "  scale "
-                << format_double(report.loss_scale()) << "  " << format_double(speed) << " samples/s\n";
+      log_scalar(scalar_tags::lr_group(g), report.lr() * groups[g].lr_mult, step);
+    log_scalar(scalar_tags::grad_norm, report.grad_norm(), step);
+    log_scalar(scalar_tags::loss_scale, report.loss_scale(), step);
+    log_scalar(scalar_tags::skipped_steps, static_cast<double>(report.skipped_steps()), step);
+    log_scalar(scalar_tags::samples_per_second, speed, step);
+    if (progress_) {
+      ProgressState p = progress_state(epoch, done, batches);
+      p.loss = loss;
+      p.lr = report.lr();
+      if constexpr (TrainerT::scales_loss) p.loss_scale = report.loss_scale();
+      progress_->update(p);
+    }
   }
 
-  void log_scalar(const std::string& tag, double value, std::int64_t step = -1) {
-    if (log_) log_->scalar(tag, step < 0 ? trainer_.windows() : step, value);
+  void log_scalar(const std::string& tag, double value, std::int64_t step) {
+    if (log_) log_->add_scalar(tag, value, step);
+    if (callbacks_.scalar) callbacks_.scalar(tag, value, step);
+  }
+
+  // The progress line counts optimizer windows inside the epoch.
+  ProgressState progress_state(std::int64_t epoch, std::int64_t done, std::int64_t batches) const {
+    const std::int64_t n = TrainerT::accumulation_steps == Dynamic ? trainer_.options().accumulation_steps()
+                                                                    : TrainerT::accumulation_steps;
+    ProgressState p;
+    p.epoch = epoch;
+    p.step = (done + n - 1) / n;
+    p.total = (batches + n - 1) / n;
+    p.samples = samples_in_epoch_;
+    return p;
+  }
+
+  // A line for the user (rank 0 only), below the progress line when there is one.
+  void say(const std::string& text) {
+    if (!options_.write_files()) return;
+    if (progress_) progress_->message(text);
+    else std::cerr << text << std::endl;
   }
 
   // 4. A better validation metric: the epoch's checkpoint becomes the best; the plateau
@@ -401,9 +444,7 @@ class FitLoop {
       throw std::runtime_error("fit: task.best_metric is '" + task_.best_metric +
                                "', but task.validate returned no such metric");
     const double v = it->second;
-    // The trainer hands out its schedule as const; the object itself is not const. (A
-    // Trainer::on_epoch_end would do this; it is not added here to keep trainer.hpp stable.)
-    if (const_cast<Schedule&>(trainer_.schedule()).on_epoch_end(epoch, v)) trainer_.schedule_changed();
+    trainer_.on_epoch_end(epoch, v);
     const double best = state_.best_value;
     const bool better = std::isfinite(v) && (std::isnan(best) || (task_.higher_is_better ? v > best : v < best));
     if (!better) return false;
@@ -418,6 +459,7 @@ class FitLoop {
       const auto path = checkpoints_.save(trainer_, state_, epoch_end,
                                           [&](torch::serialize::OutputArchive& a) { save_loop_extra(a); });
       result_.checkpoints.push_back(path);
+      if (progress_) progress_->message("checkpoint '" + path + "' written");
     } catch (const CheckpointError& e) {
       throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + ", micro-batch " +
                             std::to_string(state_.position.index) + " (optimizer step " +
@@ -463,11 +505,13 @@ class FitLoop {
     msg << ". To continue, run the same command again"
         << (options_.auto_resume() ? " (TRAIN.AUTO_RESUME is on)" : " with --resume (or TRAIN.AUTO_RESUME: true)");
     r.message = msg.str();
-    if (options_.write_files()) std::cerr << r.message << "\n";
+    say(r.message);
     return r;
   }
 
   FitResult finish() {
+    if (progress_) progress_->finish();
+    if (log_) log_->close();  // errors of the last writes surface here, as exceptions
     FitResult r = result_;
     r.position = state_.position;
     r.windows = trainer_.windows();
@@ -482,13 +526,14 @@ class FitLoop {
   const FitOptions& options_;
   Callbacks callbacks_;
   CheckpointManager checkpoints_;
-  std::unique_ptr<FitLogStandIn> log_;
+  std::unique_ptr<ScalarFanout> log_;   // TensorBoard events and JSON lines
+  std::unique_ptr<ProgressLine> progress_;
   LoopState state_;
   FitResult result_;
   Metrics metrics_;           // the epoch's running sums: "Loss" and the task's metrics
   Metrics::Totals logged_;    // the sums at the last log (the next log's interval starts there)
   Clock::time_point clock_;
-  std::int64_t samples_since_log_ = 0;
+  std::int64_t samples_since_log_ = 0, samples_in_epoch_ = 0;
 };
 
 }  // namespace detail

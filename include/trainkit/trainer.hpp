@@ -273,6 +273,13 @@ class Trainer {
   }
   void schedule_changed() { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
   const Schedule& schedule() const { return *schedule_; }
+  /// After an epoch's validation (the fit loop): hands `metric` to the schedule (plateau) and
+  /// rebuilds the LR table when the schedule changed. Returns whether it changed.
+  bool on_epoch_end(std::int64_t epoch, double metric) {
+    const bool changed = schedule_->on_epoch_end(epoch, metric);
+    if (changed) schedule_changed();
+    return changed;
+  }
 
   /// Data parallel (replicas.hpp): attaches the other ranks; every rank's parameters and
   /// buffers become rank 0's now, and phase 5 averages the gradients once per window. Call it

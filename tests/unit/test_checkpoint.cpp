@@ -254,22 +254,29 @@ TEST_CASE("a full disk: a clear error naming the file and the step; the old chec
   rlimit saved{};
   ::getrlimit(RLIMIT_FSIZE, &saved);
   auto previous_xfsz = std::signal(SIGXFSZ, SIG_IGN);
-  if (fs.ok) {
-    fill(out);
-  } else {
-    rlimit small = saved;
-    small.rlim_cur = 1000;
-    REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
-  }
-  // Through the fit loop: it names the step too.
+  // Through the fit loop, so that the message names the step: the disk fills up during epoch 0
+  // (after the loop opened its logs), before the checkpoint of epoch 0 is written.
   testing::Regression data = testing::regression(32);
   tk::Task<int> task;
   task.batches_per_epoch = [](std::int64_t) { return std::int64_t{2}; };
   task.batch = [](std::int64_t, std::int64_t i) { return static_cast<int>(i); };
   task.loss = [&](const int&, tk::Metrics&) { return torch::mse_loss(t.model(data.x), data.y); };
+  tk::Callbacks callbacks;
+  callbacks.batch_end = [&](tk::BatchEnd& e) {
+    if (e.epoch != 0 || e.index != 1) return;
+    if (fs.ok) {
+      fill(out);
+    } else {
+      rlimit small = saved;
+      small.rlim_cur = 1000;
+      REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+    }
+  };
   std::string message;
   try {
-    tk::fit(t.trainer, task, tk::FitOptions().output_path(out).end_epoch(3).auto_resume(false).progress(false));
+    tk::fit(t.trainer, task,
+            tk::FitOptions().output_path(out).end_epoch(3).auto_resume(false).log_frequent(1000).progress(false),
+            callbacks);
   } catch (const tk::CheckpointError& e) {
     message = e.what();
   }
@@ -277,12 +284,17 @@ TEST_CASE("a full disk: a clear error naming the file and the step; the old chec
   std::signal(SIGXFSZ, previous_xfsz);
   CAPTURE(message);
   CHECK(message.find("cannot write checkpoint '" + out + "/model-0000.ckpt'") != std::string::npos);
-  CHECK(message.find("disk full") != std::string::npos);
+  CHECK(message.find(fs.ok ? "No space left on device" : "File too large") != std::string::npos);
+  CHECK(message.find("(disk full?)") != std::string::npos);
   CHECK(message.find("at epoch 1, micro-batch 0 (optimizer step 2)") != std::string::npos);
   CHECK(read_bytes(old_path) == old_bytes);  // the failed write of the same name changed nothing
   CHECK(tk::CheckpointManager::is_complete(old_path));
   for (const auto& name : names_in(out))
     CHECK(name.find(".tmp.") == std::string::npos);  // the temporary file was removed
+  // Room again: the same run writes its checkpoints.
+  ::unlink((out + "/filler").c_str());
+  const auto r = tk::fit(t.trainer, task, tk::FitOptions().output_path(out).end_epoch(3).auto_resume(false).progress(false));
+  CHECK(r.checkpoints.size() == 3);
 }
 
 TEST_CASE("a read-only output directory: a clear error; the old checkpoints stay byte-identical") {

@@ -57,14 +57,35 @@ inline void write_archive_atomically(torch::serialize::OutputArchive& archive,
     throw std::runtime_error("cannot write checkpoint '" + path + "': directory '" + dir +
                              "' is not writable (" + std::strerror(errno) + ")");
   TemporaryFile tmp(path + ".tmp." + std::to_string(::getpid()));
-  try {
-    archive.save_to(tmp.path());
-    fsync_path(tmp.path(), false);
-  } catch (const std::exception& e) {
-    throw std::runtime_error("cannot write checkpoint '" + path +
-                             "' (disk full or I/O error?); the previous checkpoint is intact: " +
-                             e.what());
-  }
+  const int fd = ::open(tmp.path().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0)
+    throw std::runtime_error("cannot write checkpoint '" + path + "': cannot create '" + tmp.path() +
+                             "': " + std::strerror(errno));
+  // The archive goes through a writer function, not save_to(path): LibTorch's file writer
+  // throws from its destructor on a failed write (a full disk), which terminates the process.
+  // This writer never reports a failure to LibTorch; it keeps the first error for below.
+  int error = 0;
+  archive.save_to([&](const void* data, size_t n) -> size_t {
+    const char* p = static_cast<const char*>(data);
+    for (size_t left = n; left > 0 && error == 0;) {
+      const ssize_t k = ::write(fd, p, left);
+      if (k < 0 && errno == EINTR) continue;
+      if (k <= 0) {
+        error = k < 0 ? errno : EIO;
+        break;
+      }
+      p += k;
+      left -= static_cast<size_t>(k);
+    }
+    return n;
+  });
+  if (error == 0 && ::fsync(fd) != 0) error = errno;
+  if (::close(fd) != 0 && error == 0) error = errno;
+  if (error != 0)
+    throw std::runtime_error("cannot write checkpoint '" + path + "': " + std::strerror(error) +
+                             " while writing '" + tmp.path() + "'" +
+                             (error == ENOSPC || error == EDQUOT || error == EFBIG ? " (disk full?)" : "") +
+                             "; the file under that name, if any, is unchanged");
   if (::rename(tmp.path().c_str(), path.c_str()) != 0)
     throw std::runtime_error("cannot rename '" + tmp.path() + "' to '" + path +
                              "': " + std::strerror(errno));
