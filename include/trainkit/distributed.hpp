@@ -204,6 +204,9 @@ class ProcessGroup {
     full.store = store_text;
 
     const bool cuda = device.is_cuda();
+    // "cuda" alone means this rank's GPU (LOCAL_RANK), where torchrun's convention puts it.
+    if (cuda && !device.has_index())
+      device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(info.local_rank));
     const std::string backend = !options.backend().empty() ? options.backend() : cuda ? "nccl" : "gloo";
     if (backend == "nccl" && !cuda)
       throw std::invalid_argument("trainkit::ProcessGroup: NCCL needs a CUDA device, got " +
