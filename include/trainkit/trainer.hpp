@@ -255,8 +255,7 @@ class Trainer {
       case PartialWindow::span:
         return std::nullopt;
       case PartialWindow::drop:
-        flat_grad_.zero_();
-        if constexpr (Precision::master_weights) half_.zero_grad();
+        zero_gradients();
         window_loss_.zero_();
         accumulation_.reset();
         return std::nullopt;
@@ -313,7 +312,9 @@ class Trainer {
   const TrainerOptions& options() const { return options_; }
   torch::nn::Module& model() { return *module_; }
   torch::Device device() const { return device_; }
-  /// The flat gradient storage (every trainable parameter's .grad is a view into it).
+  /// The flat gradient storage (every trainable parameter's .grad is a view into it). With
+  /// master weights: the fp32 gradient of the optimizer phase, undefined between windows (the
+  /// .grad are views into half_gradients(), or kept_gradients() for kept fp32 parameters).
   const torch::Tensor& gradients() const { return flat_grad_; }
   /// The flat fp32 parameter storage: the model's parameters, or with master weights the
   /// masters.
@@ -322,6 +323,7 @@ class Trainer {
   /// (same layout as parameters()); undefined tensors otherwise.
   const torch::Tensor& half_parameters() const { return half_.params(); }
   const torch::Tensor& half_gradients() const { return half_.grad(); }
+  const torch::Tensor& kept_gradients() const { return half_.kept_grad(); }
   const std::vector<detail::ParamGroup>& groups() const { return groups_; }
 
   /// Writes the whole trainer state to `path` atomically (temporary file in the same
@@ -350,8 +352,12 @@ class Trainer {
     archive.write("window.counted", c10::IValue(acc.counted));
     // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
     if (acc.position > 0) {
-      archive.write("window.gradient", flat_grad_, true);
-      if constexpr (Precision::master_weights) archive.write("window.gradient_half", half_.grad(), true);
+      if constexpr (Precision::master_weights) {
+        archive.write("window.gradient_half", half_.grad(), true);
+        if (half_.kept_grad().defined()) archive.write("window.gradient_kept", half_.kept_grad(), true);
+      } else {
+        archive.write("window.gradient", flat_grad_, true);
+      }
       archive.write("window.loss", window_loss_, true);
     }
     archive.write("schedule.state", c10::IValue(schedule_->state()));
@@ -417,13 +423,16 @@ class Trainer {
     acc.counted = v.toBool();
     accumulation_.load_state(acc);
     if (acc.position > 0) {
-      flat_grad_.copy_(detail::read_tensor(archive, "window.gradient"));
-      if constexpr (Precision::master_weights)
+      if constexpr (Precision::master_weights) {
         half_.grad().copy_(detail::read_tensor(archive, "window.gradient_half"));
+        if (half_.kept_grad().defined())
+          half_.kept_grad().copy_(detail::read_tensor(archive, "window.gradient_kept"));
+      } else {
+        flat_grad_.copy_(detail::read_tensor(archive, "window.gradient"));
+      }
       window_loss_.copy_(detail::read_tensor(archive, "window.loss"));
     } else {
-      flat_grad_.zero_();
-      if constexpr (Precision::master_weights) half_.zero_grad();
+      zero_gradients();
       window_loss_.zero_();
     }
     archive.read("schedule.state", v);
@@ -499,13 +508,18 @@ class Trainer {
     for (const auto& e : entries) total += e.param.numel();
     const auto f32 = torch::dtype(torch::kFloat).device(device_);
     flat_params_ = torch::empty({total}, f32);
-    flat_grad_ = torch::zeros({total}, f32);
-    // Master weights: which parameters stay fp32 (views into the fp32 storage, as without).
+    // Master weights: which parameters stay fp32 (views into the masters); the fp32 gradient
+    // is made in each optimizer phase (HalfStorage::gather), not kept.
     std::unordered_set<const c10::TensorImpl*> kept;
     if constexpr (Precision::master_weights) {
       if (options_.keep_norm_fp32()) kept = detail::normalisation_parameters(*module_);
-      half_.allocate(total, Precision::storage_dtype, device_, kept.empty());
+      std::int64_t kept_numel = 0;
+      for (const auto& e : entries)
+        if (kept.count(e.param.unsafeGetTensorImpl())) kept_numel += e.param.numel();
+      half_.allocate(total, kept_numel, Precision::storage_dtype, device_);
       detail::store_untrained_in(*module_, Precision::storage_dtype, options_.keep_norm_fp32());
+    } else {
+      flat_grad_ = torch::zeros({total}, f32);
     }
     torch::NoGradGuard no_grad;
     std::int64_t offset = 0, group_begin = 0;
@@ -518,6 +532,9 @@ class Trainer {
         master_views_.emplace(e.name, param_view.view(e.param.sizes()));
         e.param.set_data(half_.param_view(offset, n).view(e.param.sizes()));
         e.param.mutable_grad() = half_.grad_view(offset, n).view(e.param.sizes());
+      } else if (Precision::master_weights) {
+        e.param.set_data(param_view.view(e.param.sizes()));
+        e.param.mutable_grad() = half_.add_kept(offset, n).view(e.param.sizes());
       } else {
         e.param.set_data(param_view.view(e.param.sizes()));
         e.param.mutable_grad() = flat_grad_.narrow(0, offset, n).view(e.param.sizes());
@@ -526,12 +543,31 @@ class Trainer {
       offset += n;
       const bool group_ends = i + 1 == entries.size() || entries[i + 1].mult != e.mult;
       if (group_ends) {
+        // (Master weights: the group's gradient is bound in each optimizer phase.)
         groups_.push_back({flat_params_.narrow(0, group_begin, offset - group_begin),
-                           flat_grad_.narrow(0, group_begin, offset - group_begin), e.mult});
+                           Precision::master_weights
+                               ? torch::Tensor()
+                               : flat_grad_.narrow(0, group_begin, offset - group_begin),
+                           e.mult});
         group_begin = offset;
       }
     }
-    if constexpr (Precision::master_weights) half_.write_back(flat_params_);
+    if constexpr (Precision::master_weights) {
+      half_.finish();
+      half_.write_back(flat_params_);
+    }
+  }
+
+  // Phase 11 (and a dropped window): one fill of the flat gradient storage. Master weights:
+  // the half and kept gradients are zeroed, the phase's fp32 gradient is released.
+  void zero_gradients() {
+    if constexpr (Precision::master_weights) {
+      half_.zero_grad();
+      flat_grad_ = torch::Tensor();
+      for (auto& g : groups_) g.grads = torch::Tensor();
+    } else {
+      flat_grad_.zero_();
+    }
   }
 
   // What a checkpoint holds for a parameter: its fp32 master where there is one, else itself.
@@ -586,10 +622,14 @@ class Trainer {
   StepReport optimizer_phase() {
     check_grad_storage();
     const double rescale = accumulation_.rescale();
-    // Master weights: the half gradients join the fp32 gradient storage (one cast pass); from
-    // here on the phase runs on fp32 gradients and masters exactly as without (so phase 5
-    // reduces fp32 gradients).
-    if constexpr (Precision::master_weights) half_.gather_into(flat_grad_);
+    // Master weights: the window's fp32 gradient, cast from the half one in one pass (into a
+    // buffer that lives only for this phase); from here on the phase runs on fp32 gradients
+    // and masters exactly as without (so phase 5 reduces fp32 gradients).
+    if constexpr (Precision::master_weights) {
+      flat_grad_ = half_.gather();
+      for (auto& g : groups_)
+        g.grads = flat_grad_.narrow(0, g.params.storage_offset(), g.params.numel());
+    }
     // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat storage, once per
     //    window); `grad_rescale` makes it the mean over every rank's micro-batches or items.
     const auto acc = accumulation_.state();
@@ -638,9 +678,8 @@ class Trainer {
     report.window_ = windows_;
     report.micro_batches_ = accumulation_.position();
     report.items_ = accumulation_.items();
-    // 11. Zero the gradient: one fill of the flat storage (and of the half one).
-    flat_grad_.zero_();
-    if constexpr (Precision::master_weights) half_.zero_grad();
+    // 11. Zero the gradient: one fill of the flat storage (master weights: of the half one).
+    zero_gradients();
     window_loss_ = torch::zeros_like(window_loss_);
     accumulation_.reset();
     host_checks(report);

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <unordered_set>
+#include <vector>
 
 namespace trainkit::detail {
 
@@ -49,39 +50,60 @@ inline void store_untrained_in(torch::nn::Module& model, at::ScalarType dtype, b
 }
 
 /// The model's half parameters and gradients: two flat buffers laid out exactly as the
-/// trainer's fp32 storage (same offsets). Parameters kept in fp32 leave their slices here
-/// unused (zero gradient), and live in the fp32 storage itself.
+/// trainer's fp32 master storage (same offsets). Parameters kept in fp32 leave their slices here
+/// unused; they are views into the masters, and their gradients live in a small compact fp32
+/// buffer (`kept`). The fp32 gradient of the whole model exists only during the optimizer
+/// phase (gather()), so between windows the model costs 4 (master) + 2 + 2 bytes per parameter
+/// plus the optimizer's state: the forward and backward peak is FP32's less the activations saved.
 class HalfStorage {
  public:
-  void allocate(std::int64_t numel, at::ScalarType dtype, torch::Device device, bool all_half) {
+  void allocate(std::int64_t numel, std::int64_t kept_numel, at::ScalarType dtype, torch::Device device) {
     const auto options = torch::dtype(dtype).device(device);
     params_ = torch::empty({numel}, options);
     grad_ = torch::zeros({numel}, options);
-    all_half_ = all_half;
+    if (kept_numel > 0) kept_grad_ = torch::zeros({kept_numel}, torch::dtype(torch::kFloat).device(device));
   }
   torch::Tensor param_view(std::int64_t offset, std::int64_t n) const { return params_.narrow(0, offset, n); }
   torch::Tensor grad_view(std::int64_t offset, std::int64_t n) const { return grad_.narrow(0, offset, n); }
+  /// The gradient slice of a parameter kept in fp32 at [offset, offset + n) of the masters.
+  torch::Tensor add_kept(std::int64_t offset, std::int64_t n) {
+    auto view = kept_grad_.narrow(0, kept_used_, n);
+    kept_used_ += n;
+    kept_positions_.push_back(torch::arange(offset, offset + n, torch::kLong));
+    return view;
+  }
+  /// After the last add_kept().
+  void finish() {
+    if (!kept_positions_.empty()) kept_index_ = torch::cat(kept_positions_).to(grad_.device());
+    kept_positions_.clear();
+  }
 
-  /// The window's half gradient into the fp32 gradient storage, in one pass (the cast is part
-  /// of it). With fp32-kept parameters their gradient is already there: add (the half slices
-  /// of the fp32 storage are zero between windows, the kept slices of the half storage zero).
-  void gather_into(torch::Tensor& flat_grad) const {
-    if (all_half_) flat_grad.copy_(grad_);
-    else flat_grad.add_(grad_);
+  /// The window's fp32 gradient, in master layout: one pass that casts the half gradient into a
+  /// fresh fp32 buffer, plus one scatter of the kept parameters' fp32 gradients.
+  torch::Tensor gather() const {
+    auto flat = grad_.to(torch::kFloat);
+    if (kept_index_.defined()) flat.index_copy_(0, kept_index_, kept_grad_);
+    return flat;
   }
   /// The model's parameters from the masters: one copy (a cast, rounding to nearest).
   void write_back(const torch::Tensor& masters) {
     torch::NoGradGuard no_grad;
     params_.copy_(masters);
   }
-  void zero_grad() { grad_.zero_(); }
+  void zero_grad() {
+    grad_.zero_();
+    if (kept_grad_.defined()) kept_grad_.zero_();
+  }
 
   const torch::Tensor& params() const { return params_; }
   const torch::Tensor& grad() const { return grad_; }
+  /// The gradients of the parameters kept in fp32 (undefined when there are none).
+  const torch::Tensor& kept_grad() const { return kept_grad_; }
 
  private:
-  torch::Tensor params_, grad_;
-  bool all_half_ = true;
+  torch::Tensor params_, grad_, kept_grad_, kept_index_;
+  std::int64_t kept_used_ = 0;
+  std::vector<torch::Tensor> kept_positions_;
 };
 
 }  // namespace trainkit::detail
