@@ -5,7 +5,7 @@
 //   build/benchmarks/memory_master_weights                 # every configuration, one process each
 //   build/benchmarks/memory_master_weights --config NAME   # one: fp32, autocast_fp16, autocast_bf16,
 //                                                          #      master_fp16, master_bf16
-//   options: --batch B (16) --seq S (128) --windows W (4)
+//   options: --batch B (16) --seq S (128) --windows W (4) --repeat R (3: the median of R processes)
 //
 // Each configuration runs in a fresh process (a high-water mark cannot be reset), and reports
 // its peak RSS (getrusage) and the peak minus the RSS before the model was built (LibTorch's own
@@ -16,6 +16,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iomanip>
@@ -33,7 +34,7 @@ namespace {
 
 struct Settings {
   std::int64_t vocab = 30522, hidden = 128, heads = 2, ffn = 512, layers = 2, max_seq = 512;
-  std::int64_t batch = 16, seq = 128, windows = 4;
+  std::int64_t batch = 16, seq = 128, windows = 4, repeat = 3;
 };
 
 struct LayerImpl : torch::nn::Module {
@@ -143,18 +144,20 @@ int main(int argc, char** argv) {
     else if (a == "--batch") s.batch = std::stoll(v);
     else if (a == "--seq") s.seq = std::stoll(v);
     else if (a == "--windows") s.windows = std::stoll(v);
+    else if (a == "--repeat") s.repeat = std::max<std::int64_t>(1, std::stoll(v));
     else {
       std::cerr << "usage: " << argv[0] << " [--config NAME] [--batch B] [--seq S] [--windows W]\n";
       return 2;
     }
-    if (a != "--config") pass += " " + a + " " + v;
+    if (a != "--config" && a != "--repeat") pass += " " + a + " " + v;
   }
   torch::set_num_threads(1);
   if (!config.empty()) return run_one(config, s);
 
   std::cout << "BERT-tiny-like (vocab " << s.vocab << ", hidden " << s.hidden << ", " << s.layers
             << " layers), batch " << s.batch << " x seq " << s.seq << ", AdamW fused, " << s.windows
-            << " windows, CPU, one process per configuration\n\n";
+            << " windows, CPU, one process per configuration and run, median of " << s.repeat
+            << " runs (glibc's high-water mark varies by tens of MiB between identical runs)\n\n";
   std::cout << std::left << std::setw(16) << "configuration" << std::right << std::setw(12) << "peak MiB"
             << std::setw(14) << "baseline MiB" << std::setw(14) << "training MiB" << std::setw(12) << "vs fp32"
             << std::setw(10) << "loss" << "\n";
@@ -164,17 +167,24 @@ int main(int argc, char** argv) {
   const std::string self = length > 0 ? std::string(path, static_cast<size_t>(length)) : std::string(argv[0]);
   for (const char* name : {"fp32", "autocast_fp16", "autocast_bf16", "master_fp16", "master_bf16"}) {
     const std::string command = "'" + self + "' --config " + std::string(name) + pass;
-    FILE* p = popen(command.c_str(), "r");
-    char got[64] = {};
-    long peak = 0, baseline = 0;
+    std::vector<std::pair<long, long>> runs;  // (peak - baseline, baseline)
     double loss = 0;
-    const int n = p ? std::fscanf(p, "%63s %ld %ld %lf", got, &peak, &baseline, &loss) : 0;
-    if (p) pclose(p);
-    if (n != 4) {
+    for (std::int64_t r = 0; r < s.repeat; ++r) {
+      FILE* p = popen(command.c_str(), "r");
+      char got[64] = {};
+      long peak_r = 0, baseline_r = 0;
+      const int n = p ? std::fscanf(p, "%63s %ld %ld %lf", got, &peak_r, &baseline_r, &loss) : 0;
+      if (p) pclose(p);
+      if (n == 4) runs.emplace_back(peak_r - baseline_r, baseline_r);
+    }
+    if (runs.empty()) {
       std::cout << name << ": failed\n";
       continue;
     }
-    const double training = (peak - baseline) / 1024.0;
+    std::sort(runs.begin(), runs.end());
+    const auto [delta, baseline] = runs[runs.size() / 2];
+    const long peak = delta + baseline;
+    const double training = delta / 1024.0;
     if (fp32_training == 0) fp32_training = training;
     std::cout << std::left << std::setw(16) << name << std::right << std::fixed << std::setprecision(1)
               << std::setw(12) << peak / 1024.0 << std::setw(14) << baseline / 1024.0 << std::setw(14)
