@@ -32,6 +32,13 @@
 ///   5. SIGINT/SIGTERM: the loop finishes the current window, writes a checkpoint and returns
 ///      with FitResult::stopped, printing how to resume; a second signal exits at once.
 ///
+/// Data parallel (trainer.set_replicas, distributed.hpp): every rank runs fit() on its shard
+/// (task.batch(epoch, index) gives this rank's micro-batch, e.g. from tk::DistributedSampler);
+/// only the main rank writes checkpoints, logs and messages; every rank resumes from the same
+/// file; logged and epoch means are over every rank's items, validation metrics the mean over
+/// ranks; a stop (signal on any rank) is agreed at each window boundary by one small collective
+/// (only with more than one rank).
+///
 /// Errors: a checkpoint that cannot be written (unwritable directory, full disk) throws
 /// CheckpointError naming the file and the step; the checkpoints already written stay intact.
 /// A non-finite gradient with NONFINITE abort throws NonFiniteGradient with the epoch, the
@@ -216,7 +223,7 @@ class FitLoop {
 
   FitResult run() {
     StopSignals signals(options_.handle_signals());
-    if (options_.write_files()) {
+    if (writes()) {
       checkpoints_.create_directory();
       log_ = std::make_unique<ScalarFanout>();
       log_->emplace<TensorBoardWriter>(options_.output_path() + "/tensorboard");
@@ -260,6 +267,7 @@ class FitLoop {
         // Checkpoints inside an epoch fall on window boundaries: the signal's "finish the
         // current window" is this condition becoming true.
         const bool at_boundary = trainer_.window_position() == 0 && index + 1 < batches;
+        if (at_boundary) stop_requested = any_rank(stop_requested);
         if ((checkpoint_requested || stop_requested) && at_boundary) {
           state_.position = {epoch, index + 1};
           write_checkpoint(/*epoch_end*/ false);
@@ -268,7 +276,7 @@ class FitLoop {
         }
       }
       if (auto report = flush(epoch, batches)) window_closed(*report, epoch, batches, batches);
-      stop_requested |= signals.received() != 0;
+      stop_requested = any_rank(stop_requested || signals.received() != 0);
       if (stop_requested) {  // every micro-batch ran; the epoch's end runs after resuming
         state_.position = {epoch, batches};
         write_checkpoint(false);
@@ -276,12 +284,13 @@ class FitLoop {
       }
 
       // End of the epoch: means, validation, best checkpoint, schedule, callback, checkpoint.
-      EpochEnd end{epoch, metrics_.means(), {}};
+      EpochEnd end{epoch, epoch_means(), {}};
       result_.train = end.train;
       const bool last = epoch + 1 == options_.end_epoch();
       bool new_best = false;
       if (task_.validate && ((epoch + 1) % options_.val_frequent() == 0 || last)) {
         end.validation = task_.validate(epoch);
+        average_over_ranks(end.validation);  // the schedule and the best must agree on every rank
         trainer_.model().train();
         result_.validation = end.validation;
         std::string shown = "epoch " + std::to_string(epoch) + " validation:";
@@ -293,7 +302,7 @@ class FitLoop {
         new_best = observe_best(epoch, end.validation);
       }
       if (callbacks_.epoch_end) callbacks_.epoch_end(end);
-      stop_requested |= end.request_stop || signals.received() != 0;
+      stop_requested = any_rank(stop_requested || end.request_stop || signals.received() != 0);
       state_.position = {epoch + 1, 0};
       if ((epoch + 1) % options_.checkpoint_frequent() == 0 || last || new_best || end.request_checkpoint ||
           checkpoint_requested || stop_requested)
@@ -307,6 +316,43 @@ class FitLoop {
 
  private:
   using Clock = std::chrono::steady_clock;
+
+  // Checkpoints, logs and messages: on the main rank only (every rank trains and resumes).
+  bool writes() const { return options_.write_files() && trainer_.replicas().is_main(); }
+
+  // Data parallel (replicas.hpp): what every rank must agree on goes through one small
+  // collective, called by every rank at the same point; with one process these are no-ops.
+  bool any_rank(bool flag) {
+    if (trainer_.replicas().world_size() == 1) return flag;
+    std::vector<double> v{flag ? 1.0 : 0.0};
+    trainer_.replicas().average(v);
+    return v[0] > 0;
+  }
+  void average_over_ranks(std::map<std::string, double>& values) {
+    if (trainer_.replicas().world_size() == 1) return;
+    std::vector<double> v;
+    for (const auto& [name, x] : values) v.push_back(x);
+    trainer_.replicas().average(v);
+    std::size_t i = 0;
+    for (auto& [name, x] : values) x = v[i++];
+  }
+  // Sums and weights averaged alike: their ratio is then the mean over every rank's items.
+  // (Every rank's task must add the same metric names.)
+  void total_over_ranks(Metrics::Totals& totals) {
+    if (trainer_.replicas().world_size() == 1) return;
+    std::vector<double> v;
+    for (const auto& [name, sw] : totals.of) v.insert(v.end(), {sw.first, sw.second});
+    trainer_.replicas().average(v);
+    std::size_t i = 0;
+    for (auto& [name, sw] : totals.of) sw = {v[i], v[i + 1]}, i += 2;
+  }
+  std::map<std::string, double> epoch_means() {
+    Metrics::Totals totals = metrics_.totals();
+    total_over_ranks(totals);
+    std::map<std::string, double> means;
+    for (const auto& [name, sw] : totals.of) means[name] = totals.mean(name);
+    return means;
+  }
 
   // 1. Resume, by TRAIN.RESUME / AUTO_RESUME. Returns where training starts.
   FitPosition resume() {
@@ -372,7 +418,8 @@ class FitLoop {
   void window_closed(const StepReport& report, std::int64_t epoch, std::int64_t done, std::int64_t batches) {
     if (report.window() % options_.log_frequent() != 0) return;
     const auto step = report.window();
-    const Metrics::Totals totals = metrics_.totals();  // one sync with the report's below
+    Metrics::Totals totals = metrics_.totals();  // one sync with the report's below
+    total_over_ranks(totals);
     std::map<std::string, double> interval;
     for (const auto& [name, sw] : totals.of) {
       const auto old = logged_.of.find(name);
@@ -430,7 +477,7 @@ class FitLoop {
 
   // A line for the user (rank 0 only), below the progress line when there is one.
   void say(const std::string& text) {
-    if (!options_.write_files()) return;
+    if (!writes()) return;
     if (progress_) progress_->message(text);
     else std::cerr << text << std::endl;
   }
@@ -454,7 +501,7 @@ class FitLoop {
   }
 
   void write_checkpoint(bool epoch_end) {
-    if (!options_.write_files()) return;
+    if (!writes()) return;
     try {
       const auto path = checkpoints_.save(trainer_, state_, epoch_end,
                                           [&](torch::serialize::OutputArchive& a) { save_loop_extra(a); });

@@ -1,8 +1,9 @@
 #pragma once
 /// Umbrella header: the core of trainkit (policies, trainer, optimizers, schedules, JSON
-/// configurations and dispatch to compiled trainers).
-/// Optional parts (YAML configs, distributed training, TensorBoard logs) have their own
-/// headers and are not pulled in here.
+/// configurations, dispatch to compiled trainers) and the fit loop with its checkpoints,
+/// metrics and logs (the log writers need nothing beyond the standard library).
+/// Optional parts (YAML configs, distributed training) have their own headers and are not
+/// pulled in here; the log writers (log/tensorboard.hpp ...) are usable on their own.
 #include <trainkit/version.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
@@ -13,3 +14,6 @@
 #include <trainkit/trainer.hpp>
 #include <trainkit/config.hpp>
 #include <trainkit/dispatch.hpp>
+#include <trainkit/metrics.hpp>
+#include <trainkit/checkpoint.hpp>
+#include <trainkit/fit.hpp>
