@@ -8,9 +8,11 @@
 //       [--items 1]                                 item-weighted windows (uneven counts per rank)
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
 //       [--save PATH]                              rank 0 writes a checkpoint at the end
+//       [--fit DIR]                                train 2 epochs with tk::fit, output DIR/rank<r>
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/distributed.hpp>
+#include <trainkit/fit.hpp>
 #include <trainkit/sampler.hpp>
 #include <trainkit/trainer.hpp>
 
@@ -31,7 +33,7 @@ namespace tk = trainkit;
 namespace {
 
 struct Args {
-  std::string out, load, load_rank1, save, precision = "fp32", model = "mlp";
+  std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0;
   double timeout = 60;
@@ -53,7 +55,7 @@ Args parse(int argc, char** argv) {
     else v = static_cast<std::decay_t<decltype(v)>>(std::stoll(it->second));
     kv.erase(it);
   };
-  take("out", a.out), take("load", a.load), take("load-rank1", a.load_rank1), take("save", a.save);
+  take("out", a.out), take("load", a.load), take("load-rank1", a.load_rank1), take("save", a.save), take("fit", a.fit);
   take("precision", a.precision), take("model", a.model), take("steps", a.steps), take("batch", a.batch);
   take("accum", a.accum), take("samples", a.samples), take("bucket-bytes", a.bucket_bytes);
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
@@ -109,6 +111,24 @@ int run(const Args& a) {
   const auto per_epoch = sampler.batches_per_epoch();
   if (per_epoch % a.accum != 0)
     throw std::invalid_argument("choose --samples, --batch and --accum so that windows do not span epochs");
+  if (!a.fit.empty()) {  // tk::fit: only the main rank may write into its directory
+    tk::Task<std::vector<std::int64_t>> task;
+    task.batches_per_epoch = [&](std::int64_t) { return per_epoch; };
+    task.batch = [&](std::int64_t epoch, std::int64_t index) { return sampler.batch(epoch, index); };
+    task.loss = [&](const std::vector<std::int64_t>& b, tk::Metrics&) {
+      const auto idx = torch::tensor(b, torch::kLong);
+      return torch::mse_loss(model(x.index_select(0, idx)), y.index_select(0, idx));
+    };
+    const auto result = tk::fit(trainer, task,
+                                tk::FitOptions()
+                                    .output_path(a.fit + "/rank" + std::to_string(rank))
+                                    .end_epoch(2)
+                                    .log_frequent(1)
+                                    .auto_resume(false)
+                                    .handle_signals(false)
+                                    .progress(false));
+    std::cout << "fit wrote " << result.checkpoints.size() << " checkpoints" << std::endl;
+  }
   const auto calls_before = counter->all_reduce_calls;
   const auto windows_before = trainer.windows();
   std::int64_t m = trainer.windows() * a.accum;  // micro-batches so far: the sampler's position

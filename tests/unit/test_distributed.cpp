@@ -271,6 +271,17 @@ TEST_CASE("data parallel: resume on every rank from the same checkpoint equals n
   }
 }
 
+TEST_CASE("data parallel: tk::fit writes checkpoints and logs on rank 0 only") {
+  testing::TempDir dir;
+  run_two(dir / "fit", {"--fit", dir / "out", "--steps", "0", "--batch", "4", "--accum", "2"});
+  CHECK(testing::file_exists(dir / "out/rank0/model-0000.ckpt"));
+  CHECK(testing::file_exists(dir / "out/rank0/model-0001.ckpt"));
+  CHECK_FALSE(testing::file_exists(dir / "out/rank1"));  // nothing at all from rank 1
+  CHECK(slurp(dir / "fit.log0.out").find("fit wrote 2 checkpoints") != std::string::npos);
+  CHECK(slurp(dir / "fit.log1.out").find("fit wrote 0 checkpoints") != std::string::npos);
+  CHECK(torch::equal(params(dir / "fit", 0), params(dir / "fit", 1)));
+}
+
 TEST_CASE("data parallel: torchrun --no-python trains like the harness' launch") {
   const std::string launcher = torchrun();
   if (!testing::file_exists(launcher)) {
