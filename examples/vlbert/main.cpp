@@ -1,0 +1,65 @@
+// vlbert: VL-BERT pre-training and VQA fine-tuning on the embedded synthetic scenes.
+//
+//   vlbert pretrain --cfg cfgs/vlbert/pretrain/base_1x24G_fp32.yaml [--set K=V]... [--model-dir DIR] [--resume]
+//   vlbert vqa      --cfg cfgs/vlbert/vqa/base_1x24G_fp32.yaml --set NETWORK.PARTIAL_PRETRAIN=DIR/vl-bert_base_pretrain-0003.model
+//
+// The configuration picks the compiled Trainer type (tk::dispatch); the last line on stdout is
+// the run's figures as JSON ("RESULT {...}").
+#define TRAINKIT_EXTERN_TRAINERS  // the registry's trainers are compiled once, in trainers.cpp
+#include "vlbert.hpp"
+
+#include <trainkit/dispatch.hpp>
+#if defined(TRAINKIT_WITH_YAML) && TRAINKIT_WITH_YAML
+#include <trainkit/config_yaml.hpp>
+#endif
+
+#include <cstdio>
+#include <exception>
+#include <iostream>
+#include <string>
+
+namespace tk = trainkit;
+
+int main(int argc, char** argv) {
+  const std::string usage =
+      "usage: vlbert pretrain|vqa --cfg FILE [--set SECTION.KEY=VALUE]... [--model-dir DIR] [--resume]\n";
+  if (argc < 2 || (std::string(argv[1]) != "pretrain" && std::string(argv[1]) != "vqa")) {
+    std::cerr << usage;
+    return 2;
+  }
+  const std::string task = argv[1];
+  try {
+    const auto cl = tk::CommandLine::parse(argc - 1, argv + 1);
+    if (cl.cfg.empty() || !cl.rest.empty()) {
+      std::cerr << (cl.rest.empty() ? "error: --cfg FILE is required\n" : "error: unknown argument " + cl.rest[0] + "\n") << usage;
+      return 2;
+    }
+    tk::Config config;
+    vlbert::register_sections(config);
+    config.load(cl.cfg, cl.overrides());
+    for (const auto& note : config.notes()) std::cerr << "[vlbert] " << note << "\n";
+    const auto expected = task == "pretrain" ? "VLBertForPretraining" : "VLBertForVQA";
+    const auto module = config.get<std::string>("MODULE");
+    if (!module.empty() && module != expected)
+      throw tk::ConfigError("MODULE", "is \"" + module + "\", but `vlbert " + task + "` trains " + expected);
+    const auto result = tk::dispatch(config, [&](auto tag) {
+      using Trainer = typename decltype(tag)::type;
+      std::cerr << "[vlbert] " << task << " with " << Trainer::name() << "\n";
+      return task == "pretrain" ? vlbert::pretrain<Trainer>(config) : vlbert::finetune<Trainer>(config);
+    });
+    if (task == "vqa" && !result.val.empty()) {
+      const double acc = result.val.back().at("Acc");
+      std::printf("VQA validation accuracy %.4f | chance %.4f (1 of %zu answers) | majority answer %.4f | "
+                  "text-only (best answer per question type) %.4f\n",
+                  acc, result.chance, static_cast<std::size_t>(1.0 / result.chance + 0.5), result.majority, result.question_prior);
+    }
+    std::printf("RESULT %s\n", vlbert::result_json(result).c_str());
+    return 0;
+  } catch (const tk::ConfigError& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}

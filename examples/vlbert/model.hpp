@@ -1,0 +1,222 @@
+#pragma once
+/// A compact VL-BERT (Su et al., ICLR 2020) in LibTorch: one BERT encoder over the joint
+/// sequence [CLS] words [SEP] [IMG]... [END].
+///
+/// Each input element's embedding is the sum of four (VL-BERT, section 3.2):
+///   token     the word, or [IMG] for a region;
+///   visual    the region's appearance feature and box geometry, projected into the hidden space
+///             (VL-BERT's "visual feature embedding"; words get the whole image's);
+///   segment   A for words, C for regions;
+///   position  0, 1, 2... for words; one shared position for every region (regions are a set).
+/// The encoder is BERT's: post-LN layers, GELU. Heads: masked language modelling (decoder tied
+/// to the word embeddings) and masked region classification for pre-training; for VQA, an
+/// answer classifier on the [MASK] token after the question.
+///
+/// Parameter names follow VL-BERT's where they exist (vlbert.word_embeddings, ...,
+/// final_mlp.1.weight), so that partial loading (NETWORK.PARTIAL_PRETRAIN) matches by name.
+#include "scenes.hpp"
+
+#include <torch/nn/functional/loss.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/modules/activation.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace vlbert {
+
+/// NETWORK.VLBERT: the encoder's sizes (VL-BERT's key names and meanings).
+struct VLBertConfig {
+  std::int64_t vocab_size = 64, hidden_size = 64, num_hidden_layers = 2, num_attention_heads = 2,
+               intermediate_size = 128, max_position_embeddings = 64, type_vocab_size = 3;
+  double hidden_dropout_prob = 0.1, attention_probs_dropout_prob = 0.1;
+  std::int64_t visual_size = 32;    // region feature size (must equal DATASET.FEATURE_DIM)
+  std::int64_t geometry_frequencies = 8;  // sinusoids per box coordinate
+  bool visual_ln = true;
+};
+
+/// BERT's layer, post-LN: x = LN(x + Attention(x)); x = LN(x + W2 GELU(W1 x)).
+struct LayerImpl : torch::nn::Module {
+  explicit LayerImpl(const VLBertConfig& c)
+      : heads(c.num_attention_heads),
+        query(register_module("query", torch::nn::Linear(c.hidden_size, c.hidden_size))),
+        key(register_module("key", torch::nn::Linear(c.hidden_size, c.hidden_size))),
+        value(register_module("value", torch::nn::Linear(c.hidden_size, c.hidden_size))),
+        attention_output(register_module("attention_output", torch::nn::Linear(c.hidden_size, c.hidden_size))),
+        attention_ln(register_module("attention_ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
+        intermediate(register_module("intermediate", torch::nn::Linear(c.hidden_size, c.intermediate_size))),
+        output(register_module("output", torch::nn::Linear(c.intermediate_size, c.hidden_size))),
+        output_ln(register_module("output_ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
+        attention_dropout(register_module("attention_dropout", torch::nn::Dropout(c.attention_probs_dropout_prob))),
+        dropout(register_module("dropout", torch::nn::Dropout(c.hidden_dropout_prob))) {}
+
+  /// x [B, L, H]; bias [B, 1, 1, L]: 0 where attended, -10000 at padding (BERT's additive mask).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& bias) {
+    const auto b = x.size(0), l = x.size(1), h = x.size(2);
+    auto split = [&](const torch::Tensor& t) { return t.view({b, l, heads, h / heads}).transpose(1, 2); };
+    const auto scores = torch::matmul(split(query(x)), split(key(x)).transpose(-1, -2)) / std::sqrt(double(h / heads));
+    const auto probs = attention_dropout(torch::softmax(scores + bias, -1));
+    const auto context = torch::matmul(probs, split(value(x))).transpose(1, 2).reshape({b, l, h});
+    const auto y = attention_ln(x + dropout(attention_output(context)));
+    return output_ln(y + dropout(output(torch::gelu(intermediate(y)))));
+  }
+
+  std::int64_t heads;
+  torch::nn::Linear query, key, value, attention_output;
+  torch::nn::LayerNorm attention_ln;
+  torch::nn::Linear intermediate, output;
+  torch::nn::LayerNorm output_ln;
+  torch::nn::Dropout attention_dropout, dropout;
+};
+TORCH_MODULE(Layer);
+
+/// The shared backbone: embeddings and encoder. forward() returns the hidden states of the
+/// joint sequence [B, T + R + 1, H]: T text positions, R regions, [END].
+struct VLBertImpl : torch::nn::Module {
+  explicit VLBertImpl(const VLBertConfig& c)
+      : config(c),
+        word_embeddings(register_module("word_embeddings", torch::nn::Embedding(c.vocab_size, c.hidden_size))),
+        position_embeddings(register_module("position_embeddings", torch::nn::Embedding(c.max_position_embeddings, c.hidden_size))),
+        token_type_embeddings(register_module("token_type_embeddings", torch::nn::Embedding(c.type_vocab_size, c.hidden_size))),
+        // Region appearance + geometry -> visual space (VL-BERT's obj_downsample after the
+        // RoI head), then one projection each for words (the whole image) and for regions.
+        obj_downsample(register_module("obj_downsample", torch::nn::Linear(c.visual_size + 8 * c.geometry_frequencies, c.hidden_size))),
+        visual_1x1_text(register_module("visual_1x1_text", torch::nn::Linear(c.hidden_size, c.hidden_size))),
+        visual_1x1_object(register_module("visual_1x1_object", torch::nn::Linear(c.hidden_size, c.hidden_size))),
+        visual_ln_text(register_module("visual_ln_text", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
+        visual_ln_object(register_module("visual_ln_object", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
+        embedding_ln(register_module("embedding_LayerNorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
+        dropout(register_module("embedding_dropout", torch::nn::Dropout(c.hidden_dropout_prob))),
+        layers(register_module("encoder", torch::nn::ModuleList())) {
+    for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(Layer(c));
+    // BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorms.
+    torch::NoGradGuard no_grad;
+    for (auto& p : named_parameters()) {
+      if (p.key().find("ln") != std::string::npos || p.key().find("LayerNorm") != std::string::npos) continue;
+      if (p.key().find("bias") != std::string::npos) p.value().zero_();
+      else p.value().normal_(0, 0.02);
+    }
+  }
+
+  /// Sinusoids of the box coordinates at geometric frequencies (VL-BERT's coordinate embedding).
+  torch::Tensor geometry(const torch::Tensor& boxes) const {
+    const auto f = torch::pow(2.0, torch::arange(config.geometry_frequencies, boxes.options())) * 3.14159265;
+    const auto angles = boxes.unsqueeze(-1) * f;  // [B, R, 4, F]
+    return torch::cat({angles.sin(), angles.cos()}, -1).flatten(2);
+  }
+
+  torch::Tensor forward(const Batch& b) {
+    const auto t = b.text.size(1), r = b.features.size(1);
+    const auto device = word_embeddings->weight.device();
+    const auto text = b.text.to(device), regions = b.regions.to(device);
+    const auto text_len = text.ne(Vocabulary::PAD).sum(1, true);  // [B, 1]
+    // Visual feature embedding of every region [B, R, H]; words see the whole image (region 0).
+    const auto visual = torch::relu(obj_downsample(torch::cat({b.features.to(device), geometry(b.boxes.to(device))}, -1)));
+    auto object_visual = visual_1x1_object(visual), text_visual = visual_1x1_text(visual.select(1, 0)).unsqueeze(1);
+    if (config.visual_ln) object_visual = visual_ln_object(object_visual), text_visual = visual_ln_text(text_visual);
+    text_visual = text_visual * regions.select(1, 0).view({-1, 1, 1});  // no image: no visual term
+
+    const auto positions = torch::arange(t, text.options()).unsqueeze(0);
+    const auto segment = [&](std::int64_t s) { return token_type_embeddings->weight[s]; };
+    const auto words = word_embeddings(text) + position_embeddings(positions) + segment(0) + text_visual;
+    const auto img = word_embeddings->weight[Vocabulary::IMG] + position_embeddings(text_len).unsqueeze(1) + segment(2) + object_visual;
+    const auto end = (word_embeddings->weight[Vocabulary::END] + position_embeddings(text_len + 1) + segment(2)).unsqueeze(1);
+    auto x = dropout(embedding_ln(torch::cat({words, img.expand({-1, r, -1}), end}, 1)));
+
+    const auto keep = torch::cat({text.ne(Vocabulary::PAD).to(x.dtype()), regions.to(x.dtype()), torch::ones({text.size(0), 1}, x.options())}, 1);
+    const auto bias = ((1.0 - keep) * -10000.0).view({keep.size(0), 1, 1, keep.size(1)});
+    for (const auto& layer : *layers) x = layer->as<Layer>()->forward(x, bias);
+    return x;
+  }
+
+  VLBertConfig config;
+  torch::nn::Embedding word_embeddings, position_embeddings, token_type_embeddings;
+  torch::nn::Linear obj_downsample, visual_1x1_text, visual_1x1_object;
+  torch::nn::LayerNorm visual_ln_text, visual_ln_object, embedding_ln;
+  torch::nn::Dropout dropout;
+  torch::nn::ModuleList layers;
+};
+TORCH_MODULE(VLBert);
+
+/// Mean cross-entropy over the labelled positions (label -1: ignored); 0, not NaN, when a batch
+/// has none. Also returns the number of labelled positions and of correct predictions.
+struct MaskedLoss {
+  torch::Tensor loss, count, correct;
+};
+inline MaskedLoss masked_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels) {
+  namespace F = torch::nn::functional;
+  const auto flat = logits.reshape({-1, logits.size(-1)}).to(torch::kFloat);
+  const auto y = labels.reshape({-1}).to(logits.device());
+  const auto valid = y.ge(0);
+  const auto count = valid.sum();
+  const auto sum = F::cross_entropy(flat, y, F::CrossEntropyFuncOptions().ignore_index(-1).reduction(torch::kSum));
+  const auto correct = (flat.argmax(-1).eq(y) & valid).sum();
+  return {sum / count.clamp_min(1), count, correct};
+}
+
+/// A transform (Linear, GELU, LayerNorm) as in BERT's prediction heads.
+inline torch::nn::Sequential head_transform(std::int64_t hidden) {
+  return torch::nn::Sequential(torch::nn::Linear(hidden, hidden), torch::nn::GELU(),
+                               torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden}).eps(1e-12)));
+}
+
+/// Pre-training: masked language modelling + masked region (category) classification.
+struct VLBertForPretrainingImpl : torch::nn::Module {
+  VLBertForPretrainingImpl(const VLBertConfig& c, std::int64_t num_categories)
+      : vlbert(register_module("vlbert", VLBert(c))),
+        mlm_transform(register_module("mlm_head_transform", head_transform(c.hidden_size))),
+        mlm_bias(register_parameter("mlm_head_bias", torch::zeros({c.vocab_size}))),
+        mvrc_head(register_module("mvrc_head", torch::nn::Sequential(head_transform(c.hidden_size),
+                                                                     torch::nn::Linear(c.hidden_size, num_categories)))) {}
+
+  struct Output {
+    MaskedLoss mlm, mvrc;
+    torch::Tensor loss;
+  };
+  Output forward(const Batch& b, bool with_mlm = true, bool with_mvrc = true) {
+    const auto h = vlbert(b);
+    const auto t = b.text.size(1), r = b.features.size(1);
+    Output out;
+    // Decoder tied to the word embeddings, as BERT's.
+    const auto words = torch::matmul(mlm_transform->forward(h.narrow(1, 0, t)), vlbert->word_embeddings->weight.t()) + mlm_bias;
+    out.mlm = masked_cross_entropy(words, b.mlm_labels);
+    out.mvrc = masked_cross_entropy(mvrc_head->forward(h.narrow(1, t, r)), b.mvrc_labels);
+    out.loss = (with_mlm ? out.mlm.loss : out.mlm.loss * 0) + (with_mvrc ? out.mvrc.loss : out.mvrc.loss * 0);
+    return out;
+  }
+
+  VLBert vlbert;
+  torch::nn::Sequential mlm_transform;
+  torch::Tensor mlm_bias;
+  torch::nn::Sequential mvrc_head;
+};
+TORCH_MODULE(VLBertForPretraining);
+
+/// VQA: the [MASK] token's hidden state -> VL-BERT's 2-layer classifier over the answers.
+struct VLBertForVQAImpl : torch::nn::Module {
+  VLBertForVQAImpl(const VLBertConfig& c, std::int64_t num_answers, std::int64_t classifier_hidden, double classifier_dropout)
+      : vlbert(register_module("vlbert", VLBert(c))),
+        final_mlp(register_module("final_mlp", torch::nn::Sequential(
+                                                   torch::nn::Dropout(classifier_dropout), torch::nn::Linear(c.hidden_size, classifier_hidden),
+                                                   torch::nn::ReLU(), torch::nn::Dropout(classifier_dropout),
+                                                   torch::nn::Linear(classifier_hidden, num_answers)))) {}
+
+  /// Answer logits [B, answers].
+  torch::Tensor forward(const Batch& b) {
+    const auto h = vlbert(b);
+    const auto at = b.answer_at.to(h.device()).view({-1, 1, 1}).expand({-1, 1, h.size(2)});
+    return final_mlp->forward(h.gather(1, at).squeeze(1));
+  }
+
+  VLBert vlbert;
+  torch::nn::Sequential final_mlp;
+};
+TORCH_MODULE(VLBertForVQA);
+
+}  // namespace vlbert

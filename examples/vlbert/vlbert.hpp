@@ -1,0 +1,471 @@
+#pragma once
+/// The VL-BERT example's application layer: its configuration sections (the schema registered
+/// with tk::Config), partial loading of pre-trained weights, and the two tasks (pre-training,
+/// VQA) as functions of a validated configuration and a Trainer type.
+#include "model.hpp"
+#include "scenes.hpp"
+
+#include <trainkit/config.hpp>
+#include <trainkit/dispatch.hpp>
+#include <trainkit/trainer.hpp>
+
+#include <torch/serialize/input-archive.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <sys/stat.h>
+#include <vector>
+
+namespace vlbert {
+
+namespace tk = trainkit;
+
+// --- configuration ---------------------------------------------------------------------------
+
+/// NETWORK: VL-BERT's keys (PARTIAL_PRETRAIN, the VLBERT sizes, the classifier) that apply here.
+inline tk::Schema network_schema() {
+  tk::Schema v;
+  v.integer("vocab_size", Vocabulary().size()).min(1).doc("word vocabulary (at least the generator's)");
+  v.integer("hidden_size", 64).min(1);
+  v.integer("num_hidden_layers", 2).min(1);
+  v.integer("num_attention_heads", 2).min(1);
+  v.integer("intermediate_size", 128).min(1);
+  v.string("hidden_act", "gelu").one_of({"gelu"});
+  v.number("hidden_dropout_prob", 0.1).min(0).max_exclusive(1);
+  v.number("attention_probs_dropout_prob", 0.1).min(0).max_exclusive(1);
+  v.integer("max_position_embeddings", 64).min(1);
+  v.integer("type_vocab_size", 3).min(3).doc("segments A, B, C (regions are C)");
+  v.integer("visual_size", 32).min(1).doc("region feature size; must equal DATASET.FEATURE_DIM");
+  v.boolean("visual_ln", true);
+  v.integer("geometry_frequencies", 8).min(1).doc("sinusoids per box coordinate in the geometry embedding");
+  v.rule([](const nlohmann::json& s, const std::string& path) {
+    if (s["hidden_size"].get<std::int64_t>() % s["num_attention_heads"].get<std::int64_t>() != 0)
+      throw tk::ConfigError(path + ".num_attention_heads", "must divide hidden_size (" + s["hidden_size"].dump() + "), got " +
+                                                               s["num_attention_heads"].dump());
+  });
+  tk::Schema n;
+  n.string("PARTIAL_PRETRAIN", "").doc("checkpoint to initialise from: every weight whose name and shape match");
+  n.list("PARTIAL_PRETRAIN_PREFIX_CHANGES", tk::Field::string("")).doc("renames 'old->new' applied to checkpoint names");
+  n.boolean("WITH_MLM_LOSS", true);
+  n.boolean("WITH_MVRC_LOSS", true);
+  n.string("CLASSIFIER_TYPE", "2fc").one_of({"2fc"});
+  n.integer("CLASSIFIER_HIDDEN_SIZE", 128).min(1);
+  n.number("CLASSIFIER_DROPOUT", 0.1).min(0).max_exclusive(1);
+  n.section("VLBERT", v);
+  return n;
+}
+
+/// DATASET: the synthetic scenes' sizes.
+inline tk::Schema dataset_schema() {
+  tk::Schema d;
+  d.string("DATASET", "synthetic").one_of({"synthetic"});
+  d.integer("TRAIN_SCENES", 4000).min(1);
+  d.integer("VAL_SCENES", 500).min(1).doc("the fixed validation split");
+  d.integer("QUESTIONS_PER_SCENE", 2).min(1).doc("VQA samples per scene");
+  d.integer("MIN_OBJECTS", 2).min(1);
+  d.integer("MAX_OBJECTS", 5).min(1).max(kMaxObjects);
+  d.integer("FEATURE_DIM", 32).min(1);
+  d.number("FEATURE_NOISE", 1.0).min(0).doc("noise (standard deviation) on each region feature");
+  d.boolean("ADD_IMAGE_AS_A_BOX", true).doc("region 0 is the whole image; words get its visual feature");
+  d.number("TEXT_MASK_PROB", 0.15).min(0).max(1);
+  d.number("REGION_MASK_PROB", 0.15).min(0).max(1);
+  d.string("BLANK", "none").one_of({"none", "image", "question"}).doc("hide a modality: single-modality baselines");
+  d.rule([](const nlohmann::json& s, const std::string& path) {
+    if (s["MIN_OBJECTS"].get<std::int64_t>() > s["MAX_OBJECTS"].get<std::int64_t>())
+      throw tk::ConfigError(path + ".MIN_OBJECTS", "must be <= MAX_OBJECTS (" + s["MAX_OBJECTS"].dump() + ")");
+  });
+  return d;
+}
+
+/// VAL and TEST: VL-BERT's keys for evaluation batches.
+inline tk::Schema eval_schema(bool test) {
+  tk::Schema s;
+  s.boolean("SHUFFLE", false);
+  s.add("BATCH_IMAGES", tk::Field::either({tk::Field::integer(1).min(1), tk::Field::list(tk::Field::integer(1).min(1)).non_empty()}, 64));
+  if (test) s.integer("TEST_EPOCH", 0).min(0);
+  return s;
+}
+
+/// The application's sections, registered with `config` (call before load()).
+inline void register_sections(tk::Config& config) {
+  config.register_section("NETWORK", network_schema());
+  config.register_section("DATASET", dataset_schema());
+  config.register_section("VAL", eval_schema(false));
+  config.register_section("TEST", eval_schema(true));
+}
+
+inline std::int64_t summed(const nlohmann::json& v) {
+  if (!v.is_array()) return v.get<std::int64_t>();
+  std::int64_t n = 0;
+  for (const auto& x : v) n += x.get<std::int64_t>();
+  return n;
+}
+
+/// RNG_SEED, or a random one (said once) when it is -1.
+inline std::int64_t seed_of(const tk::Config& config) {
+  const auto s = config.get<std::int64_t>("RNG_SEED");
+  if (s >= 0) return s;
+  const auto r = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff);
+  std::cerr << "[vlbert] RNG_SEED is -1: using the random seed " << r << "\n";
+  return r;
+}
+
+inline DataOptions data_options(const tk::Config& config, std::int64_t seed) {
+  const auto& d = config.tree()["DATASET"];
+  DataOptions o;
+  o.scenes.seed = seed;
+  o.scenes.min_objects = static_cast<int>(d["MIN_OBJECTS"].get<std::int64_t>());
+  o.scenes.max_objects = static_cast<int>(d["MAX_OBJECTS"].get<std::int64_t>());
+  o.scenes.feature_dim = static_cast<int>(d["FEATURE_DIM"].get<std::int64_t>());
+  o.scenes.feature_noise = d["FEATURE_NOISE"].get<double>();
+  o.train_scenes = d["TRAIN_SCENES"].get<std::int64_t>();
+  o.val_scenes = d["VAL_SCENES"].get<std::int64_t>();
+  o.questions_per_scene = static_cast<int>(d["QUESTIONS_PER_SCENE"].get<std::int64_t>());
+  o.image_box = d["ADD_IMAGE_AS_A_BOX"].get<bool>();
+  o.text_mask_prob = d["TEXT_MASK_PROB"].get<double>();
+  o.region_mask_prob = d["REGION_MASK_PROB"].get<double>();
+  const auto blank = d["BLANK"].get<std::string>();
+  o.blank = blank == "image" ? Blank::image : blank == "question" ? Blank::question : Blank::none;
+  return o;
+}
+
+/// NETWORK.VLBERT, checked against what the data need.
+inline VLBertConfig model_config(const tk::Config& config) {
+  const auto& v = config.tree()["NETWORK"]["VLBERT"];
+  const auto& d = config.tree()["DATASET"];
+  VLBertConfig c;
+  c.vocab_size = v["vocab_size"].get<std::int64_t>();
+  c.hidden_size = v["hidden_size"].get<std::int64_t>();
+  c.num_hidden_layers = v["num_hidden_layers"].get<std::int64_t>();
+  c.num_attention_heads = v["num_attention_heads"].get<std::int64_t>();
+  c.intermediate_size = v["intermediate_size"].get<std::int64_t>();
+  c.hidden_dropout_prob = v["hidden_dropout_prob"].get<double>();
+  c.attention_probs_dropout_prob = v["attention_probs_dropout_prob"].get<double>();
+  c.max_position_embeddings = v["max_position_embeddings"].get<std::int64_t>();
+  c.type_vocab_size = v["type_vocab_size"].get<std::int64_t>();
+  c.visual_size = v["visual_size"].get<std::int64_t>();
+  c.visual_ln = v["visual_ln"].get<bool>();
+  c.geometry_frequencies = v["geometry_frequencies"].get<std::int64_t>();
+  const auto words = Vocabulary().size();
+  if (c.vocab_size < words)
+    throw tk::ConfigError("NETWORK.VLBERT.vocab_size", "must be >= " + std::to_string(words) + ", the words the data set uses; got " +
+                                                           std::to_string(c.vocab_size));
+  if (c.visual_size != d["FEATURE_DIM"].get<std::int64_t>())
+    throw tk::ConfigError("NETWORK.VLBERT.visual_size", "must equal DATASET.FEATURE_DIM (" + d["FEATURE_DIM"].dump() + "), got " +
+                                                            std::to_string(c.visual_size));
+  // Longest text: a caption of 4 words per object, [CLS], [SEP]; regions and [END] follow it.
+  const auto longest = 4 * d["MAX_OBJECTS"].get<std::int64_t>() + 4;
+  if (c.max_position_embeddings < longest)
+    throw tk::ConfigError("NETWORK.VLBERT.max_position_embeddings", "must be >= " + std::to_string(longest) +
+                                                                        " for DATASET.MAX_OBJECTS, got " + std::to_string(c.max_position_embeddings));
+  return c;
+}
+
+// --- partial loading (NETWORK.PARTIAL_PRETRAIN) ----------------------------------------------
+
+/// What load_partial() did, by parameter name.
+struct PartialLoad {
+  std::vector<std::string> loaded;      // the model's weights taken from the checkpoint
+  std::vector<std::string> not_loaded;  // the model's weights it has no match for (kept as initialised)
+  std::vector<std::string> unused;      // the checkpoint's weights the model has no place for
+};
+
+/// Copies into `model` every parameter and buffer of a trainkit checkpoint (Trainer::save) whose
+/// name (after `prefix_changes`, VL-BERT's "old->new" renames) and shape match, and says
+/// which it did not load and which of the checkpoint's it did not use.
+inline PartialLoad load_partial(torch::nn::Module& model, const std::string& path,
+                                const std::vector<std::string>& prefix_changes = {}) {
+  torch::serialize::InputArchive archive;
+  tk::detail::read_archive(archive, path);
+  std::map<std::string, std::string> records;  // name in the model's terms -> archive key
+  for (const auto& key : archive.keys()) {
+    for (const std::string prefix : {"model.param.", "model.buffer."}) {
+      if (key.rfind(prefix, 0) != 0) continue;
+      std::string name = key.substr(prefix.size());
+      for (const auto& change : prefix_changes) {
+        const auto arrow = change.find("->");
+        if (arrow == std::string::npos)
+          throw tk::ConfigError("NETWORK.PARTIAL_PRETRAIN_PREFIX_CHANGES", "expected 'old->new', got '" + change + "'");
+        const auto from = change.substr(0, arrow), to = change.substr(arrow + 2);
+        if (name.rfind(from, 0) == 0) name = to + name.substr(from.size());
+      }
+      records[name] = key;
+    }
+  }
+  if (records.empty()) throw std::runtime_error("checkpoint '" + path + "' holds no model weights");
+  PartialLoad r;
+  std::set<std::string> used;
+  torch::NoGradGuard no_grad;
+  auto take = [&](const std::string& name, torch::Tensor target) {
+    const auto it = records.find(name);
+    torch::Tensor saved;
+    if (it == records.end() || !archive.try_read(it->second, saved, true) || saved.sizes() != target.sizes()) {
+      r.not_loaded.push_back(name + (it == records.end() ? "" : " (shape " + tk::detail::shape_string(saved.sizes()) + " in the checkpoint)"));
+      return;
+    }
+    target.copy_(saved);
+    used.insert(name);
+    r.loaded.push_back(name);
+  };
+  for (const auto& p : model.named_parameters(true)) take(p.key(), p.value());
+  for (const auto& b : model.named_buffers(true)) take(b.key(), b.value());
+  for (const auto& [name, key] : records)
+    if (!used.count(name)) r.unused.push_back(name);
+  return r;
+}
+
+inline void print_partial_load(const PartialLoad& r, const std::string& path) {
+  std::cerr << "[vlbert] PARTIAL_PRETRAIN " << path << ": loaded " << r.loaded.size() << " weights, "
+            << r.not_loaded.size() << " not loaded, " << r.unused.size() << " in the checkpoint unused\n";
+  for (const auto& n : r.not_loaded) std::cerr << "[vlbert]   not loaded (initialised afresh): " << n << "\n";
+  for (const auto& n : r.unused) std::cerr << "[vlbert]   unused from the checkpoint: " << n << "\n";
+}
+
+// --- the run ---------------------------------------------------------------------------------
+
+/// Peak resident memory of this process so far (VmHWM), in MiB.
+inline double peak_rss_mib() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
+inline void make_directories(const std::string& path) {
+  for (std::size_t at = 1; at <= path.size(); ++at)
+    if (at == path.size() || path[at] == '/') ::mkdir(path.substr(0, at).c_str(), 0777);
+}
+
+/// What a run measured.
+struct RunResult {
+  std::string task, trainer;
+  std::vector<std::map<std::string, double>> val;  // per epoch
+  std::vector<double> epoch_loss;                  // mean training loss per epoch
+  double first_loss = 0, last_loss = 0;            // first and last logged window losses
+  double train_seconds = 0;
+  std::int64_t train_samples = 0, steps = 0, skipped = 0;
+  double chance = 0, question_prior = 0, majority = 0;  // VQA reference points
+  PartialLoad partial;
+  std::string checkpoint;
+};
+
+/// The samples of one optimizer window per micro-step call, type-erased so that the loop below
+/// is compiled once and not once per Trainer type.
+struct Stepper {
+  std::function<tk::MicroStepResult(const std::function<torch::Tensor()>&, std::int64_t)> micro_step;
+  std::function<std::optional<tk::StepReport>()> flush;
+  std::function<void(const std::string&)> save;
+  std::function<std::int64_t()> skipped;
+  /// Runs `f` in the trainer's precision region (autocast for BF16/FP16), as training runs.
+  std::function<void(const std::function<void()>&)> in_precision;
+};
+
+/// The epochs of a run: micro-steps over (epoch, index) batches, flush at epoch end, validation
+/// every VAL_FREQUENT epochs, a checkpoint every CHECKPOINT_FREQUENT epochs, a progress line.
+inline void run_epochs(const tk::Config& config, const std::string& task, Stepper& s, std::int64_t batches,
+                       const std::function<Batch(std::int64_t, std::int64_t)>& batch,
+                       const std::function<torch::Tensor(const Batch&)>& loss,
+                       const std::function<std::map<std::string, double>()>& validate, RunResult& result) {
+  const auto begin = config.get<std::int64_t>("TRAIN.BEGIN_EPOCH"), end = config.get<std::int64_t>("TRAIN.END_EPOCH");
+  const auto log_every = std::max<std::int64_t>(1, config.get<std::int64_t>("LOG_FREQUENT"));
+  const auto val_every = config.get<std::int64_t>("VAL_FREQUENT"), ckpt_every = config.get<std::int64_t>("CHECKPOINT_FREQUENT");
+  const std::string dir = config.get<std::string>("OUTPUT_PATH"), prefix = config.get<std::string>("MODEL_PREFIX");
+  make_directories(dir);
+  bool first = true;
+  for (std::int64_t epoch = begin; epoch < end; ++epoch) {
+    const auto t0 = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    std::int64_t windows = 0, samples = 0;
+    for (std::int64_t i = 0; i < batches; ++i) {
+      const Batch b = batch(epoch, i);
+      auto r = s.micro_step([&] { return loss(b); }, b.size());
+      samples += b.size();
+      if (!r.window_closed) continue;
+      ++windows;
+      if (windows % log_every == 0 || first) {  // a host sync only every LOG_FREQUENT steps
+        const double l = r.report.loss();
+        if (first) result.first_loss = l;
+        first = false;
+        result.last_loss = l;
+        loss_sum += l;
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::fprintf(stderr, "\r[%s] epoch %lld/%lld  batch %lld/%lld  loss %.4f  lr %.2e  %.0f samples/s   ", task.c_str(),
+                     static_cast<long long>(epoch + 1), static_cast<long long>(end), static_cast<long long>(i + 1),
+                     static_cast<long long>(batches), l, r.report.lr(), samples / std::max(secs, 1e-9));
+      }
+    }
+    s.flush();
+    result.train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    result.train_samples += samples;
+    result.epoch_loss.push_back(loss_sum / std::max<std::int64_t>(1, windows / log_every));
+    std::fprintf(stderr, "\n");
+    if (val_every > 0 && ((epoch + 1 - begin) % val_every == 0 || epoch + 1 == end)) {
+      auto m = validate();
+      result.val.push_back(m);
+      std::fprintf(stderr, "[%s] epoch %lld validation:", task.c_str(), static_cast<long long>(epoch + 1));
+      for (const auto& [k, v] : m) std::fprintf(stderr, "  %s %.4f", k.c_str(), v);
+      std::fprintf(stderr, "\n");
+    }
+    if (ckpt_every > 0 && ((epoch + 1 - begin) % ckpt_every == 0 || epoch + 1 == end)) {
+      char name[32];
+      std::snprintf(name, sizeof name, "-%04lld.model", static_cast<long long>(epoch + 1));
+      result.checkpoint = dir + "/" + prefix + name;
+      s.save(result.checkpoint);
+    }
+  }
+  result.skipped = s.skipped();
+}
+
+/// Builds the trainer of type TrainerT over `model` from the configuration and a Stepper on it.
+template <class TrainerT, class Model, class Body>
+RunResult with_trainer(const tk::Config& config, Model& model, std::int64_t batches, Body&& body) {
+  return tk::with_optimizer(config.derived().optimizer, [&](auto optimizer) {
+    TrainerT trainer(model, optimizer, tk::trainer_options(config));
+    trainer.set_schedule(config.make_schedule(batches));
+    Stepper s{[&](const std::function<torch::Tensor()>& f, std::int64_t items) { return trainer.micro_step(f, items); },
+              [&] { return trainer.flush(); }, [&](const std::string& p) { trainer.save(p); },
+              [&] { return trainer.skipped_steps().template item<std::int64_t>(); },
+              [&](const std::function<void()>& f) {
+                [[maybe_unused]] const auto region = trainer.precision_policy().region();
+                f();
+              }};
+    RunResult r = body(s);
+    r.trainer = TrainerT::name();
+    r.steps = trainer.applied_steps().template item<std::int64_t>();
+    return r;
+  });
+}
+
+/// Pre-training: MLM + MVRC on captioned scenes; validation: MLM and MVRC accuracy.
+template <class TrainerT>
+RunResult pretrain(const tk::Config& config) {
+  config.require_training();
+  const auto seed = seed_of(config);
+  const SyntheticData data(data_options(config, seed));
+  torch::manual_seed(static_cast<std::uint64_t>(seed));
+  VLBertForPretraining model(model_config(config), 6);
+  const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
+  const bool shuffle = config.get<bool>("TRAIN.SHUFFLE");
+  const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
+  const auto batches = SyntheticData::batches(data.samples(false, false), bs);
+  return with_trainer<TrainerT>(config, model, batches, [&](Stepper& s) {
+    RunResult result;
+    result.task = "pretrain";
+    auto validate = [&] {
+      torch::NoGradGuard no_grad;
+      model->eval();
+      double mlm = 0, mlm_n = 0, mvrc = 0, mvrc_n = 0;
+      s.in_precision([&] {
+        for (std::int64_t i = 0; i < SyntheticData::batches(data.samples(false, true), val_bs); ++i) {
+          const auto out = model->forward(data.batch(false, true, 0, i, val_bs, false));
+          mlm += out.mlm.correct.template item<double>(), mlm_n += out.mlm.count.template item<double>();
+          mvrc += out.mvrc.correct.template item<double>(), mvrc_n += out.mvrc.count.template item<double>();
+        }
+      });
+      model->train();
+      return std::map<std::string, double>{{"MLM-Acc", mlm / std::max(mlm_n, 1.0)}, {"MVRC-Acc", mvrc / std::max(mvrc_n, 1.0)}};
+    };
+    run_epochs(config, "pretrain", s, batches, [&](std::int64_t e, std::int64_t i) { return data.batch(false, false, e, i, bs, shuffle); },
+               [&](const Batch& b) { return model->forward(b, with_mlm, with_mvrc).loss; }, validate, result);
+    return result;
+  });
+}
+
+/// VQA fine-tuning: the answer classifier over the [MASK] token, from PARTIAL_PRETRAIN's weights;
+/// validation: accuracy, overall and per question type.
+template <class TrainerT>
+RunResult finetune(const tk::Config& config) {
+  config.require_training();
+  const auto seed = seed_of(config);
+  const SyntheticData data(data_options(config, seed));
+  torch::manual_seed(static_cast<std::uint64_t>(seed));
+  const auto& n = config.tree()["NETWORK"];
+  VLBertForVQA model(model_config(config), static_cast<std::int64_t>(data.answers().size()),
+                     n["CLASSIFIER_HIDDEN_SIZE"].get<std::int64_t>(), n["CLASSIFIER_DROPOUT"].get<double>());
+  PartialLoad partial;
+  const auto pretrained = n["PARTIAL_PRETRAIN"].get<std::string>();
+  if (!pretrained.empty()) {
+    partial = load_partial(*model, pretrained, n["PARTIAL_PRETRAIN_PREFIX_CHANGES"].get<std::vector<std::string>>());
+    print_partial_load(partial, pretrained);
+  }
+  const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
+  const bool shuffle = config.get<bool>("TRAIN.SHUFFLE");
+  const auto batches = SyntheticData::batches(data.samples(true, false), bs);
+  RunResult r = with_trainer<TrainerT>(config, model, batches, [&](Stepper& s) {
+    RunResult result;
+    result.task = "vqa";
+    auto validate = [&] {
+      torch::NoGradGuard no_grad;
+      model->eval();
+      std::map<int, std::pair<double, double>> per_type;  // type -> (right, total)
+      s.in_precision([&] {
+        for (std::int64_t i = 0; i < SyntheticData::batches(data.samples(true, true), val_bs); ++i) {
+          const Batch b = data.batch(true, true, 0, i, val_bs, false);
+          const auto right = model->forward(b).argmax(1).cpu().eq(b.answers);
+          const auto acc = right.accessor<bool, 1>();
+          for (std::int64_t k = 0; k < b.size(); ++k) {
+            auto& [ok, total] = per_type[b.types[static_cast<std::size_t>(k)]];
+            ok += acc[k], total += 1;
+          }
+        }
+      });
+      model->train();
+      std::map<std::string, double> m;
+      double ok = 0, total = 0;
+      for (const auto& [type, v] : per_type) {
+        m[std::string("Acc-") + name(static_cast<QuestionType>(type))] = v.first / v.second;
+        ok += v.first, total += v.second;
+      }
+      m["Acc"] = ok / std::max(total, 1.0);
+      return m;
+    };
+    namespace F = torch::nn::functional;
+    run_epochs(config, "vqa", s, batches, [&](std::int64_t e, std::int64_t i) { return data.batch(true, false, e, i, bs, shuffle); },
+               [&](const Batch& b) { return F::cross_entropy(model->forward(b).to(torch::kFloat), b.answers.to(model->vlbert->word_embeddings->weight.device())); },
+               validate, result);
+    return result;
+  });
+  r.partial = partial;
+  r.chance = 1.0 / static_cast<double>(data.answers().size());
+  r.question_prior = data.question_prior_accuracy();
+  std::map<std::string, double> counts;
+  for (const auto& a : data.questions(true)) counts[a.question.answer] += 1;
+  for (const auto& [a, c] : counts) r.majority = std::max(r.majority, c / static_cast<double>(data.questions(true).size()));
+  return r;
+}
+
+/// The run's figures as one JSON line (benchmarks/vlbert_table.sh reads it).
+inline std::string result_json(const RunResult& r) {
+  nlohmann::json j;
+  j["task"] = r.task;
+  j["trainer"] = r.trainer;
+  j["val"] = r.val.empty() ? nlohmann::json::object() : nlohmann::json(r.val.back());
+  j["first_loss"] = r.first_loss;
+  j["last_loss"] = r.last_loss;
+  j["epoch_loss"] = r.epoch_loss;
+  j["train_seconds"] = r.train_seconds;
+  j["train_samples"] = r.train_samples;
+  j["ms_per_sample"] = 1000.0 * r.train_seconds / std::max<std::int64_t>(1, r.train_samples);
+  j["steps"] = r.steps;
+  j["skipped_steps"] = r.skipped;
+  j["peak_rss_mib"] = peak_rss_mib();
+  j["checkpoint"] = r.checkpoint;
+  if (r.task == "vqa") {
+    j["chance"] = r.chance;
+    j["majority_answer"] = r.majority;
+    j["question_prior"] = r.question_prior;
+    j["partial_pretrain"] = {{"loaded", r.partial.loaded.size()}, {"not_loaded", r.partial.not_loaded}, {"unused", r.partial.unused}};
+  }
+  return j.dump();
+}
+
+}  // namespace vlbert
