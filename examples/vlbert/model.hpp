@@ -112,7 +112,7 @@ struct VLBertImpl : torch::nn::Module {
   }
 
   torch::Tensor forward(const Batch& b) {
-    const auto t = b.text.size(1), r = b.features.size(1);
+    const auto t = b.text.size(1);
     const auto device = word_embeddings->weight.device();
     const auto text = b.text.to(device), regions = b.regions.to(device);
     const auto text_len = text.ne(Vocabulary::PAD).sum(1, true);  // [B, 1]
@@ -125,9 +125,9 @@ struct VLBertImpl : torch::nn::Module {
     const auto positions = torch::arange(t, text.options()).unsqueeze(0);
     const auto segment = [&](std::int64_t s) { return token_type_embeddings->weight[s]; };
     const auto words = word_embeddings(text) + position_embeddings(positions) + segment(0) + text_visual;
-    const auto img = word_embeddings->weight[Vocabulary::IMG] + position_embeddings(text_len).unsqueeze(1) + segment(2) + object_visual;
-    const auto end = (word_embeddings->weight[Vocabulary::END] + position_embeddings(text_len + 1) + segment(2)).unsqueeze(1);
-    auto x = dropout(embedding_ln(torch::cat({words, img.expand({-1, r, -1}), end}, 1)));
+    const auto img = word_embeddings->weight[Vocabulary::IMG] + position_embeddings(text_len) + segment(2) + object_visual;
+    const auto end = word_embeddings->weight[Vocabulary::END] + position_embeddings(text_len + 1) + segment(2);
+    auto x = dropout(embedding_ln(torch::cat({words, img, end}, 1)));
 
     const auto keep = torch::cat({text.ne(Vocabulary::PAD).to(x.dtype()), regions.to(x.dtype()), torch::ones({text.size(0), 1}, x.options())}, 1);
     const auto bias = ((1.0 - keep) * -10000.0).view({keep.size(0), 1, 1, keep.size(1)});
@@ -172,8 +172,8 @@ struct VLBertForPretrainingImpl : torch::nn::Module {
       : vlbert(register_module("vlbert", VLBert(c))),
         mlm_transform(register_module("mlm_head_transform", head_transform(c.hidden_size))),
         mlm_bias(register_parameter("mlm_head_bias", torch::zeros({c.vocab_size}))),
-        mvrc_head(register_module("mvrc_head", torch::nn::Sequential(head_transform(c.hidden_size),
-                                                                     torch::nn::Linear(c.hidden_size, num_categories)))) {}
+        mvrc_transform(register_module("mvrc_head_transform", head_transform(c.hidden_size))),
+        mvrc_classifier(register_module("mvrc_head_classifier", torch::nn::Linear(c.hidden_size, num_categories))) {}
 
   struct Output {
     MaskedLoss mlm, mvrc;
@@ -186,7 +186,7 @@ struct VLBertForPretrainingImpl : torch::nn::Module {
     // Decoder tied to the word embeddings, as BERT's.
     const auto words = torch::matmul(mlm_transform->forward(h.narrow(1, 0, t)), vlbert->word_embeddings->weight.t()) + mlm_bias;
     out.mlm = masked_cross_entropy(words, b.mlm_labels);
-    out.mvrc = masked_cross_entropy(mvrc_head->forward(h.narrow(1, t, r)), b.mvrc_labels);
+    out.mvrc = masked_cross_entropy(mvrc_classifier(mvrc_transform->forward(h.narrow(1, t, r))), b.mvrc_labels);
     out.loss = (with_mlm ? out.mlm.loss : out.mlm.loss * 0) + (with_mvrc ? out.mvrc.loss : out.mvrc.loss * 0);
     return out;
   }
@@ -194,7 +194,8 @@ struct VLBertForPretrainingImpl : torch::nn::Module {
   VLBert vlbert;
   torch::nn::Sequential mlm_transform;
   torch::Tensor mlm_bias;
-  torch::nn::Sequential mvrc_head;
+  torch::nn::Sequential mvrc_transform;
+  torch::nn::Linear mvrc_classifier;
 };
 TORCH_MODULE(VLBertForPretraining);
 

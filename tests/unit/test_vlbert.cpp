@@ -1,0 +1,227 @@
+// The VL-BERT example (examples/vlbert): its synthetic data set, a short pre-train + fine-tune
+// run, and partial loading of pre-trained weights.
+#include "helpers.hpp"
+
+// Relative, so that no include path (a flag of every test file) changes for this one.
+#include "../../examples/vlbert/vlbert.hpp"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace vlbert;
+using Trainer = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<1>, tk::ClipPolicy<tk::ClipNorm>>;
+
+DataOptions small_data(std::int64_t seed) {
+  DataOptions o;
+  o.scenes.seed = seed;
+  o.train_scenes = 50;
+  o.val_scenes = 400;
+  o.questions_per_scene = 3;
+  return o;
+}
+
+int find(const std::vector<std::string>& list, const std::string& w) {
+  for (std::size_t i = 0; i < list.size(); ++i)
+    if (list[i] == w) return static_cast<int>(i);
+  return -1;
+}
+template <std::size_t N>
+int find(const std::array<const char*, N>& list, const std::string& w) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (w == list[i]) return static_cast<int>(i);
+  return -1;
+}
+
+// The answer to `q` worked out from the scene and the question's words alone (not from the
+// generator's choice of object), or "ambiguous" when the words do not pick out one object.
+std::string answer_from_words(const Scene& s, const std::vector<std::string>& q) {
+  auto matching = [&](int colour, int shape) {
+    std::vector<const Object*> m;
+    for (const auto& o : s.objects)
+      if ((colour < 0 || o.colour == colour) && (shape < 0 || o.category == shape)) m.push_back(&o);
+    return m;
+  };
+  auto the = [&](int colour, int shape) -> const Object* {
+    const auto m = matching(colour, shape);
+    return m.size() == 1 ? m[0] : nullptr;
+  };
+  const auto& w = q;
+  if (w[0] == "what" && w[4] != "leftmost" && w[4] != "rightmost") {
+    const Object* o = w[1] == "colour" ? the(-1, find(kShapes, w[4]))
+                    : w[1] == "shape"  ? the(find(kColours, w[4]), -1)
+                                       : the(find(kColours, w[4]), find(kShapes, w[5]));
+    if (!o) return "ambiguous";
+    return w[1] == "colour" ? kColours[o->colour] : w[1] == "shape" ? kShapes[o->category] : kSizes[o->size];
+  }
+  if (w[0] == "what") {
+    const Object* best = &s.objects[0];
+    for (const auto& o : s.objects)
+      if (w[4] == "leftmost" ? o.x < best->x : o.x > best->x) best = &o;
+    return w[1] == "colour" ? kColours[best->colour] : kShapes[best->category];
+  }
+  if (w[0] == "is" && w[1] == "there") return matching(find(kColours, w[3]), find(kShapes, w[4])).empty() ? "no" : "yes";
+  if (w[0] == "is") {
+    const Object* a = the(find(kColours, w[2]), find(kShapes, w[3]));
+    const Object* b = the(find(kColours, w[7]), find(kShapes, w[8]));
+    if (!a || !b) return "ambiguous";
+    return (w[4] == "left" ? a->x < b->x : a->x > b->x) ? "yes" : "no";
+  }
+  if (w[0] == "how") {
+    const auto n = w[3] == "objects" ? matching(find(kColours, w[2]), -1).size() : matching(-1, find(kShapesPlural, w[2])).size();
+    return kCounts[n];
+  }
+  return "unknown question";
+}
+
+bool same_scene(const Scene& a, const Scene& b) {
+  if (a.objects.size() != b.objects.size() || a.features != b.features) return false;
+  for (std::size_t i = 0; i < a.objects.size(); ++i) {
+    const auto &x = a.objects[i], &y = b.objects[i];
+    if (x.category != y.category || x.colour != y.colour || x.size != y.size || x.x != y.x || x.y != y.y) return false;
+  }
+  return true;
+}
+
+bool same_batch(const Batch& a, const Batch& b) {
+  return a.text.equal(b.text) && a.features.equal(b.features) && a.boxes.equal(b.boxes) && a.regions.equal(b.regions) &&
+         a.mlm_labels.equal(b.mlm_labels) && a.mvrc_labels.equal(b.mvrc_labels) && a.answers.equal(b.answers);
+}
+
+// A configuration small enough to train in seconds.
+tk::Config tiny_config(const std::string& dir, const std::string& extra_network = "") {
+  tk::Config c;
+  register_sections(c);
+  c.load_string(R"({
+    "RNG_SEED": 7, "OUTPUT_PATH": ")" + dir + R"(", "MODEL_PREFIX": "tiny", "LOG_FREQUENT": 1,
+    "DATASET": {"TRAIN_SCENES": 600, "VAL_SCENES": 200, "QUESTIONS_PER_SCENE": 2, "MAX_OBJECTS": 4,
+                "FEATURE_DIM": 16, "FEATURE_NOISE": 0.5},
+    "NETWORK": {)" + extra_network + R"("CLASSIFIER_HIDDEN_SIZE": 64,
+                "VLBERT": {"hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 2,
+                           "intermediate_size": 96, "visual_size": 16,
+                           "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}},
+    "TRAIN": {"BATCH_IMAGES": 32, "END_EPOCH": 3, "OPTIMIZER": "AdamW", "LR": 1e-4, "WD": 1e-4,
+              "CLIP_GRAD_NORM": 1.0, "LR_SCHEDULE": "constant"},
+    "VAL": {"BATCH_IMAGES": 100}})",
+                "tiny.json");
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("the scene generator is deterministic for a seed and differs between seeds") {
+  const SyntheticData a(small_data(11)), b(small_data(11)), c(small_data(12));
+  for (bool val : {false, true}) {
+    REQUIRE(a.scenes(val).size() == b.scenes(val).size());
+    for (std::size_t i = 0; i < a.scenes(val).size(); ++i) CHECK(same_scene(a.scenes(val)[i], b.scenes(val)[i]));
+    for (std::size_t i = 0; i < a.questions(val).size(); ++i) {
+      CHECK(a.questions(val)[i].question.words == b.questions(val)[i].question.words);
+      CHECK(a.questions(val)[i].question.answer == b.questions(val)[i].question.answer);
+    }
+  }
+  int differ = 0;
+  for (std::size_t i = 0; i < a.scenes(false).size(); ++i) differ += !same_scene(a.scenes(false)[i], c.scenes(false)[i]);
+  CHECK(differ == static_cast<int>(a.scenes(false).size()));
+  // Batches by (epoch, index): the same position gives the same batch; other epochs shuffle
+  // and mask differently; validation batches do not depend on the epoch.
+  for (bool vqa : {false, true}) {
+    CHECK(same_batch(a.batch(vqa, false, 3, 1, 8, true), b.batch(vqa, false, 3, 1, 8, true)));
+    CHECK_FALSE(same_batch(a.batch(vqa, false, 3, 1, 8, true), a.batch(vqa, false, 4, 1, 8, true)));
+    CHECK(same_batch(a.batch(vqa, true, 0, 2, 8, false), a.batch(vqa, true, 5, 2, 8, false)));
+  }
+  // The validation split does not depend on the training split's size.
+  DataOptions more = small_data(11);
+  more.train_scenes = 80;
+  CHECK(same_scene(SyntheticData(more).scenes(true)[7], a.scenes(true)[7]));
+}
+
+TEST_CASE("every answer follows from its scene and its question's words") {
+  const SyntheticData data(small_data(3));
+  std::map<std::string, int> types;
+  for (bool val : {false, true})
+    for (const auto& asked : data.questions(val)) {
+      const auto& q = asked.question;
+      CHECK(answer_from_words(data.scenes(val)[asked.scene], q.words) == q.answer);
+      CHECK(find(data.answers(), q.answer) >= 0);
+      ++types[name(q.type)];
+    }
+  CHECK(types.size() == static_cast<std::size_t>(QuestionType::kCount));  // every type is asked
+  // Yes and no are balanced, so a yes/no question's words do not give its answer away.
+  int yes = 0, no = 0;
+  for (const auto& asked : data.questions(true)) yes += asked.question.answer == "yes", no += asked.question.answer == "no";
+  CHECK(std::abs(yes - no) < (yes + no) / 5);
+  for (const auto& s : data.scenes(false)) CHECK(s.features.size() == s.objects.size() * 32);
+  // A VQA batch: [CLS] question [MASK] [SEP], the answer read at the [MASK].
+  const Batch b = data.batch(true, true, 0, 0, 4, false);
+  for (std::int64_t i = 0; i < b.size(); ++i) {
+    CHECK(b.text[i][0].item<std::int64_t>() == Vocabulary::CLS);
+    CHECK(b.text[i][b.answer_at[i].item<std::int64_t>()].item<std::int64_t>() == Vocabulary::MASK);
+    CHECK(b.regions[i][0].item<float>() == 1.0f);  // the whole image
+  }
+}
+
+TEST_CASE("blanking a modality hides it completely") {
+  DataOptions o = small_data(5);
+  o.blank = Blank::image;
+  const Batch image = SyntheticData(o).batch(true, true, 0, 0, 8, false);
+  CHECK(image.regions.sum().item<float>() == 0.0f);
+  CHECK(image.features.abs().sum().item<float>() == 0.0f);
+  o.blank = Blank::question;
+  const Batch question = SyntheticData(o).batch(true, true, 0, 0, 8, false);
+  CHECK(question.text.size(1) == 3);  // [CLS] [MASK] [SEP]
+  CHECK(question.regions.sum().item<float>() > 0.0f);
+}
+
+TEST_CASE("a short pre-training and fine-tuning run learns, and fine-tuning loads every matching weight") {
+  testing::TempDir dir;
+  const tk::Config pre = tiny_config(dir / "pretrain");
+  const RunResult p = pretrain<Trainer>(pre);
+  INFO("pretrain losses " << p.first_loss << " -> " << p.last_loss);
+  CHECK(p.last_loss < 0.8 * p.first_loss);
+  REQUIRE(p.val.size() == 3);
+  CHECK(p.val.back().at("MLM-Acc") > 0.3);   // 1/vocabulary is chance
+  CHECK(p.val.back().at("MVRC-Acc") > 0.3);  // 1/6 is chance
+  REQUIRE(testing::file_exists(p.checkpoint));
+
+  const tk::Config vqa = tiny_config(dir / "vqa", R"("PARTIAL_PRETRAIN": ")" + p.checkpoint + R"(", )");
+  const RunResult f = finetune<Trainer>(vqa);
+  // Every backbone weight comes from the checkpoint; the answer classifier is new and the
+  // pre-training heads are left over, and both are reported by name.
+  VLBertForVQA probe(model_config(vqa), 23, 64, 0.1);
+  std::size_t backbone = 0;
+  for (const auto& q : probe->named_parameters()) backbone += q.key().rfind("vlbert.", 0) == 0;
+  CHECK(f.partial.loaded.size() == backbone);
+  REQUIRE(f.partial.not_loaded.size() == 4);  // final_mlp.{1,4}.{weight,bias}
+  for (const auto& n : f.partial.not_loaded) CHECK(n.rfind("final_mlp.", 0) == 0);
+  REQUIRE_FALSE(f.partial.unused.empty());
+  for (const auto& n : f.partial.unused) CHECK((n.rfind("mlm_head", 0) == 0 || n.rfind("mvrc_head", 0) == 0));
+  INFO("vqa losses " << f.first_loss << " -> " << f.last_loss << ", accuracy " << f.val.back().at("Acc"));
+  CHECK(f.last_loss < f.first_loss);
+  CHECK(f.val.back().at("Acc") > 2 * f.chance);
+}
+
+TEST_CASE("partial loading applies prefix changes and reports a shape mismatch instead of loading it") {
+  testing::TempDir dir;
+  const tk::Config c = tiny_config(dir.path);
+  torch::manual_seed(1);
+  VLBertForPretraining pre(model_config(c), 6);
+  Trainer trainer(pre, tk::AdamW{1e-3});
+  trainer.save(dir / "pre.model");
+  // Renamed: nothing of the backbone matches under "vlbert." any more, all of it under "backbone.".
+  VLBertForVQA vqa(model_config(c), 23, 64, 0.1);
+  const PartialLoad none = load_partial(*vqa, dir / "pre.model", {"vlbert.->backbone."});
+  CHECK(none.loaded.empty());
+  // A different hidden size: the shapes do not match, nothing is copied, each is reported.
+  tk::Config wide = tiny_config(dir.path);
+  wide.set("NETWORK.VLBERT.intermediate_size=64");
+  VLBertForVQA other(model_config(wide), 23, 64, 0.1);
+  const auto before = other->vlbert->layers[0]->as<Layer>()->intermediate->weight.clone();
+  const PartialLoad r = load_partial(*other, dir / "pre.model");
+  CHECK(other->vlbert->layers[0]->as<Layer>()->intermediate->weight.equal(before));
+  CHECK(std::any_of(r.not_loaded.begin(), r.not_loaded.end(), [](const std::string& n) {
+    return n == "vlbert.encoder.0.intermediate.weight (shape [96, 48] in the checkpoint)";
+  }));
+  CHECK(!r.loaded.empty());  // the embeddings still match
+}
