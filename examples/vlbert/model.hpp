@@ -39,6 +39,9 @@ struct VLBertConfig {
   std::int64_t visual_size = 32;    // region feature size (must equal DATASET.FEATURE_DIM)
   std::int64_t geometry_frequencies = 8;  // sinusoids per box coordinate
   bool visual_ln = true;
+  // Initial weights of the visual LayerNorms (VL-BERT's visual_scale_*_init): 0 lets the words
+  // start as plain BERT input, the whole image's feature fading in as training finds it useful.
+  double visual_scale_text_init = 0.0, visual_scale_object_init = 1.0;
 };
 
 /// BERT's layer, post-LN: x = LN(x + Attention(x)); x = LN(x + W2 GELU(W1 x)).
@@ -102,6 +105,8 @@ struct VLBertImpl : torch::nn::Module {
       if (p.key().find("bias") != std::string::npos) p.value().zero_();
       else p.value().normal_(0, 0.02);
     }
+    visual_ln_text->weight.fill_(c.visual_scale_text_init);
+    visual_ln_object->weight.fill_(c.visual_scale_object_init);
   }
 
   /// Sinusoids of the box coordinates at geometric frequencies (VL-BERT's coordinate embedding).

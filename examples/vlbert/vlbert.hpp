@@ -45,6 +45,8 @@ inline tk::Schema network_schema() {
   v.integer("type_vocab_size", 3).min(3).doc("segments A, B, C (regions are C)");
   v.integer("visual_size", 32).min(1).doc("region feature size; must equal DATASET.FEATURE_DIM");
   v.boolean("visual_ln", true);
+  v.number("visual_scale_text_init", 0.0).doc("initial weight of the words' visual LayerNorm (VL-BERT's)");
+  v.number("visual_scale_object_init", 1.0).doc("initial weight of the regions' visual LayerNorm (VL-BERT's)");
   v.integer("geometry_frequencies", 8).min(1).doc("sinusoids per box coordinate in the geometry embedding");
   v.rule([](const nlohmann::json& s, const std::string& path) {
     if (s["hidden_size"].get<std::int64_t>() % s["num_attention_heads"].get<std::int64_t>() != 0)
@@ -153,6 +155,8 @@ inline VLBertConfig model_config(const tk::Config& config) {
   c.type_vocab_size = v["type_vocab_size"].get<std::int64_t>();
   c.visual_size = v["visual_size"].get<std::int64_t>();
   c.visual_ln = v["visual_ln"].get<bool>();
+  c.visual_scale_text_init = v["visual_scale_text_init"].get<double>();
+  c.visual_scale_object_init = v["visual_scale_object_init"].get<double>();
   c.geometry_frequencies = v["geometry_frequencies"].get<std::int64_t>();
   const auto words = Vocabulary().size();
   if (c.vocab_size < words)

@@ -105,7 +105,7 @@ tk::Config tiny_config(const std::string& dir, const std::string& extra_network 
     "TRAIN": {"BATCH_IMAGES": 32, "END_EPOCH": 3, "OPTIMIZER": "AdamW", "LR": 1e-4, "WD": 1e-4,
               "CLIP_GRAD_NORM": 1.0, "LR_SCHEDULE": "constant"},
     "VAL": {"BATCH_IMAGES": 100}})",
-                "tiny.json");
+                tk::Config::Format::json, {}, "tiny.json");
   return c;
 }
 
