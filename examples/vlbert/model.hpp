@@ -42,6 +42,7 @@ struct VLBertConfig {
   // Initial weights of the visual LayerNorms (VL-BERT's visual_scale_*_init): 0 lets the words
   // start as plain BERT input, the whole image's feature fading in as training finds it useful.
   double visual_scale_text_init = 0.0, visual_scale_object_init = 1.0;
+  double initializer_range = 0.02;  // standard deviation of the initial weights (BERT's)
 };
 
 /// BERT's layer, post-LN: x = LN(x + Attention(x)); x = LN(x + W2 GELU(W1 x)).
@@ -98,12 +99,12 @@ struct VLBertImpl : torch::nn::Module {
         dropout(register_module("embedding_dropout", torch::nn::Dropout(c.hidden_dropout_prob))),
         layers(register_module("encoder", torch::nn::ModuleList())) {
     for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(Layer(c));
-    // BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorms.
+    // BERT's initialisation: N(0, initializer_range) weights, zero biases, unit LayerNorms.
     torch::NoGradGuard no_grad;
     for (auto& p : named_parameters()) {
       if (p.key().find("ln") != std::string::npos || p.key().find("LayerNorm") != std::string::npos) continue;
       if (p.key().find("bias") != std::string::npos) p.value().zero_();
-      else p.value().normal_(0, 0.02);
+      else p.value().normal_(0, c.initializer_range);
     }
     visual_ln_text->weight.fill_(c.visual_scale_text_init);
     visual_ln_object->weight.fill_(c.visual_scale_object_init);

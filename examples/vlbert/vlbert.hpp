@@ -44,6 +44,7 @@ inline tk::Schema network_schema() {
   v.integer("max_position_embeddings", 64).min(1);
   v.integer("type_vocab_size", 3).min(3).doc("segments A, B, C (regions are C)");
   v.integer("visual_size", 32).min(1).doc("region feature size; must equal DATASET.FEATURE_DIM");
+  v.number("initializer_range", 0.02).min_exclusive(0).doc("standard deviation of the initial weights");
   v.boolean("visual_ln", true);
   v.number("visual_scale_text_init", 0.0).doc("initial weight of the words' visual LayerNorm (VL-BERT's)");
   v.number("visual_scale_object_init", 1.0).doc("initial weight of the regions' visual LayerNorm (VL-BERT's)");
@@ -155,6 +156,7 @@ inline VLBertConfig model_config(const tk::Config& config) {
   c.type_vocab_size = v["type_vocab_size"].get<std::int64_t>();
   c.visual_size = v["visual_size"].get<std::int64_t>();
   c.visual_ln = v["visual_ln"].get<bool>();
+  c.initializer_range = v["initializer_range"].get<double>();
   c.visual_scale_text_init = v["visual_scale_text_init"].get<double>();
   c.visual_scale_object_init = v["visual_scale_object_init"].get<double>();
   c.geometry_frequencies = v["geometry_frequencies"].get<std::int64_t>();
