@@ -1,7 +1,7 @@
 // vlbert: VL-BERT pre-training and VQA fine-tuning on the embedded synthetic scenes.
 //
 //   vlbert pretrain --cfg cfgs/vlbert/pretrain/base_1x24G_fp32.yaml [--set K=V]... [--model-dir DIR] [--resume]
-//   vlbert vqa      --cfg cfgs/vlbert/vqa/base_1x24G_fp32.yaml --set NETWORK.PARTIAL_PRETRAIN=DIR/vl-bert_base_pretrain-0003.model
+//   vlbert vqa      --cfg cfgs/vlbert/vqa/base_1x24G_fp32.yaml --set NETWORK.PARTIAL_PRETRAIN=DIR/vl-bert_base_pretrain-0002.ckpt
 //
 // The configuration picks the compiled Trainer type (tk::dispatch); the last line on stdout is
 // the run's figures as JSON ("RESULT {...}").
@@ -14,6 +14,7 @@
 #endif
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 #include <string>
@@ -28,6 +29,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string task = argv[1];
+  // The model's matrices are small: one thread per process is as fast as two on a quiet
+  // machine and far faster on a busy one (idle OpenMP workers spin). OMP_NUM_THREADS overrides.
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) torch::set_num_threads(1);
   try {
     const auto cl = tk::CommandLine::parse(argc - 1, argv + 1);
     if (cl.cfg.empty() || !cl.rest.empty()) {

@@ -7,6 +7,7 @@
 
 #include <trainkit/config.hpp>
 #include <trainkit/dispatch.hpp>
+#include <trainkit/fit.hpp>
 #include <trainkit/trainer.hpp>
 
 #include <torch/serialize/input-archive.h>
@@ -17,11 +18,9 @@
 #include <functional>
 #include <iostream>
 #include <map>
-#include <random>
 #include <set>
 #include <sstream>
 #include <string>
-#include <sys/stat.h>
 #include <vector>
 
 namespace vlbert {
@@ -110,15 +109,6 @@ inline std::int64_t summed(const nlohmann::json& v) {
   std::int64_t n = 0;
   for (const auto& x : v) n += x.get<std::int64_t>();
   return n;
-}
-
-/// RNG_SEED, or a random one (said once) when it is -1.
-inline std::int64_t seed_of(const tk::Config& config) {
-  const auto s = config.get<std::int64_t>("RNG_SEED");
-  if (s >= 0) return s;
-  const auto r = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff);
-  std::cerr << "[vlbert] RNG_SEED is -1: using the random seed " << r << "\n";
-  return r;
 }
 
 inline DataOptions data_options(const tk::Config& config, std::int64_t seed) {
@@ -246,107 +236,67 @@ inline double peak_rss_mib() {
   return 0;
 }
 
-inline void make_directories(const std::string& path) {
-  for (std::size_t at = 1; at <= path.size(); ++at)
-    if (at == path.size() || path[at] == '/') ::mkdir(path.substr(0, at).c_str(), 0777);
-}
-
 /// What a run measured.
 struct RunResult {
   std::string task, trainer;
-  std::vector<std::map<std::string, double>> val;  // per epoch
+  std::vector<std::map<std::string, double>> val;  // per validated epoch
   std::vector<double> epoch_loss;                  // mean training loss per epoch
-  double first_loss = 0, last_loss = 0;            // first and last logged window losses
-  double train_seconds = 0;
+  double train_seconds = 0;                        // training only (validation excluded)
   std::int64_t train_samples = 0, steps = 0, skipped = 0;
   double chance = 0, question_prior = 0, majority = 0;  // VQA reference points
   PartialLoad partial;
-  std::string checkpoint;
+  std::string checkpoint;  // the last one written (or resumed from)
 };
 
-/// The samples of one optimizer window per micro-step call, type-erased so that the loop below
-/// is compiled once and not once per Trainer type.
-struct Stepper {
-  std::function<tk::MicroStepResult(const std::function<torch::Tensor()>&, std::int64_t)> micro_step;
-  std::function<std::optional<tk::StepReport>()> flush;
-  std::function<void(const std::string&)> save;
-  std::function<std::int64_t()> skipped;
-  /// Runs `f` in the trainer's precision region (autocast for BF16/FP16), as training runs.
-  std::function<void(const std::function<void()>&)> in_precision;
-};
+/// Runs `f` in the trainer's precision region (autocast for BF16/FP16), as training runs.
+using InPrecision = std::function<void(const std::function<void()>&)>;
 
-/// The epochs of a run: micro-steps over (epoch, index) batches, flush at epoch end, validation
-/// every VAL_FREQUENT epochs, a checkpoint every CHECKPOINT_FREQUENT epochs, a progress line.
-inline void run_epochs(const tk::Config& config, const std::string& task, Stepper& s, std::int64_t batches,
-                       const std::function<Batch(std::int64_t, std::int64_t)>& batch,
-                       const std::function<torch::Tensor(const Batch&)>& loss,
-                       const std::function<std::map<std::string, double>()>& validate, RunResult& result) {
-  const auto begin = config.get<std::int64_t>("TRAIN.BEGIN_EPOCH"), end = config.get<std::int64_t>("TRAIN.END_EPOCH");
-  const auto log_every = std::max<std::int64_t>(1, config.get<std::int64_t>("LOG_FREQUENT"));
-  const auto val_every = config.get<std::int64_t>("VAL_FREQUENT"), ckpt_every = config.get<std::int64_t>("CHECKPOINT_FREQUENT");
-  const std::string dir = config.get<std::string>("OUTPUT_PATH"), prefix = config.get<std::string>("MODEL_PREFIX");
-  make_directories(dir);
-  bool first = true;
-  for (std::int64_t epoch = begin; epoch < end; ++epoch) {
-    const auto t0 = std::chrono::steady_clock::now();
-    double loss_sum = 0;
-    std::int64_t windows = 0, samples = 0;
-    for (std::int64_t i = 0; i < batches; ++i) {
-      const Batch b = batch(epoch, i);
-      auto r = s.micro_step([&] { return loss(b); }, b.size());
-      samples += b.size();
-      if (!r.window_closed) continue;
-      ++windows;
-      if (windows % log_every == 0 || first) {  // a host sync only every LOG_FREQUENT steps
-        const double l = r.report.loss();
-        if (first) result.first_loss = l;
-        first = false;
-        result.last_loss = l;
-        loss_sum += l;
-        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        std::fprintf(stderr, "\r[%s] epoch %lld/%lld  batch %lld/%lld  loss %.4f  lr %.2e  %.0f samples/s   ", task.c_str(),
-                     static_cast<long long>(epoch + 1), static_cast<long long>(end), static_cast<long long>(i + 1),
-                     static_cast<long long>(batches), l, r.report.lr(), samples / std::max(secs, 1e-9));
-      }
-    }
-    s.flush();
-    result.train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    result.train_samples += samples;
-    result.epoch_loss.push_back(loss_sum / std::max<std::int64_t>(1, windows / log_every));
-    std::fprintf(stderr, "\n");
-    if (val_every > 0 && ((epoch + 1 - begin) % val_every == 0 || epoch + 1 == end)) {
-      auto m = validate();
-      result.val.push_back(m);
-      std::fprintf(stderr, "[%s] epoch %lld validation:", task.c_str(), static_cast<long long>(epoch + 1));
-      for (const auto& [k, v] : m) std::fprintf(stderr, "  %s %.4f", k.c_str(), v);
-      std::fprintf(stderr, "\n");
-    }
-    if (ckpt_every > 0 && ((epoch + 1 - begin) % ckpt_every == 0 || epoch + 1 == end)) {
-      char name[32];
-      std::snprintf(name, sizeof name, "-%04lld.model", static_cast<long long>(epoch + 1));
-      result.checkpoint = dir + "/" + prefix + name;
-      s.save(result.checkpoint);
-    }
-  }
-  result.skipped = s.skipped();
-}
-
-/// Builds the trainer of type TrainerT over `model` from the configuration and a Stepper on it.
-template <class TrainerT, class Model, class Body>
-RunResult with_trainer(const tk::Config& config, Model& model, std::int64_t batches, Body&& body) {
+/// Trains `model` with a TrainerT made from the configuration on the task `make_task(in_precision)`
+/// builds, through tk::fit (resume, validation, checkpoints, logs, progress line).
+template <class TrainerT, class Model, class MakeTask>
+RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, Model& model, const std::string& name,
+                  MakeTask&& make_task) {
   return tk::with_optimizer(config.derived().optimizer, [&](auto optimizer) {
     TrainerT trainer(model, optimizer, tk::trainer_options(config));
-    trainer.set_schedule(config.make_schedule(batches));
-    Stepper s{[&](const std::function<torch::Tensor()>& f, std::int64_t items) { return trainer.micro_step(f, items); },
-              [&] { return trainer.flush(); }, [&](const std::string& p) { trainer.save(p); },
-              [&] { return trainer.skipped_steps().template item<std::int64_t>(); },
-              [&](const std::function<void()>& f) {
-                [[maybe_unused]] const auto region = trainer.precision_policy().region();
-                f();
-              }};
-    RunResult r = body(s);
+    RunResult r;
+    r.task = name;
     r.trainer = TrainerT::name();
-    r.steps = trainer.applied_steps().template item<std::int64_t>();
+    const InPrecision in_precision = [&](const std::function<void()>& f) {
+      [[maybe_unused]] const auto region = trainer.precision_policy().region();
+      f();
+    };
+    tk::Task<Batch> task = make_task(in_precision);
+    trainer.set_schedule(config.make_schedule(task.batches_per_epoch(options.begin_epoch())));
+    // Time per sample counts training only: the loss counts samples, validation its own time.
+    double val_seconds = 0;
+    const auto loss = task.loss;
+    task.loss = [&, loss](const Batch& b, tk::Metrics& m) {
+      r.train_samples += b.size();
+      return loss(b, m);
+    };
+    const auto validate = task.validate;
+    task.validate = [&, validate](std::int64_t epoch) {
+      const auto t0 = std::chrono::steady_clock::now();
+      auto m = validate(epoch);
+      val_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      r.val.push_back(m);
+      return m;
+    };
+    task.items = [](const Batch& b) { return b.size(); };
+    tk::Callbacks callbacks;
+    callbacks.epoch_end = [&](tk::EpochEnd& e) {
+      r.epoch_loss.push_back(e.train.count("Loss") ? e.train.at("Loss") : 0.0);
+      if (e.validation.empty()) return;
+      std::fprintf(stderr, "[%s] epoch %lld validation:", name.c_str(), static_cast<long long>(e.epoch));
+      for (const auto& [k, v] : e.validation) std::fprintf(stderr, "  %s %.4f", k.c_str(), v);
+      std::fprintf(stderr, "\n");
+    };
+    const auto t0 = std::chrono::steady_clock::now();
+    const tk::FitResult f = tk::fit(trainer, task, options, callbacks);
+    r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - val_seconds;
+    r.steps = f.applied_steps;
+    r.skipped = f.skipped_steps;
+    r.checkpoint = f.checkpoints.empty() ? f.resumed_from : f.checkpoints.back();
     return r;
   });
 }
@@ -354,23 +304,27 @@ RunResult with_trainer(const tk::Config& config, Model& model, std::int64_t batc
 /// Pre-training: MLM + MVRC on captioned scenes; validation: MLM and MVRC accuracy.
 template <class TrainerT>
 RunResult pretrain(const tk::Config& config) {
-  config.require_training();
-  const auto seed = seed_of(config);
-  const SyntheticData data(data_options(config, seed));
-  torch::manual_seed(static_cast<std::uint64_t>(seed));
+  const tk::FitOptions options = tk::fit_options(config);
+  const SyntheticData data(data_options(config, options.seed()));
+  torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
   VLBertForPretraining model(model_config(config), 6);
   const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool shuffle = config.get<bool>("TRAIN.SHUFFLE");
   const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
-  const auto batches = SyntheticData::batches(data.samples(false, false), bs);
-  return with_trainer<TrainerT>(config, model, batches, [&](Stepper& s) {
-    RunResult result;
-    result.task = "pretrain";
-    auto validate = [&] {
+  return run_fit<TrainerT>(config, options, model, "pretrain", [&](const InPrecision& in_precision) {
+    tk::Task<Batch> task;
+    task.batches_per_epoch = [&](std::int64_t) { return SyntheticData::batches(data.samples(false, false), bs); };
+    task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch(false, false, e, i, bs, shuffle); };
+    task.loss = [&](const Batch& b, tk::Metrics& m) {
+      const auto out = model->forward(b, with_mlm, with_mvrc);
+      m.add("MLM-Loss", out.mlm.loss), m.add("MVRC-Loss", out.mvrc.loss);
+      return out.loss;
+    };
+    task.validate = [&, in_precision](std::int64_t) {
       torch::NoGradGuard no_grad;
       model->eval();
       double mlm = 0, mlm_n = 0, mvrc = 0, mvrc_n = 0;
-      s.in_precision([&] {
+      in_precision([&] {
         for (std::int64_t i = 0; i < SyntheticData::batches(data.samples(false, true), val_bs); ++i) {
           const auto out = model->forward(data.batch(false, true, 0, i, val_bs, false));
           mlm += out.mlm.correct.template item<double>(), mlm_n += out.mlm.count.template item<double>();
@@ -380,9 +334,8 @@ RunResult pretrain(const tk::Config& config) {
       model->train();
       return std::map<std::string, double>{{"MLM-Acc", mlm / std::max(mlm_n, 1.0)}, {"MVRC-Acc", mvrc / std::max(mvrc_n, 1.0)}};
     };
-    run_epochs(config, "pretrain", s, batches, [&](std::int64_t e, std::int64_t i) { return data.batch(false, false, e, i, bs, shuffle); },
-               [&](const Batch& b) { return model->forward(b, with_mlm, with_mvrc).loss; }, validate, result);
-    return result;
+    task.best_metric = "MLM-Acc";
+    return task;
   });
 }
 
@@ -390,10 +343,9 @@ RunResult pretrain(const tk::Config& config) {
 /// validation: accuracy, overall and per question type.
 template <class TrainerT>
 RunResult finetune(const tk::Config& config) {
-  config.require_training();
-  const auto seed = seed_of(config);
-  const SyntheticData data(data_options(config, seed));
-  torch::manual_seed(static_cast<std::uint64_t>(seed));
+  const tk::FitOptions options = tk::fit_options(config);
+  const SyntheticData data(data_options(config, options.seed()));
+  torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
   const auto& n = config.tree()["NETWORK"];
   VLBertForVQA model(model_config(config), static_cast<std::int64_t>(data.answers().size()),
                      n["CLASSIFIER_HIDDEN_SIZE"].get<std::int64_t>(), n["CLASSIFIER_DROPOUT"].get<double>());
@@ -405,15 +357,21 @@ RunResult finetune(const tk::Config& config) {
   }
   const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool shuffle = config.get<bool>("TRAIN.SHUFFLE");
-  const auto batches = SyntheticData::batches(data.samples(true, false), bs);
-  RunResult r = with_trainer<TrainerT>(config, model, batches, [&](Stepper& s) {
-    RunResult result;
-    result.task = "vqa";
-    auto validate = [&] {
+  RunResult r = run_fit<TrainerT>(config, options, model, "vqa", [&](const InPrecision& in_precision) {
+    tk::Task<Batch> task;
+    task.batches_per_epoch = [&](std::int64_t) { return SyntheticData::batches(data.samples(true, false), bs); };
+    task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch(true, false, e, i, bs, shuffle); };
+    task.loss = [&](const Batch& b, tk::Metrics& m) {
+      const auto logits = model->forward(b).to(torch::kFloat);
+      const auto answers = b.answers.to(logits.device());
+      m.add("Acc", logits.argmax(1).eq(answers).to(torch::kFloat).mean(), static_cast<double>(b.size()));
+      return torch::nn::functional::cross_entropy(logits, answers);
+    };
+    task.validate = [&, in_precision](std::int64_t) {
       torch::NoGradGuard no_grad;
       model->eval();
       std::map<int, std::pair<double, double>> per_type;  // type -> (right, total)
-      s.in_precision([&] {
+      in_precision([&] {
         for (std::int64_t i = 0; i < SyntheticData::batches(data.samples(true, true), val_bs); ++i) {
           const Batch b = data.batch(true, true, 0, i, val_bs, false);
           const auto right = model->forward(b).argmax(1).cpu().eq(b.answers);
@@ -434,11 +392,8 @@ RunResult finetune(const tk::Config& config) {
       m["Acc"] = ok / std::max(total, 1.0);
       return m;
     };
-    namespace F = torch::nn::functional;
-    run_epochs(config, "vqa", s, batches, [&](std::int64_t e, std::int64_t i) { return data.batch(true, false, e, i, bs, shuffle); },
-               [&](const Batch& b) { return F::cross_entropy(model->forward(b).to(torch::kFloat), b.answers.to(model->vlbert->word_embeddings->weight.device())); },
-               validate, result);
-    return result;
+    task.best_metric = "Acc";
+    return task;
   });
   r.partial = partial;
   r.chance = 1.0 / static_cast<double>(data.answers().size());
@@ -449,18 +404,16 @@ RunResult finetune(const tk::Config& config) {
   return r;
 }
 
-/// The run's figures as one JSON line (benchmarks/vlbert_table.sh reads it).
+/// The run's figures as one JSON line (benchmarks/vlbert_table.sh and scripts/run read it).
 inline std::string result_json(const RunResult& r) {
   nlohmann::json j;
   j["task"] = r.task;
   j["trainer"] = r.trainer;
   j["val"] = r.val.empty() ? nlohmann::json::object() : nlohmann::json(r.val.back());
-  j["first_loss"] = r.first_loss;
-  j["last_loss"] = r.last_loss;
   j["epoch_loss"] = r.epoch_loss;
   j["train_seconds"] = r.train_seconds;
   j["train_samples"] = r.train_samples;
-  j["ms_per_sample"] = 1000.0 * r.train_seconds / std::max<std::int64_t>(1, r.train_samples);
+  j["ms_per_sample"] = 1000.0 * r.train_seconds / static_cast<double>(std::max<std::int64_t>(1, r.train_samples));
   j["steps"] = r.steps;
   j["skipped_steps"] = r.skipped;
   j["peak_rss_mib"] = peak_rss_mib();
