@@ -1,7 +1,7 @@
 // vlbert: VL-BERT pre-training and VQA fine-tuning on the embedded synthetic scenes.
 //
 //   vlbert pretrain --cfg cfgs/vlbert/pretrain/base_1x24G_fp32.yaml [--set K=V]... [--model-dir DIR] [--resume]
-//   vlbert vqa      --cfg cfgs/vlbert/vqa/base_1x24G_fp32.yaml --set NETWORK.PARTIAL_PRETRAIN=DIR/vl-bert_base_pretrain-0002.ckpt
+//   vlbert vqa      --cfg cfgs/vlbert/vqa/base_1x24G_fp32.yaml --set NETWORK.PARTIAL_PRETRAIN=DIR/vl-bert_base_pretrain-0009.ckpt
 //
 // The configuration picks the compiled Trainer type (tk::dispatch); the last line on stdout is
 // the run's figures as JSON ("RESULT {...}").
