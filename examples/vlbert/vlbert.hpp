@@ -286,10 +286,7 @@ RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, Model
     tk::Callbacks callbacks;
     callbacks.epoch_end = [&](tk::EpochEnd& e) {
       r.epoch_loss.push_back(e.train.count("Loss") ? e.train.at("Loss") : 0.0);
-      if (e.validation.empty()) return;
-      std::fprintf(stderr, "[%s] epoch %lld validation:", name.c_str(), static_cast<long long>(e.epoch));
-      for (const auto& [k, v] : e.validation) std::fprintf(stderr, "  %s %.4f", k.c_str(), v);
-      std::fprintf(stderr, "\n");
+      // fit() prints the validation line itself.
     };
     const auto t0 = std::chrono::steady_clock::now();
     const tk::FitResult f = tk::fit(trainer, task, options, callbacks);
