@@ -9,6 +9,10 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/" DESTINATION "${CMAKE_INSTALL_
         FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
 
 install(TARGETS trainkit EXPORT trainkitTargets)
+
+# The registry's shards as sources: the package builds trainkit::registry from them on demand.
+install(FILES ${TRAINKIT_REGISTRY_SOURCES} DESTINATION "${CMAKE_INSTALL_DATADIR}/trainkit/registry")
+install(FILES "${CMAKE_CURRENT_LIST_DIR}/trainkitRegistry.cmake" DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 install(EXPORT trainkitTargets NAMESPACE trainkit:: DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 
 # trainkit::yaml in its own export set: the package loads it only where yaml-cpp is found, so an

@@ -25,6 +25,10 @@ add_library(trainkit_pch OBJECT "${PROJECT_BINARY_DIR}/trainkit_pch.cpp")
 target_link_libraries(trainkit_pch PUBLIC trainkit_dev)
 target_precompile_headers(trainkit_pch PRIVATE <torch/torch.h> <nlohmann/json.hpp>)
 
+# The registry's shards get the same flags and reuse the same precompiled header.
+target_link_libraries(trainkit_registry PRIVATE trainkit_dev)
+target_precompile_headers(trainkit_registry REUSE_FROM trainkit_pch)
+
 function(trainkit_add_program target)
   cmake_parse_arguments(PARSE_ARGV 1 ARG "" "OUTPUT_NAME" "SOURCES;LIBRARIES")
   if(NOT ARG_SOURCES)

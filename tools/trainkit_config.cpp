@@ -95,9 +95,6 @@ int check(const std::vector<std::string>& args) {
   const tk::TrainerKey runs = d.trainer.dispatched();
 
   json notes = config.notes();
-  if (runs.accumulation != d.trainer.accumulation)
-    notes.push_back("TRAIN." + d.trainer.dynamic_reason() +
-                    "; it runs on AccumulationPolicy<Dynamic> (same results, the count is read at run time)");
   json optimizer = {{"name", d.optimizer.name}, {"lr", d.optimizer.lr}, {"weight_decay", d.optimizer.weight_decay}};
   if (d.optimizer.name == "SGD") {
     optimizer["momentum"] = d.optimizer.momentum;

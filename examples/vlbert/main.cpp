@@ -3,12 +3,10 @@
 //   vlbert pretrain --cfg cfgs/vlbert/pretrain/base_1x24G_fp32.yaml [--set K=V]... [--model-dir DIR] [--resume]
 //   vlbert vqa      --cfg cfgs/vlbert/vqa/base_1x24G_fp32.yaml --set NETWORK.PARTIAL_PRETRAIN=DIR/vl-bert_base_pretrain-0009.ckpt
 //
-// The configuration picks the compiled Trainer type (tk::dispatch); the last line on stdout is
-// the run's figures as JSON ("RESULT {...}").
-#define TRAINKIT_EXTERN_TRAINERS  // the registry's trainers are compiled once, in trainers.cpp
+// The configuration picks the compiled Trainer type (tk::make_trainer, from trainkit::registry);
+// the last line on stdout is the run's figures as JSON ("RESULT {...}").
 #include "vlbert.hpp"
 
-#include <trainkit/dispatch.hpp>
 #if defined(TRAINKIT_WITH_YAML) && TRAINKIT_WITH_YAML
 #include <trainkit/config_yaml.hpp>
 #endif
@@ -46,11 +44,7 @@ int main(int argc, char** argv) {
     const auto module = config.get<std::string>("MODULE");
     if (!module.empty() && module != expected)
       throw tk::ConfigError("MODULE", "is \"" + module + "\", but `vlbert " + task + "` trains " + expected);
-    const auto result = tk::dispatch(config, [&](auto tag) {
-      using Trainer = typename decltype(tag)::type;
-      std::cerr << "[vlbert] " << task << " with " << Trainer::name() << "\n";
-      return task == "pretrain" ? vlbert::pretrain<Trainer>(config) : vlbert::finetune<Trainer>(config);
-    });
+    const auto result = task == "pretrain" ? vlbert::pretrain(config) : vlbert::finetune(config);
     if (task == "vqa" && !result.val.empty()) {
       const double acc = result.val.back().at("Acc");
       std::printf("VQA validation accuracy %.4f | chance %.4f (1 of %zu answers) | majority answer %.4f | "

@@ -1,16 +1,15 @@
 #pragma once
 /// The VL-BERT example's application layer: its configuration sections (the schema registered
 /// with tk::Config), partial loading of pre-trained weights, and the two tasks (pre-training,
-/// VQA) as functions of a validated configuration and a Trainer type.
+/// VQA) as functions of a validated configuration. The trainer comes from tk::make_trainer (the
+/// registry's compiled types, trainkit::registry): nothing here is compiled per trainer type.
 #include "model.hpp"
 #include "scenes.hpp"
 
 #include <trainkit/config.hpp>
-#include <trainkit/dispatch.hpp>
 #include <trainkit/fit.hpp>
-#include <trainkit/trainer.hpp>
-
-#include <torch/serialize/input-archive.h>
+#include <trainkit/registry.hpp>
+#include <trainkit/weights.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -168,54 +167,19 @@ inline VLBertConfig model_config(const tk::Config& config) {
 // --- partial loading (NETWORK.PARTIAL_PRETRAIN) ----------------------------------------------
 
 /// What load_partial() did, by parameter name.
-struct PartialLoad {
-  std::vector<std::string> loaded;      // the model's weights taken from the checkpoint
-  std::vector<std::string> not_loaded;  // the model's weights it has no match for (kept as initialised)
-  std::vector<std::string> unused;      // the checkpoint's weights the model has no place for
-};
+using PartialLoad = tk::WeightsReport;
 
 /// Copies into `model` every parameter and buffer of a trainkit checkpoint (Trainer::save) whose
-/// name (after `prefix_changes`, VL-BERT's "old->new" renames) and shape match, and says
-/// which it did not load and which of the checkpoint's it did not use.
+/// name (after `prefix_changes`, VL-BERT's "old->new" renames) and shape match (tk::load_weights).
 inline PartialLoad load_partial(torch::nn::Module& model, const std::string& path,
                                 const std::vector<std::string>& prefix_changes = {}) {
-  torch::serialize::InputArchive archive;
-  tk::detail::read_archive(archive, path);
-  std::map<std::string, std::string> records;  // name in the model's terms -> archive key
-  for (const auto& key : archive.keys()) {
-    for (const std::string prefix : {"model.param.", "model.buffer."}) {
-      if (key.rfind(prefix, 0) != 0) continue;
-      std::string name = key.substr(prefix.size());
-      for (const auto& change : prefix_changes) {
-        const auto arrow = change.find("->");
-        if (arrow == std::string::npos)
-          throw tk::ConfigError("NETWORK.PARTIAL_PRETRAIN_PREFIX_CHANGES", "expected 'old->new', got '" + change + "'");
-        const auto from = change.substr(0, arrow), to = change.substr(arrow + 2);
-        if (name.rfind(from, 0) == 0) name = to + name.substr(from.size());
-      }
-      records[name] = key;
-    }
+  std::vector<tk::PrefixChange> changes;
+  try {
+    changes = tk::parse_prefix_changes(prefix_changes);
+  } catch (const std::invalid_argument& e) {
+    throw tk::ConfigError("NETWORK.PARTIAL_PRETRAIN_PREFIX_CHANGES", e.what());
   }
-  if (records.empty()) throw std::runtime_error("checkpoint '" + path + "' holds no model weights");
-  PartialLoad r;
-  std::set<std::string> used;
-  torch::NoGradGuard no_grad;
-  auto take = [&](const std::string& name, torch::Tensor target) {
-    const auto it = records.find(name);
-    torch::Tensor saved;
-    if (it == records.end() || !archive.try_read(it->second, saved, true) || saved.sizes() != target.sizes()) {
-      r.not_loaded.push_back(name + (it == records.end() ? "" : " (shape " + tk::detail::shape_string(saved.sizes()) + " in the checkpoint)"));
-      return;
-    }
-    target.copy_(saved);
-    used.insert(name);
-    r.loaded.push_back(name);
-  };
-  for (const auto& p : model.named_parameters(true)) take(p.key(), p.value());
-  for (const auto& b : model.named_buffers(true)) take(b.key(), b.value());
-  for (const auto& [name, key] : records)
-    if (!used.count(name)) r.unused.push_back(name);
-  return r;
+  return tk::load_weights(model, path, changes);
 }
 
 inline void print_partial_load(const PartialLoad& r, const std::string& path) {
@@ -251,56 +215,56 @@ struct RunResult {
 /// Runs `f` in the trainer's precision region (autocast for BF16/FP16), as training runs.
 using InPrecision = std::function<void(const std::function<void()>&)>;
 
-/// Trains `model` with a TrainerT made from the configuration on the task `make_task(in_precision)`
-/// builds, through tk::fit (resume, validation, checkpoints, logs, progress line).
-template <class TrainerT, class Model, class MakeTask>
+/// Trains `model` with the trainer the configuration asks for (tk::make_trainer) on the task
+/// `make_task(in_precision)` builds, through tk::fit (resume, validation, checkpoints, logs,
+/// progress line).
+template <class Model, class MakeTask>
 RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, Model& model, const std::string& name,
                   MakeTask&& make_task) {
-  return tk::with_optimizer(config.derived().optimizer, [&](auto optimizer) {
-    TrainerT trainer(model, optimizer, tk::trainer_options(config));
-    RunResult r;
-    r.task = name;
-    r.trainer = TrainerT::name();
-    const InPrecision in_precision = [&](const std::function<void()>& f) {
-      [[maybe_unused]] const auto region = trainer.precision_policy().region();
-      f();
-    };
-    tk::Task<Batch> task = make_task(in_precision);
-    trainer.set_schedule(config.make_schedule(task.batches_per_epoch(options.begin_epoch())));
-    // Time per sample counts training only: the loss counts samples, validation its own time.
-    double val_seconds = 0;
-    const auto loss = task.loss;
-    task.loss = [&, loss](const Batch& b, tk::Metrics& m) {
-      r.train_samples += b.size();
-      return loss(b, m);
-    };
-    const auto validate = task.validate;
-    task.validate = [&, validate](std::int64_t epoch) {
-      const auto t0 = std::chrono::steady_clock::now();
-      auto m = validate(epoch);
-      val_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      r.val.push_back(m);
-      return m;
-    };
-    task.items = [](const Batch& b) { return b.size(); };
-    tk::Callbacks callbacks;
-    callbacks.epoch_end = [&](tk::EpochEnd& e) {
-      r.epoch_loss.push_back(e.train.count("Loss") ? e.train.at("Loss") : 0.0);
-      // fit() prints the validation line itself.
-    };
+  const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(config, model);
+  tk::AnyTrainer& trainer = *made;
+  std::cerr << "[vlbert] " << name << " with " << trainer.type_name() << "\n";
+  RunResult r;
+  r.task = name;
+  r.trainer = trainer.type_name();
+  const InPrecision in_precision = [&](const std::function<void()>& f) {
+    [[maybe_unused]] const auto region = trainer.precision_region();
+    f();
+  };
+  tk::Task<Batch> task = make_task(in_precision);
+  trainer.set_schedule(config.make_schedule(task.batches_per_epoch(options.begin_epoch())));
+  // Time per sample counts training only: the loss counts samples, validation its own time.
+  double val_seconds = 0;
+  const auto loss = task.loss;
+  task.loss = [&, loss](const Batch& b, tk::Metrics& m) {
+    r.train_samples += b.size();
+    return loss(b, m);
+  };
+  const auto validate = task.validate;
+  task.validate = [&, validate](std::int64_t epoch) {
     const auto t0 = std::chrono::steady_clock::now();
-    const tk::FitResult f = tk::fit(trainer, task, options, callbacks);
-    r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - val_seconds;
-    r.steps = f.applied_steps;
-    r.skipped = f.skipped_steps;
-    r.checkpoint = f.checkpoints.empty() ? f.resumed_from : f.checkpoints.back();
-    return r;
-  });
+    auto m = validate(epoch);
+    val_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    r.val.push_back(m);
+    return m;
+  };
+  task.items = [](const Batch& b) { return b.size(); };
+  tk::Callbacks callbacks;
+  callbacks.epoch_end = [&](tk::EpochEnd& e) {
+    r.epoch_loss.push_back(e.train.count("Loss") ? e.train.at("Loss") : 0.0);
+    // fit() prints the validation line itself.
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  const tk::FitResult f = tk::fit(trainer, task, options, callbacks);
+  r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - val_seconds;
+  r.steps = f.applied_steps;
+  r.skipped = f.skipped_steps;
+  r.checkpoint = f.checkpoints.empty() ? f.resumed_from : f.checkpoints.back();
+  return r;
 }
 
 /// Pre-training: MLM + MVRC on captioned scenes; validation: MLM and MVRC accuracy.
-template <class TrainerT>
-RunResult pretrain(const tk::Config& config) {
+inline RunResult pretrain(const tk::Config& config) {
   const tk::FitOptions options = tk::fit_options(config);
   const SyntheticData data(data_options(config, options.seed()));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
@@ -308,7 +272,7 @@ RunResult pretrain(const tk::Config& config) {
   const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool shuffle = config.get<bool>("TRAIN.SHUFFLE");
   const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
-  return run_fit<TrainerT>(config, options, model, "pretrain", [&](const InPrecision& in_precision) {
+  return run_fit(config, options, model, "pretrain", [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
     task.batches_per_epoch = [&](std::int64_t) { return SyntheticData::batches(data.samples(false, false), bs); };
     task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch(false, false, e, i, bs, shuffle); };
@@ -324,8 +288,8 @@ RunResult pretrain(const tk::Config& config) {
       in_precision([&] {
         for (std::int64_t i = 0; i < SyntheticData::batches(data.samples(false, true), val_bs); ++i) {
           const auto out = model->forward(data.batch(false, true, 0, i, val_bs, false));
-          mlm += out.mlm.correct.template item<double>(), mlm_n += out.mlm.count.template item<double>();
-          mvrc += out.mvrc.correct.template item<double>(), mvrc_n += out.mvrc.count.template item<double>();
+          mlm += out.mlm.correct.item<double>(), mlm_n += out.mlm.count.item<double>();
+          mvrc += out.mvrc.correct.item<double>(), mvrc_n += out.mvrc.count.item<double>();
         }
       });
       model->train();
@@ -338,8 +302,7 @@ RunResult pretrain(const tk::Config& config) {
 
 /// VQA fine-tuning: the answer classifier over the [MASK] token, from PARTIAL_PRETRAIN's weights;
 /// validation: accuracy, overall and per question type.
-template <class TrainerT>
-RunResult finetune(const tk::Config& config) {
+inline RunResult finetune(const tk::Config& config) {
   const tk::FitOptions options = tk::fit_options(config);
   const SyntheticData data(data_options(config, options.seed()));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
@@ -354,7 +317,7 @@ RunResult finetune(const tk::Config& config) {
   }
   const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool shuffle = config.get<bool>("TRAIN.SHUFFLE");
-  RunResult r = run_fit<TrainerT>(config, options, model, "vqa", [&](const InPrecision& in_precision) {
+  RunResult r = run_fit(config, options, model, "vqa", [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
     task.batches_per_epoch = [&](std::int64_t) { return SyntheticData::batches(data.samples(true, false), bs); };
     task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch(true, false, e, i, bs, shuffle); };

@@ -26,6 +26,7 @@
 /// fit loop) is reported on stderr with its name and why, and the previous one is tried. A
 /// checkpoint of another trainer type or other parameter shapes is an error (Trainer::load's
 /// message names the file and the first mismatch): a wrong configuration, not a damaged file.
+#include <trainkit/any_trainer.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/zip_check.hpp>
 
@@ -167,8 +168,7 @@ class CheckpointManager {
   /// Writes a checkpoint of `trainer` and `state` (epoch_end: named after the completed epoch
   /// state.position.epoch - 1; else after the position), then applies the retention rule.
   /// Returns the path. Throws CheckpointError naming the file; files already written stay.
-  template <class TrainerT>
-  std::string save(const TrainerT& trainer, const LoopState& state, bool epoch_end, const SaveExtra& extra = {}) {
+  std::string save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end, const SaveExtra& extra = {}) {
     const std::string path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
     try {
       trainer.save(path, [&](torch::serialize::OutputArchive& archive) {
@@ -200,8 +200,7 @@ class CheckpointManager {
 
   /// Loads `path` into `trainer` (and the caller's extra state). Throws when the file is
   /// damaged, is not a fit checkpoint, or does not match the trainer.
-  template <class TrainerT>
-  Loaded load(TrainerT& trainer, const std::string& path, const LoadExtra& extra = {}) const {
+  Loaded load(AnyTrainer& trainer, const std::string& path, const LoadExtra& extra = {}) const {
     std::string why;
     if (!is_complete(path, &why)) throw std::runtime_error("checkpoint '" + path + "': " + why);
     Loaded loaded{path, {}};
@@ -215,8 +214,7 @@ class CheckpointManager {
 
   /// Loads the newest complete checkpoint; std::nullopt when there is none. Damaged files are
   /// reported on `report` (stderr by default) and skipped.
-  template <class TrainerT>
-  std::optional<Loaded> resume_newest(TrainerT& trainer, const LoadExtra& extra = {},
+  std::optional<Loaded> resume_newest(AnyTrainer& trainer, const LoadExtra& extra = {},
                                       std::ostream& report = std::cerr) const {
     const auto files = list();
     for (auto it = files.rbegin(); it != files.rend(); ++it) {

@@ -758,32 +758,20 @@ inline const char* to_string(ClipKind c) {
 struct TrainerKey {
   /// AccumulationPolicy<Dynamic>: the window length is read at run time.
   static constexpr int dynamic = -1;
-  /// The accumulation counts compiled into tk::dispatch's registry; others run on Dynamic.
-  static constexpr std::array<int, 4> compiled_accumulation{1, 2, 4, 8};
-
   PrecisionKind precision = PrecisionKind::FP32;
   int accumulation = 1;  ///< micro-batches per window, or `dynamic`
   ClipKind clip = ClipKind::NoClip;
   /// PrecisionPolicy<MasterWeights<precision>> (precision BF16 or FP16*; TRAIN.MASTER_WEIGHTS).
   bool master_weights = false;
 
-  /// The key tk::dispatch runs: the same, with an accumulation count outside the compiled
-  /// set replaced by `dynamic` (same results, the count is then a run-time option). Master
-  /// weights are compiled for `dynamic` only (keeps the registry's compile time down).
+  /// The key the registry (registry.hpp) runs: the same with AccumulationPolicy<Dynamic>, whose
+  /// window length is then the run-time TrainerOptions::accumulation_steps. A fixed count
+  /// generates the same step (measured: benchmarks/accumulation_fixed_vs_dynamic), so the
+  /// registry compiles Dynamic only.
   TrainerKey dispatched() const {
     TrainerKey k = *this;
-    if (master_weights ||
-        std::find(compiled_accumulation.begin(), compiled_accumulation.end(), accumulation) ==
-            compiled_accumulation.end())
-      k.accumulation = dynamic;
+    k.accumulation = dynamic;
     return k;
-  }
-  /// Where dispatched() changes the accumulation count: why, for a note to the user.
-  std::string dynamic_reason() const {
-    const std::string n = std::to_string(accumulation);
-    return master_weights ? "GRAD_ACCUMULATE_STEPS=" + n + " with MASTER_WEIGHTS: master-weight trainers are "
-                                                           "compiled for Accumulate<Dynamic> only"
-                          : "GRAD_ACCUMULATE_STEPS=" + n + " is not one of the compiled counts {1, 2, 4, 8}";
   }
   /// Trainer<...>::name() of this key: "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>".
   std::string name() const {

@@ -49,8 +49,10 @@
 #include <trainkit/log/progress.hpp>
 #include <trainkit/log/scalars.hpp>
 #include <trainkit/log/tensorboard.hpp>
+#include <trainkit/any_trainer.hpp>
 #include <trainkit/metrics.hpp>
-#include <trainkit/trainer.hpp>
+#include <trainkit/optim.hpp>
+#include <trainkit/run_options.hpp>
 
 #include <torch/arg.h>
 #include <torch/types.h>
@@ -71,71 +73,6 @@
 #include <vector>
 
 namespace trainkit {
-
-/// Run-time settings of the loop; fit_options(config) fills them from a validated Config.
-struct FitOptions {
-  TORCH_ARG(std::string, output_path) = "./output";    ///< checkpoints and logs (OUTPUT_PATH)
-  TORCH_ARG(std::string, prefix) = "model";            ///< checkpoint file prefix (MODEL_PREFIX)
-  TORCH_ARG(std::int64_t, begin_epoch) = 0;            ///< TRAIN.BEGIN_EPOCH
-  TORCH_ARG(std::int64_t, end_epoch) = 0;              ///< TRAIN.END_EPOCH (exclusive)
-  TORCH_ARG(std::int64_t, log_frequent) = 50;          ///< log every N optimizer windows
-  TORCH_ARG(std::int64_t, val_frequent) = 1;           ///< validate every N epochs
-  TORCH_ARG(std::int64_t, checkpoint_frequent) = 1;    ///< checkpoint every N epochs
-  TORCH_ARG(std::int64_t, checkpoint_keep) = 3;        ///< newest checkpoints kept, plus the best
-  TORCH_ARG(bool, resume) = false;                     ///< TRAIN.RESUME
-  TORCH_ARG(bool, auto_resume) = true;                 ///< TRAIN.AUTO_RESUME
-  TORCH_ARG(std::int64_t, seed) = -1;                  ///< the run's seed (recorded, checked on resume)
-  TORCH_ARG(std::string, config_json) = {};            ///< the resolved configuration, for checkpoints
-  /// SIGINT/SIGTERM stop the loop gracefully (off: the signals keep their handlers).
-  TORCH_ARG(bool, handle_signals) = true;
-  /// Write checkpoints and logs (false on data-parallel ranks other than 0; they still resume).
-  TORCH_ARG(bool, write_files) = true;
-  /// Progress lines on stderr.
-  TORCH_ARG(bool, progress) = true;
-
- public:
-  /// Throws std::invalid_argument naming the first option out of range.
-  void validate() const {
-    auto fail = [](const std::string& what) { throw std::invalid_argument("trainkit::FitOptions: " + what); };
-    if (begin_epoch_ < 0) fail("begin_epoch must be >= 0, got " + std::to_string(begin_epoch_));
-    if (end_epoch_ <= begin_epoch_)
-      fail("end_epoch (" + std::to_string(end_epoch_) + ") must be > begin_epoch (" + std::to_string(begin_epoch_) +
-           ") to train (TRAIN.END_EPOCH)");
-    if (log_frequent_ < 1) fail("log_frequent must be >= 1 (LOG_FREQUENT)");
-    if (val_frequent_ < 1) fail("val_frequent must be >= 1 (VAL_FREQUENT)");
-    if (checkpoint_frequent_ < 1) fail("checkpoint_frequent must be >= 1 (CHECKPOINT_FREQUENT)");
-    if (checkpoint_keep_ < 1) fail("checkpoint_keep must be >= 1 (TRAIN.CHECKPOINT_KEEP)");
-    if (output_path_.empty()) fail("output_path is empty (OUTPUT_PATH / --model-dir)");
-  }
-};
-
-/// The loop's settings from a validated configuration (with --model-dir and --resume already
-/// applied as overrides, see CommandLine). RNG_SEED -1 draws a random seed and says which on
-/// stderr, so that the run can be repeated.
-inline FitOptions fit_options(const Config& config) {
-  const nlohmann::json& t = config.tree();
-  const nlohmann::json& train = t["TRAIN"];
-  FitOptions o;
-  o.output_path(t["OUTPUT_PATH"].get<std::string>())
-      .prefix(t["MODEL_PREFIX"].get<std::string>())
-      .begin_epoch(train["BEGIN_EPOCH"].get<std::int64_t>())
-      .end_epoch(train["END_EPOCH"].get<std::int64_t>())
-      .log_frequent(t["LOG_FREQUENT"].get<std::int64_t>())
-      .val_frequent(t["VAL_FREQUENT"].get<std::int64_t>())
-      .checkpoint_frequent(t["CHECKPOINT_FREQUENT"].get<std::int64_t>())
-      .checkpoint_keep(train["CHECKPOINT_KEEP"].get<std::int64_t>())
-      .resume(train["RESUME"].get<bool>())
-      .auto_resume(train["AUTO_RESUME"].get<bool>())
-      .config_json(config.dump(-1));
-  std::int64_t seed = t["RNG_SEED"].get<std::int64_t>();
-  if (seed < 0) {
-    seed = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff);
-    std::cerr << "trainkit: RNG_SEED is -1: this run uses seed " << seed << " (set RNG_SEED: " << seed
-              << " to repeat it)\n";
-  }
-  o.seed(seed);
-  return o;
-}
 
 /// The application's task. Data are addressed by (epoch, index): the batch for a position must
 /// be a pure function of the seed, the epoch and the index (shuffle with a generator seeded from
@@ -210,11 +147,12 @@ inline std::string short_number(double v) {
   return buf;
 }
 
-/// One run of the loop; fit() below builds it and calls run().
-template <class TrainerT, class Batch>
+/// One run of the loop; fit() below builds it and calls run(). Compiled once per Batch type,
+/// whatever the trainer's configuration (it sees the trainer as AnyTrainer).
+template <class Batch>
 class FitLoop {
  public:
-  FitLoop(TrainerT& trainer, Task<Batch>& task, const FitOptions& options, Callbacks callbacks)
+  FitLoop(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options, Callbacks callbacks)
       : trainer_(trainer),
         task_(task),
         options_(options),
@@ -429,7 +367,7 @@ class FitLoop {
     }
     logged_ = totals;
     const double loss = interval.count("Loss") ? interval["Loss"] : report.loss();
-    if constexpr (!TrainerT::scales_loss) {
+    if (!trainer_.uses_loss_scale()) {
       if (trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
         throw NonFiniteGradient(position_text(epoch, done - 1, batches) + ", optimizer step " + std::to_string(step) +
                                 ": non-finite training loss " + short_number(loss) + " (mean since the last log)");
@@ -453,7 +391,7 @@ class FitLoop {
       ProgressState p = progress_state(epoch, done, batches);
       p.loss = loss;
       p.lr = report.lr();
-      if constexpr (TrainerT::scales_loss) p.loss_scale = report.loss_scale();
+      if (trainer_.uses_loss_scale()) p.loss_scale = report.loss_scale();
       progress_->update(p);
     }
   }
@@ -465,8 +403,7 @@ class FitLoop {
 
   // The progress line counts optimizer windows inside the epoch.
   ProgressState progress_state(std::int64_t epoch, std::int64_t done, std::int64_t batches) const {
-    const std::int64_t n = TrainerT::accumulation_steps == Dynamic ? trainer_.options().accumulation_steps()
-                                                                    : TrainerT::accumulation_steps;
+    const std::int64_t n = trainer_.window_length();
     ProgressState p;
     p.epoch = epoch;
     p.step = (done + n - 1) / n;
@@ -568,7 +505,7 @@ class FitLoop {
     return r;
   }
 
-  TrainerT& trainer_;
+  AnyTrainer& trainer_;
   Task<Batch>& task_;
   const FitOptions& options_;
   Callbacks callbacks_;
@@ -587,13 +524,14 @@ class FitLoop {
 
 /// Trains `trainer` on `task` by `options` (see the file comment). Returns after END_EPOCH or
 /// after a graceful stop (FitResult::stopped); throws on errors (CheckpointError,
-/// NonFiniteGradient, the task's own).
-template <class TrainerT, class Batch>
-FitResult fit(TrainerT& trainer, Task<Batch>& task, const FitOptions& options, Callbacks callbacks = {}) {
+/// NonFiniteGradient, the task's own). Any Trainer<P, A, C> is an AnyTrainer: the loop is
+/// compiled once, not once per configuration.
+template <class Batch>
+FitResult fit(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options, Callbacks callbacks = {}) {
   options.validate();
   if (!task.batches_per_epoch || !task.batch || !task.loss)
     throw std::invalid_argument("fit: the task needs batches_per_epoch, batch and loss");
-  detail::FitLoop<TrainerT, Batch> loop(trainer, task, options, std::move(callbacks));
+  detail::FitLoop<Batch> loop(trainer, task, options, std::move(callbacks));
   return loop.run();
 }
 

@@ -15,6 +15,10 @@
 ///                       storage_dtype and the trainer keeps fp32 master copies (below)
 /// Guarantees: scale() and every counter stay on the device; with all extras of
 /// LossScaleOptions off, FP16Dynamic's scale follows torch.amp.GradScaler exactly.
+/// The one run-time branch of a policy inside the step: FP16Dynamic's update() chooses, by a
+/// host bool fixed at construction, between ATen's fused GradScaler kernel (no extras) and the
+/// element-wise form with hysteresis and clamps. Both are device-only; a type per choice would
+/// double the FP16Dynamic trainers for one predictable branch per window.
 ///
 /// Master weights (Apex O2): `PrecisionPolicy<MasterWeights<FP16Dynamic>>` (or FP16Static,
 /// BF16) is the wrapped mode's scaler and autocast region, with the model stored in half
@@ -29,6 +33,7 @@
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <type_traits>
@@ -336,6 +341,17 @@ struct scaling_mode<MasterWeights<Mode>> {
 };
 template <class Mode>
 using scaling_mode_t = typename scaling_mode<Mode>::type;
+
+namespace detail {
+/// The autocast dtype of a precision tag's forward region; std::nullopt for FP32.
+template <class Mode>
+std::optional<at::ScalarType> autocast_dtype_of() {
+  using M = scaling_mode_t<Mode>;
+  if constexpr (std::is_same_v<M, FP32>) return std::nullopt;
+  else if constexpr (std::is_same_v<M, BF16>) return at::kBFloat16;
+  else return at::kHalf;
+}
+}  // namespace detail
 
 /// True for PrecisionPolicy<Tag> with a valid tag (MasterWeights<T> with T a half mode).
 template <class T>

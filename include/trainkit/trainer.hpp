@@ -28,14 +28,17 @@
 /// receives its inputs as they are (the autocast region casts fp32 inputs for matmul-like
 /// ops). Checkpoints hold the masters; loading restores the half parameters from them.
 #include <trainkit/accumulation.hpp>
+#include <trainkit/any_trainer.hpp>
 #include <trainkit/clip.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/master_weights.hpp>
+#include <trainkit/detail/module_of.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
 #include <trainkit/replicas.hpp>
 #include <trainkit/schedule.hpp>
+#include <trainkit/step_report.hpp>
 #include <trainkit/version.hpp>
 
 #include <torch/nn/module.h>
@@ -62,107 +65,7 @@
 
 namespace trainkit {
 
-/// Thrown with NonFinite::abort when an FP32/BF16 window has a non-finite gradient.
-class NonFiniteGradient : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-/// What one optimizer phase did. Holds device scalars; the first value asked for copies all of
-/// them to the host at once (one sync), so a report that is never read costs no sync.
-class StepReport {
- public:
-  StepReport() = default;
-
-  bool applied() const { return value(kFoundInf) == 0.0; }
-  bool skipped() const { return !applied(); }
-  /// Applied optimizer steps so far, including this one when applied.
-  std::int64_t step() const { return static_cast<std::int64_t>(value(kApplied)); }
-  /// Optimizer phases run so far (applied + skipped), known on the host without a sync.
-  std::int64_t window() const { return window_; }
-  /// The loss of the window: the mean over its micro-batches (or items).
-  double loss() const { return value(kLoss); }
-  /// Global L2 norm of the (unscaled) gradient before clipping.
-  double grad_norm() const { return value(kNorm); }
-  /// The loss scale used for this window (1 without loss scaling).
-  double loss_scale() const { return value(kScale); }
-  /// Learning rate of the first parameter group for this window.
-  double lr() const { return value(kLr); }
-  /// Skipped steps so far, including this one when skipped.
-  std::int64_t skipped_steps() const { return static_cast<std::int64_t>(value(kSkipped)); }
-  /// Micro-batches in the window (fewer than N for a flushed partial window).
-  std::int64_t micro_batches() const { return micro_batches_; }
-  /// Items in the window when item counts were given, else 0.
-  std::int64_t items() const { return items_; }
-  bool empty() const { return values_ == nullptr; }
-
- private:
-  template <class, class, class>
-  friend class Trainer;
-  enum Field { kLoss, kNorm, kScale, kLr, kFoundInf, kSkipped, kApplied, kFields };
-  struct Values {
-    std::array<torch::Tensor, kFields> device;
-    std::optional<std::array<double, kFields>> host;
-  };
-
-  double value(Field f) const {
-    TORCH_CHECK(values_ != nullptr, "StepReport: this report is empty (no window closed)");
-    if (!values_->host) {
-      std::vector<torch::Tensor> parts;
-      for (const auto& t : values_->device) parts.push_back(t.reshape({1}).to(torch::kDouble));
-      const auto host = torch::cat(parts).cpu();
-      std::array<double, kFields> v{};
-      for (int i = 0; i < kFields; ++i) v[i] = host[i].item<double>();
-      values_->host = v;
-    }
-    return (*values_->host)[f];
-  }
-
-  std::shared_ptr<Values> values_;
-  std::int64_t window_ = 0, micro_batches_ = 0, items_ = 0;
-};
-
-/// The result of one micro_step: whether it closed a window, and if so that window's report.
-struct MicroStepResult {
-  bool window_closed = false;
-  StepReport report;
-};
-
 namespace detail {
-
-template <class T, class = void>
-struct is_module_holder : std::false_type {};
-template <class T>
-struct is_module_holder<T, std::void_t<decltype(std::declval<T&>().ptr())>>
-    : std::is_base_of<torch::nn::Module, typename T::ContainedType> {};
-
-/// The model as a shared Module, from a ModuleHolder (`Linear`), a shared_ptr, or a Module
-/// owned by a shared_ptr.
-template <class M>
-std::shared_ptr<torch::nn::Module> module_of(M& model) {
-  if constexpr (is_module_holder<M>::value) {
-    return model.ptr();
-  } else if constexpr (std::is_base_of_v<torch::nn::Module, M>) {
-    try {
-      return model.shared_from_this();
-    } catch (const std::bad_weak_ptr&) {
-      throw std::invalid_argument(
-          "Trainer: the model must be owned by a std::shared_ptr (or be a torch::nn::ModuleHolder "
-          "such as a TORCH_MODULE type)");
-    }
-  } else {
-    static_assert(always_false<M>,
-                  "Trainer(model, ...): model must be a torch::nn::ModuleHolder (a TORCH_MODULE "
-                  "type), a std::shared_ptr<Module>, or a Module owned by a shared_ptr");
-  }
-}
-template <class M>
-std::shared_ptr<torch::nn::Module> module_of(std::shared_ptr<M>& model) {
-  static_assert(std::is_base_of_v<torch::nn::Module, M>,
-                "Trainer(model, ...): model must derive from torch::nn::Module");
-  TORCH_CHECK(model != nullptr, "Trainer: the model is null");
-  return model;
-}
 
 inline std::string shape_string(c10::IntArrayRef sizes) {
   std::ostringstream s;
@@ -173,9 +76,11 @@ inline std::string shape_string(c10::IntArrayRef sizes) {
 }  // namespace detail
 
 /// A training configuration as a type. See the file comment for use; step.md for semantics.
+/// It is also an AnyTrainer (any_trainer.hpp): code that takes AnyTrainer& (tk::fit, the
+/// checkpoint manager, a driver) compiles once for every configuration.
 template <class Precision = PrecisionPolicy<FP32>, class Accumulation = AccumulationPolicy<1>,
           class Clip = ClipPolicy<NoClip>>
-class Trainer {
+class Trainer final : public AnyTrainer {
   static_assert(is_precision_policy<Precision>::value,
                 "trainkit::Trainer<P, A, C>: P (the first argument) must be "
                 "tk::PrecisionPolicy<tk::FP32 | tk::BF16 | tk::FP16Static | tk::FP16Dynamic>, or "
@@ -247,7 +152,7 @@ class Trainer {
 
   /// End of epoch: handle a partial window by TrainerOptions::partial_window (step.md).
   /// Returns the report when an optimizer phase ran.
-  std::optional<StepReport> flush() {
+  std::optional<StepReport> flush() override {
     if (accumulation_.position() == 0) return std::nullopt;
     switch (options_.partial_window()) {
       case PartialWindow::flush:
@@ -265,16 +170,16 @@ class Trainer {
 
   /// Attaches an LR schedule (its factor multiplies the optimizer's LR); it advances only on
   /// applied steps. Call schedule_changed() after changing a schedule's values (plateau).
-  void set_schedule(std::shared_ptr<Schedule> schedule) {
+  void set_schedule(std::shared_ptr<Schedule> schedule) override {
     TORCH_CHECK(schedule != nullptr, "set_schedule: the schedule is null");
     schedule_ = std::move(schedule);
     schedule_changed();
   }
-  void schedule_changed() { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
-  const Schedule& schedule() const { return *schedule_; }
+  void schedule_changed() override { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
+  const Schedule& schedule() const override { return *schedule_; }
   /// After an epoch's validation (the fit loop): hands `metric` to the schedule (plateau) and
   /// rebuilds the LR table when the schedule changed. Returns whether it changed.
-  bool on_epoch_end(std::int64_t epoch, double metric) {
+  bool on_epoch_end(std::int64_t epoch, double metric) override {
     const bool changed = schedule_->on_epoch_end(epoch, metric);
     if (changed) schedule_changed();
     return changed;
@@ -283,7 +188,7 @@ class Trainer {
   /// Data parallel (replicas.hpp): attaches the other ranks; every rank's parameters and
   /// buffers become rank 0's now, and phase 5 averages the gradients once per window. Call it
   /// on every rank, between windows, before load(). The default is SingleProcess.
-  void set_replicas(std::shared_ptr<Replicas> replicas) {
+  void set_replicas(std::shared_ptr<Replicas> replicas) override {
     TORCH_CHECK(replicas != nullptr, "set_replicas: the replicas are null (use tk::SingleProcess)");
     TORCH_CHECK(accumulation_.position() == 0, "set_replicas: a window is open (",
                 accumulation_.position(), " micro-batches); attach between windows");
@@ -292,26 +197,26 @@ class Trainer {
     replicas_ = std::move(replicas);
   }
   /// rank(), world_size(), is_main() for the loop; average() for its metrics.
-  Replicas& replicas() { return *replicas_; }
-  const Replicas& replicas() const { return *replicas_; }
+  Replicas& replicas() override { return *replicas_; }
+  const Replicas& replicas() const override { return *replicas_; }
 
   // --- state ----------------------------------------------------------------------------
   /// Optimizer phases run (applied + skipped); host value, no sync.
-  std::int64_t windows() const { return windows_; }
+  std::int64_t windows() const override { return windows_; }
   /// Micro-batches in the current, open window.
-  std::int64_t window_position() const { return accumulation_.position(); }
+  std::int64_t window_position() const override { return accumulation_.position(); }
   /// Applied optimizer steps (device scalar; `.item()` syncs).
-  const torch::Tensor& applied_steps() const { return applied_; }
-  const torch::Tensor& skipped_steps() const { return skipped_; }
+  const torch::Tensor& applied_steps() const override { return applied_; }
+  const torch::Tensor& skipped_steps() const override { return skipped_; }
   /// The current loss scale (device scalar; 1 without loss scaling).
-  const torch::Tensor& loss_scale() const { return precision_.scale(); }
+  const torch::Tensor& loss_scale() const override { return precision_.scale(); }
   Precision& precision_policy() { return precision_; }
   Accumulation& accumulation_policy() { return accumulation_; }
   const Clip& clip_policy() const { return clip_; }
   detail::UpdateRule& update_rule() { return *rule_; }
-  const TrainerOptions& options() const { return options_; }
-  torch::nn::Module& model() { return *module_; }
-  torch::Device device() const { return device_; }
+  const TrainerOptions& options() const override { return options_; }
+  torch::nn::Module& model() override { return *module_; }
+  torch::Device device() const override { return device_; }
   /// The flat gradient storage (every trainable parameter's .grad is a view into it). With
   /// master weights: the fp32 gradient of the optimizer phase, undefined between windows (the
   /// .grad are views into half_gradients(), or kept_gradients() for kept fp32 parameters).
@@ -324,12 +229,19 @@ class Trainer {
   const torch::Tensor& half_parameters() const { return half_.params(); }
   const torch::Tensor& half_gradients() const { return half_.grad(); }
   const torch::Tensor& kept_gradients() const { return half_.kept_grad(); }
-  const std::vector<detail::ParamGroup>& groups() const { return groups_; }
+  const std::vector<detail::ParamGroup>& groups() const override { return groups_; }
+
+  // --- AnyTrainer: what the loop asks of any configuration --------------------------------
+  std::string type_name() const override { return name(); }
+  bool uses_loss_scale() const override { return Precision::scales_loss; }
+  std::int64_t window_length() const override { return accumulation_.window(); }
+  std::optional<at::ScalarType> autocast_dtype() const override {
+    return detail::autocast_dtype_of<precision_mode>();
+  }
 
   /// Writes the whole trainer state to `path` atomically (temporary file in the same
   /// directory, flushed, renamed). `extra` adds the caller's state (epoch, sampler...).
-  void save(const std::string& path,
-            const std::function<void(torch::serialize::OutputArchive&)>& extra = {}) const {
+  void save(const std::string& path, const SaveExtra& extra = {}) const override {
     torch::serialize::OutputArchive archive;
     archive.write("meta.trainer", c10::IValue(name()));
     archive.write("meta.version", c10::IValue(std::string(TRAINKIT_VERSION_STRING)));
@@ -372,8 +284,7 @@ class Trainer {
 
   /// Restores the state written by save(). Refuses, changing nothing, a checkpoint of another
   /// trainer type or with other parameter names or shapes (the message names the first).
-  void load(const std::string& path,
-            const std::function<void(torch::serialize::InputArchive&)>& extra = {}) {
+  void load(const std::string& path, const LoadExtra& extra = {}) override {
     torch::serialize::InputArchive archive;
     detail::read_archive(archive, path);
     const auto what = [&](const std::string& s) { return "checkpoint '" + path + "': " + s; };
@@ -450,6 +361,11 @@ class Trainer {
                                  torch::tensor({static_cast<double>(windows_),
                                                 static_cast<double>(acc.position)}, torch::kDouble)},
                                 what("the ranks loaded different training states"));
+  }
+
+ protected:
+  MicroStepResult run_micro_step(const LossClosure& loss, std::int64_t items) override {
+    return micro_step_impl(loss, items);
   }
 
  private:

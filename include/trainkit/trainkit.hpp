@@ -1,7 +1,7 @@
 #pragma once
 /// Umbrella header: the core of trainkit (policies, trainer, optimizers, schedules, JSON
-/// configurations, dispatch to compiled trainers) and the fit loop with its checkpoints,
-/// metrics and logs (the log writers need nothing beyond the standard library).
+/// configurations, the registry of compiled trainers: make_trainer needs trainkit::registry
+/// at link time) and the fit loop with its checkpoints, metrics and logs (the log writers need nothing beyond the standard library).
 /// Optional parts (YAML configs, distributed training) have their own headers and are not
 /// pulled in here; the log writers (log/tensorboard.hpp ...) are usable on their own.
 #include <trainkit/version.hpp>
@@ -11,8 +11,11 @@
 #include <trainkit/clip.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/schedule.hpp>
+#include <trainkit/any_trainer.hpp>
 #include <trainkit/trainer.hpp>
 #include <trainkit/config.hpp>
+#include <trainkit/run_options.hpp>
+#include <trainkit/registry.hpp>
 #include <trainkit/dispatch.hpp>
 #include <trainkit/metrics.hpp>
 #include <trainkit/checkpoint.hpp>

@@ -402,12 +402,12 @@ TEST_CASE("trainer keys: precision, accumulation and clipping from TRAIN") {
     const char* dispatched;
   };
   const Case cases[] = {
-      {"{}", "Trainer<FP32, Accumulate<1>, NoClip>", "Trainer<FP32, Accumulate<1>, NoClip>"},
-      {R"({"FP16": true})", "Trainer<FP16Static, Accumulate<1>, NoClip>", "Trainer<FP16Static, Accumulate<1>, NoClip>"},
+      {"{}", "Trainer<FP32, Accumulate<1>, NoClip>", "Trainer<FP32, Accumulate<Dynamic>, NoClip>"},
+      {R"({"FP16": true})", "Trainer<FP16Static, Accumulate<1>, NoClip>", "Trainer<FP16Static, Accumulate<Dynamic>, NoClip>"},
       {R"({"FP16": true, "FP16_LOSS_SCALE": "dynamic", "GRAD_ACCUMULATE_STEPS": 4, "CLIP_GRAD_NORM": 1})",
-       "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>", "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>"},
+       "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>", "Trainer<FP16Dynamic, Accumulate<Dynamic>, ClipNorm>"},
       {R"({"BF16": true, "GRAD_ACCUMULATE_STEPS": 8, "CLIP_GRAD_VALUE": 0.5})",
-       "Trainer<BF16, Accumulate<8>, ClipValue>", "Trainer<BF16, Accumulate<8>, ClipValue>"},
+       "Trainer<BF16, Accumulate<8>, ClipValue>", "Trainer<BF16, Accumulate<Dynamic>, ClipValue>"},
       {R"({"GRAD_ACCUMULATE_STEPS": 3, "CLIP_GRAD_NORM": 0})", "Trainer<FP32, Accumulate<3>, NoClip>",
        "Trainer<FP32, Accumulate<Dynamic>, NoClip>"},
       {R"({"GRAD_ACCUMULATE_STEPS": 16, "BF16": false})", "Trainer<FP32, Accumulate<16>, NoClip>",

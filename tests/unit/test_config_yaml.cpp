@@ -143,12 +143,12 @@ const std::filesystem::path source_dir = TRAINKIT_SOURCE_DIR;
 TEST_CASE("every file in cfgs/ validates and resolves to its trainer type") {
   // Adding a file to cfgs/ means adding its expected trainer type here.
   const std::map<std::string, std::string> expected = {
-      {"vlbert/pretrain/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<1>, ClipNorm>"},
-      {"vlbert/pretrain/base_1x24G_fp32.json", "Trainer<FP32, Accumulate<1>, ClipNorm>"},
-      {"vlbert/vqa/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<1>, ClipNorm>"},
-      {"scenarios/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<4>, ClipNorm>"},
-      {"scenarios/base_4x16G_fp16.yaml", "Trainer<FP16Dynamic, Accumulate<1>, ClipNorm>"},
-      {"scenarios/base_1x8G_fp32.yaml", "Trainer<FP32, Accumulate<4>, ClipNorm>"},
+      {"vlbert/pretrain/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
+      {"vlbert/pretrain/base_1x24G_fp32.json", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
+      {"vlbert/vqa/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
+      {"scenarios/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
+      {"scenarios/base_4x16G_fp16.yaml", "Trainer<FP16Dynamic, Accumulate<Dynamic>, ClipNorm>"},
+      {"scenarios/base_1x8G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
   };
   const std::filesystem::path cfgs = source_dir / "cfgs";
   REQUIRE(std::filesystem::is_directory(cfgs));

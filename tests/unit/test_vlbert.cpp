@@ -184,7 +184,7 @@ TEST_CASE("a short pre-training and fine-tuning run learns, and fine-tuning load
   } one_thread;
   testing::TempDir dir;
   const tk::Config pre = tiny_config(dir / "pretrain");
-  const RunResult p = pretrain<Trainer>(pre);
+  const RunResult p = pretrain(pre);
   REQUIRE(p.epoch_loss.size() == 3);
   INFO("pretrain epoch losses " << p.epoch_loss[0] << " -> " << p.epoch_loss[2]);
   CHECK(p.epoch_loss[2] < 0.8 * p.epoch_loss[0]);
@@ -194,7 +194,7 @@ TEST_CASE("a short pre-training and fine-tuning run learns, and fine-tuning load
   REQUIRE(testing::file_exists(p.checkpoint));
 
   const tk::Config vqa = tiny_config(dir / "vqa", R"("PARTIAL_PRETRAIN": ")" + p.checkpoint + R"(", )");
-  const RunResult f = finetune<Trainer>(vqa);
+  const RunResult f = finetune(vqa);
   // Every backbone weight comes from the checkpoint; the answer classifier is new and the
   // pre-training heads are left over, and both are reported by name.
   VLBertForVQA probe(model_config(vqa), 23, 64, 0.1);

@@ -1,0 +1,121 @@
+#pragma once
+/// AnyTrainer: every compiled Trainer<P, A, C> seen through one interface, so that the code
+/// around the step (the fit loop, checkpoints, logs, an application's driver) compiles once
+/// instead of once per trainer type. The step itself stays compiled per configuration: a
+/// micro-step through AnyTrainer is one virtual call into Trainer<P, A, C>'s own micro_step,
+/// whose phases have no branch on a policy.
+///
+///   std::unique_ptr<tk::AnyTrainer> trainer = tk::make_trainer(config, model);  // registry.hpp
+///   auto r = trainer->micro_step([&] { return loss_of(model, batch); }, batch.size());
+///   if (r.window_closed) log(r.report);
+///   trainer->flush();
+///
+/// Contract — what an implementation guarantees (Trainer<P, A, C> is the only one):
+///   run_micro_step(loss, items)  exactly Trainer::micro_step(loss[, items]) (items < 0: none);
+///                                the loss closure runs inside the precision region
+///   flush, save, load, set_schedule, on_epoch_end, set_replicas
+///                                exactly the Trainer members of the same names
+///   type_name()                  Trainer<P, A, C>::name(), the name checkpoints record
+///   window_length()              micro-batches per window (AccumulationPolicy's N, or the
+///                                run-time count of AccumulationPolicy<Dynamic>)
+///   autocast_dtype()             the dtype of the forward's autocast region; none for FP32
+/// Costs: one indirect call and one std::function call per micro-step (nanoseconds against a
+/// forward and backward); nothing per optimizer phase beyond what Trainer does.
+#include <trainkit/options.hpp>
+#include <trainkit/precision.hpp>
+#include <trainkit/replicas.hpp>
+#include <trainkit/schedule.hpp>
+#include <trainkit/step_report.hpp>
+
+#include <torch/nn/module.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace trainkit {
+
+namespace detail {
+struct ParamGroup;
+}  // namespace detail
+
+/// See the file comment. Not copyable; held by reference or std::unique_ptr.
+class AnyTrainer {
+ public:
+  /// The forward of one micro-batch: returns the loss as a scalar tensor.
+  using LossClosure = std::function<torch::Tensor()>;
+  using SaveExtra = std::function<void(torch::serialize::OutputArchive&)>;
+  using LoadExtra = std::function<void(torch::serialize::InputArchive&)>;
+
+  AnyTrainer() = default;
+  AnyTrainer(const AnyTrainer&) = delete;
+  AnyTrainer& operator=(const AnyTrainer&) = delete;
+  virtual ~AnyTrainer() = default;
+
+  // --- the step -----------------------------------------------------------------------------
+  /// Trainer::micro_step(closure).
+  MicroStepResult micro_step(const LossClosure& loss) { return run_micro_step(loss, -1); }
+  /// Trainer::micro_step(closure, items): the window's gradient is the mean over its items.
+  MicroStepResult micro_step(const LossClosure& loss, std::int64_t items) {
+    TORCH_CHECK(items >= 0, "micro_step: the item count must be >= 0, got ", items);
+    return run_micro_step(loss, items);
+  }
+  /// End of epoch: the partial window by TrainerOptions::partial_window (step.md).
+  virtual std::optional<StepReport> flush() = 0;
+
+  // --- what it is ----------------------------------------------------------------------------
+  /// "Trainer<FP16Dynamic, Accumulate<Dynamic>, ClipNorm>": the compiled type behind this one.
+  virtual std::string type_name() const = 0;
+  /// Whether the loss is multiplied by a loss scale (FP16 modes).
+  virtual bool uses_loss_scale() const = 0;
+  /// Micro-batches per window.
+  virtual std::int64_t window_length() const = 0;
+  /// The autocast dtype of the forward (bf16, fp16); std::nullopt for FP32.
+  virtual std::optional<at::ScalarType> autocast_dtype() const = 0;
+  virtual const TrainerOptions& options() const = 0;
+  virtual torch::nn::Module& model() = 0;
+  virtual torch::Device device() const = 0;
+  virtual const std::vector<detail::ParamGroup>& groups() const = 0;
+
+  /// The precision region of the forward as an RAII guard, for code that runs the model outside
+  /// micro_step (validation): `{ auto region = trainer.precision_region(); model(x); }`.
+  std::optional<AutocastRegion> precision_region() const {
+    const auto dtype = autocast_dtype();
+    if (!dtype) return std::nullopt;
+    return std::optional<AutocastRegion>(std::in_place, device().type(), *dtype);
+  }
+
+  // --- schedule and replicas -----------------------------------------------------------------
+  virtual void set_schedule(std::shared_ptr<Schedule> schedule) = 0;
+  virtual void schedule_changed() = 0;
+  virtual const Schedule& schedule() const = 0;
+  virtual bool on_epoch_end(std::int64_t epoch, double metric) = 0;
+  virtual void set_replicas(std::shared_ptr<Replicas> replicas) = 0;
+  virtual Replicas& replicas() = 0;
+  virtual const Replicas& replicas() const = 0;
+
+  // --- state -------------------------------------------------------------------------------
+  /// Optimizer phases run (applied + skipped); host value, no sync.
+  virtual std::int64_t windows() const = 0;
+  /// Micro-batches in the current, open window.
+  virtual std::int64_t window_position() const = 0;
+  /// Applied and skipped optimizer steps, the loss scale: device scalars (`.item()` syncs).
+  virtual const torch::Tensor& applied_steps() const = 0;
+  virtual const torch::Tensor& skipped_steps() const = 0;
+  virtual const torch::Tensor& loss_scale() const = 0;
+
+  /// Trainer::save / Trainer::load: the whole training state, atomically written.
+  virtual void save(const std::string& path, const SaveExtra& extra = {}) const = 0;
+  virtual void load(const std::string& path, const LoadExtra& extra = {}) = 0;
+
+ protected:
+  /// The compiled micro-step; items < 0 means no item count.
+  virtual MicroStepResult run_micro_step(const LossClosure& loss, std::int64_t items) = 0;
+};
+
+}  // namespace trainkit

@@ -1,0 +1,173 @@
+#pragma once
+/// The registry: the Trainer types compiled for programs whose configuration is chosen at run
+/// time (a YAML file), and make_trainer(), which builds the one a configuration asks for.
+///
+///   auto trainer = tk::make_trainer(config, model);   // std::unique_ptr<tk::AnyTrainer>
+///   tk::fit(*trainer, task, tk::fit_options(config));
+///
+/// The list is written once, below: TRAINKIT_REGISTRY_PRECISIONS x TRAINKIT_REGISTRY_CLIPS,
+/// each as Trainer<PrecisionPolicy<P>, AccumulationPolicy<Dynamic>, ClipPolicy<C>>. From it come
+/// make_trainer's dispatch, registered_trainers() (the names), tk::dispatch (dispatch.hpp) and
+/// the explicit instantiations. A fixed accumulation count (AccumulationPolicy<4>) generates the
+/// same step as AccumulationPolicy<Dynamic> with a run-time count (benchmarks/
+/// accumulation_fixed_vs_dynamic measures the window time of both: equal within noise, see
+/// benchmarks/RESULTS.md), so the registry compiles Dynamic only and takes the count from
+/// TrainerOptions::accumulation_steps. Fixed counts stay for programs that name their type.
+///
+/// Compiled once, in shards: make_trainer is declared here and defined per precision in
+/// src/registry/<precision>.cpp (the CMake target trainkit::registry), so a program that
+/// includes this header compiles no Trainer type at all; the shards build in parallel.
+///
+/// Adding a type: add its precision to TRAINKIT_REGISTRY_PRECISIONS (and a shard file
+/// src/registry/<name>.cpp with TRAINKIT_REGISTRY_SHARD(<tag>), else the link fails naming
+/// detail::make_registered<tag>), or its clip tag to TRAINKIT_REGISTRY_CLIPS.
+#include <trainkit/accumulation.hpp>
+#include <trainkit/any_trainer.hpp>
+#include <trainkit/clip.hpp>
+#include <trainkit/config.hpp>
+#include <trainkit/detail/module_of.hpp>
+#include <trainkit/precision.hpp>
+#include <trainkit/run_options.hpp>
+
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+// The registry, the one list (see the file comment).
+#define TRAINKIT_REGISTRY_PRECISIONS(X)                                                  \
+  X(FP32) X(BF16) X(FP16Static) X(FP16Dynamic) X(MasterWeights<BF16>)                   \
+  X(MasterWeights<FP16Static>) X(MasterWeights<FP16Dynamic>)
+#define TRAINKIT_REGISTRY_CLIPS(X, P) X(P, NoClip) X(P, ClipNorm) X(P, ClipValue)
+
+namespace trainkit {
+
+/// The Trainer type of a key, as a type: TrainerOf<FP32, 4, ClipNorm>.
+template <class PrecisionTag, int N, class ClipTag>
+using TrainerOf = Trainer<PrecisionPolicy<PrecisionTag>, AccumulationPolicy<N>, ClipPolicy<ClipTag>>;
+
+/// A type passed as a value: the visitor of dispatch() receives TypeTag<Trainer<...>>.
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+namespace detail {
+
+template <class... T>
+struct TypeList {};
+template <class First, class... Rest>
+struct DropFirst {
+  using type = TypeList<Rest...>;
+};
+
+#define TRAINKIT_REGISTRY_TYPE_(P, C) , TrainerOf<P, Dynamic, C>
+#define TRAINKIT_REGISTRY_TYPES_OF_(P) TRAINKIT_REGISTRY_CLIPS(TRAINKIT_REGISTRY_TYPE_, P)
+/// Every registered Trainer type, in registry order.
+using RegisteredTrainers = typename DropFirst<void TRAINKIT_REGISTRY_PRECISIONS(TRAINKIT_REGISTRY_TYPES_OF_)>::type;
+#undef TRAINKIT_REGISTRY_TYPES_OF_
+#undef TRAINKIT_REGISTRY_TYPE_
+
+// Tags as the values of a TrainerKey.
+template <class Tag>
+struct precision_key;
+template <>
+struct precision_key<FP32> : std::integral_constant<PrecisionKind, PrecisionKind::FP32> {};
+template <>
+struct precision_key<BF16> : std::integral_constant<PrecisionKind, PrecisionKind::BF16> {};
+template <>
+struct precision_key<FP16Static> : std::integral_constant<PrecisionKind, PrecisionKind::FP16Static> {};
+template <>
+struct precision_key<FP16Dynamic> : std::integral_constant<PrecisionKind, PrecisionKind::FP16Dynamic> {};
+template <class Mode>
+struct precision_key<MasterWeights<Mode>> : precision_key<Mode> {};
+template <class Tag>
+struct clip_key;
+template <>
+struct clip_key<NoClip> : std::integral_constant<ClipKind, ClipKind::NoClip> {};
+template <>
+struct clip_key<ClipNorm> : std::integral_constant<ClipKind, ClipKind::ClipNorm> {};
+template <>
+struct clip_key<ClipValue> : std::integral_constant<ClipKind, ClipKind::ClipValue> {};
+
+template <class PrecisionTag>
+constexpr bool matches_precision(const TrainerKey& key) {
+  return key.precision == precision_key<PrecisionTag>::value &&
+         key.master_weights == !std::is_same_v<scaling_mode_t<PrecisionTag>, PrecisionTag>;
+}
+
+/// The key of a registered type.
+template <class T>
+struct key_of;
+template <class P, int N, class C>
+struct key_of<Trainer<PrecisionPolicy<P>, AccumulationPolicy<N>, ClipPolicy<C>>> {
+  static TrainerKey value() {
+    return TrainerKey{precision_key<P>::value, N == Dynamic ? TrainerKey::dynamic : N, clip_key<C>::value,
+                      !std::is_same_v<scaling_mode_t<P>, P>};
+  }
+};
+
+template <class... T>
+std::vector<std::string> names_of(TypeList<T...>) {
+  return {key_of<T>::value().name()...};
+}
+
+/// A shard of the registry: builds TrainerOf<PrecisionTag, Dynamic, clip> over `model` with
+/// `optimizer`. Declared only; defined in detail/registry_shard.hpp and compiled once per
+/// precision in src/registry/ (trainkit::registry).
+template <class PrecisionTag>
+std::unique_ptr<AnyTrainer> make_registered(ClipKind clip, std::shared_ptr<torch::nn::Module> model,
+                                            const OptimizerSettings& optimizer, TrainerOptions options);
+
+/// The registry's names as one indented list, for errors.
+inline std::string registry_list() {
+  std::string names;
+  for (const auto& n : names_of(RegisteredTrainers{})) names += "\n  " + n;
+  return names;
+}
+
+/// The key the registry runs for `key` (accumulation as Dynamic), or a ConfigError naming the
+/// key that has no registered type.
+inline TrainerKey registered_key(const TrainerKey& key) {
+  if (key.accumulation < 1)
+    throw ConfigError("TRAIN.GRAD_ACCUMULATE_STEPS", "must be >= 1, got " + std::to_string(key.accumulation) +
+                                                         "; the compiled trainers are (the count is a run-time "
+                                                         "option of each):" + registry_list());
+  if (key.master_weights && key.precision == PrecisionKind::FP32)
+    throw ConfigError("TRAIN.MASTER_WEIGHTS", "needs FP16 or BF16; there is no MasterWeights<FP32> trainer");
+  return key.dispatched();
+}
+
+}  // namespace detail
+
+/// The names of every type in the registry, in registry order.
+inline std::vector<std::string> registered_trainers() { return detail::names_of(detail::RegisteredTrainers{}); }
+
+/// Builds the registered trainer of `key` over `model` with `optimizer` and `options` (the
+/// window length is `key.accumulation`, set into options). Defined in trainkit::registry.
+inline std::unique_ptr<AnyTrainer> make_trainer(const TrainerKey& key, std::shared_ptr<torch::nn::Module> model,
+                                                const OptimizerSettings& optimizer, TrainerOptions options) {
+  TORCH_CHECK(model != nullptr, "make_trainer: the model is null");
+  const TrainerKey runs = detail::registered_key(key);
+  options.accumulation_steps(key.accumulation);
+#define TRAINKIT_MAKE_IF_(P) \
+  if (detail::matches_precision<P>(runs)) return detail::make_registered<P>(runs.clip, std::move(model), optimizer, std::move(options));
+  TRAINKIT_REGISTRY_PRECISIONS(TRAINKIT_MAKE_IF_)
+#undef TRAINKIT_MAKE_IF_
+  throw ConfigError("TRAIN", "no registered trainer for " + key.name() + "; the registry has:" + detail::registry_list());
+}
+
+/// The trainer a validated configuration asks for (TRAIN's precision, clipping, accumulation
+/// count, optimizer and numbers; the LR scaled by the world size of the launch), over `model`.
+/// Set its LR schedule with trainer->set_schedule(config.make_schedule(batches_per_epoch)).
+template <class Model>
+std::unique_ptr<AnyTrainer> make_trainer(const Config& config, Model& model,
+                                         std::optional<std::int64_t> world_size = std::nullopt) {
+  const Derived d = config.derived(world_size);
+  return make_trainer(d.trainer, detail::module_of(model), d.optimizer, trainer_options(config));
+}
+
+}  // namespace trainkit

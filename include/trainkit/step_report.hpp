@@ -1,0 +1,85 @@
+#pragma once
+/// What a micro-step and an optimizer phase report: StepReport (device scalars read lazily, one
+/// host sync for all of them at the first value asked for) and MicroStepResult. Shared by the
+/// compiled Trainer<P, A, C> and the type-erased AnyTrainer.
+#include <torch/types.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+namespace trainkit {
+
+template <class, class, class>
+class Trainer;
+
+/// Thrown with NonFinite::abort when an FP32/BF16 window has a non-finite gradient.
+class NonFiniteGradient : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// What one optimizer phase did. Holds device scalars; the first value asked for copies all of
+/// them to the host at once (one sync), so a report that is never read costs no sync.
+class StepReport {
+ public:
+  StepReport() = default;
+
+  bool applied() const { return value(kFoundInf) == 0.0; }
+  bool skipped() const { return !applied(); }
+  /// Applied optimizer steps so far, including this one when applied.
+  std::int64_t step() const { return static_cast<std::int64_t>(value(kApplied)); }
+  /// Optimizer phases run so far (applied + skipped), known on the host without a sync.
+  std::int64_t window() const { return window_; }
+  /// The loss of the window: the mean over its micro-batches (or items).
+  double loss() const { return value(kLoss); }
+  /// Global L2 norm of the (unscaled) gradient before clipping.
+  double grad_norm() const { return value(kNorm); }
+  /// The loss scale used for this window (1 without loss scaling).
+  double loss_scale() const { return value(kScale); }
+  /// Learning rate of the first parameter group for this window.
+  double lr() const { return value(kLr); }
+  /// Skipped steps so far, including this one when skipped.
+  std::int64_t skipped_steps() const { return static_cast<std::int64_t>(value(kSkipped)); }
+  /// Micro-batches in the window (fewer than N for a flushed partial window).
+  std::int64_t micro_batches() const { return micro_batches_; }
+  /// Items in the window when item counts were given, else 0.
+  std::int64_t items() const { return items_; }
+  bool empty() const { return values_ == nullptr; }
+
+ private:
+  template <class, class, class>
+  friend class Trainer;
+  enum Field { kLoss, kNorm, kScale, kLr, kFoundInf, kSkipped, kApplied, kFields };
+  struct Values {
+    std::array<torch::Tensor, kFields> device;
+    std::optional<std::array<double, kFields>> host;
+  };
+
+  double value(Field f) const {
+    TORCH_CHECK(values_ != nullptr, "StepReport: this report is empty (no window closed)");
+    if (!values_->host) {
+      std::vector<torch::Tensor> parts;
+      for (const auto& t : values_->device) parts.push_back(t.reshape({1}).to(torch::kDouble));
+      const auto host = torch::cat(parts).cpu();
+      std::array<double, kFields> v{};
+      for (int i = 0; i < kFields; ++i) v[i] = host[i].item<double>();
+      values_->host = v;
+    }
+    return (*values_->host)[f];
+  }
+
+  std::shared_ptr<Values> values_;
+  std::int64_t window_ = 0, micro_batches_ = 0, items_ = 0;
+};
+
+/// The result of one micro_step: whether it closed a window, and if so that window's report.
+struct MicroStepResult {
+  bool window_closed = false;
+  StepReport report;
+};
+
+}  // namespace trainkit
