@@ -14,8 +14,8 @@
 /// A file is written by Trainer::save, which is atomic (temporary file in the same directory,
 /// fsync, rename, directory fsync): a file under one of these names is always complete. Next to
 /// the trainer's state it holds the loop's (LoopState: position, seed, resolved configuration,
-/// best metric), the CUDA RNG state of the trainer's device when it is a GPU (the CPU RNG is the
-/// trainer's), and whatever the caller adds.
+/// best metric) and whatever the caller adds; the RNG states (CPU, and CUDA on a GPU) are the
+/// trainer's (detail/rng_state.hpp).
 ///
 /// Retention: after a new file is in place, the newest `keep` files (by position) stay, and the
 /// best one (by the validation metric recorded in LoopState); older ones are deleted. Stale
@@ -173,7 +173,6 @@ class CheckpointManager {
     try {
       trainer.save(path, [&](torch::serialize::OutputArchive& archive) {
         write_state(archive, state, path);
-        save_cuda_rng(archive, trainer.device());
         if (extra) extra(archive);
       });
     } catch (const std::exception& e) {
@@ -206,7 +205,6 @@ class CheckpointManager {
     Loaded loaded{path, {}};
     trainer.load(path, [&](torch::serialize::InputArchive& archive) {
       loaded.state = read_state(archive);
-      load_cuda_rng(archive, trainer.device());
       if (extra) extra(archive);
     });
     return loaded;
@@ -330,21 +328,6 @@ class CheckpointManager {
     a.read("fit.best_path", v);
     s.best_path = v.toStringRef();
     return s;
-  }
-
-  // The CUDA generator of the trainer's device (dropout on the GPU draws from it).
-  static void save_cuda_rng(torch::serialize::OutputArchive& a, torch::Device device) {
-    if (!device.is_cuda()) return;
-    auto generator = at::globalContext().defaultGenerator(device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    a.write("rng.cuda", generator.get_state(), /*is_buffer=*/true);
-  }
-  static void load_cuda_rng(torch::serialize::InputArchive& a, torch::Device device) {
-    torch::Tensor state;
-    if (!device.is_cuda() || !a.try_read("rng.cuda", state, /*is_buffer=*/true)) return;
-    auto generator = at::globalContext().defaultGenerator(device);
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(state);
   }
 
   std::string directory_, prefix_;

@@ -33,6 +33,7 @@
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/master_weights.hpp>
 #include <trainkit/detail/module_of.hpp>
+#include <trainkit/detail/rng_state.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
@@ -273,11 +274,7 @@ class Trainer final : public AnyTrainer {
       archive.write("window.loss", window_loss_, true);
     }
     archive.write("schedule.state", c10::IValue(schedule_->state()));
-    {
-      auto generator = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      archive.write("rng.cpu", generator.get_state(), true);
-    }
+    detail::save_rng_states(archive, device_);
     if (extra) extra(archive);
     detail::write_archive_atomically(archive, path);
   }
@@ -349,12 +346,7 @@ class Trainer final : public AnyTrainer {
     archive.read("schedule.state", v);
     schedule_->load_state(v.toStringRef());
     schedule_changed();
-    {
-      const auto t = detail::read_tensor(archive, "rng.cpu");
-      auto generator = at::detail::getDefaultCPUGenerator();
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(t);
-    }
+    detail::load_rng_states(archive, device_);
     if (extra) extra(archive);
     // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
     replicas_->check_same_state({flat_params_, applied_, skipped_, precision_.scale(),

@@ -1,0 +1,192 @@
+#pragma once
+/// The toolkit's schemas (config.md): the TRAIN section with VL-BERT's keys and trainkit's, and
+/// the top level that holds it; applications register their own sections beside them.
+#include <trainkit/config/error.hpp>
+#include <trainkit/config/schema.hpp>
+#include <trainkit/config/text.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace trainkit {
+namespace detail {
+
+/// "14,18" or "14, 18.5" -> [14.0, 18.5] (VL-BERT's LR_STEP string form).
+inline nlohmann::json parse_epoch_list(const nlohmann::json& v) {
+  const std::string s = v.get<std::string>();
+  nlohmann::json out = nlohmann::json::array();
+  if (s.find_first_not_of(" \t") == std::string::npos) return out;
+  std::size_t from = 0;
+  while (true) {
+    const std::size_t comma = s.find(',', from);
+    std::string item = s.substr(from, comma == std::string::npos ? std::string::npos : comma - from);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    const nlohmann::json x = resolve_plain_scalar(item);
+    if (!x.is_number() || !std::isfinite(x.get<double>()) || x.get<double>() < 0)
+      throw std::invalid_argument("expected epochs as numbers >= 0 separated by commas (\"14,18\") or a list "
+                                  "([14, 18]), got the string " + dump_text(v));
+    out.push_back(x.get<double>());
+    if (comma == std::string::npos) break;
+    from = comma + 1;
+  }
+  return out;
+}
+
+inline std::string check_increasing(const nlohmann::json& epochs) {
+  for (std::size_t i = 1; i < epochs.size(); ++i)
+    if (epochs[i].get<double>() < epochs[i - 1].get<double>()) {
+      std::vector<double> given = epochs.get<std::vector<double>>(), sorted = given;
+      std::sort(sorted.begin(), sorted.end());
+      return "epochs must be in increasing order, got " + format_numbers(given) + "; write " + format_numbers(sorted);
+    }
+  return {};
+}
+
+/// The TRAIN section of config.md: VL-BERT's keys, then trainkit's.
+inline Schema train_schema() {
+  Schema s;
+  // --- VL-BERT's keys -------------------------------------------------------------------
+  s.list("LR_MULT", Field::any().check([](const nlohmann::json& p) -> std::string {
+     if (p.is_array() && p.size() == 2 && p[0].is_string() && p[1].is_number() &&
+         std::isfinite(p[1].get<double>()) && p[1].get<double>() >= 0)
+       return {};
+     return "expected a pair [name-substring, multiplier >= 0] such as [\"vlbert\", 0.1], got " + describe_value(p);
+   })).doc("parameter groups: [name-substring, LR multiplier] pairs; the first match wins");
+  s.number("VISUAL_SCALE_TEXT_LR_MULT", 1.0).doc("accepted for compatibility with VL-BERT; unused");
+  s.number("VISUAL_SCALE_OBJECT_LR_MULT", 1.0).doc("accepted for compatibility with VL-BERT; unused");
+  s.number("VISUAL_SCALE_CLIP_GRAD_NORM", -1.0).doc("accepted for compatibility with VL-BERT; unused");
+  s.boolean("SHUFFLE", true).doc("shuffle the training data");
+  s.number("FLIP_PROB", 0.5).min(0).max(1).doc("application-defined augmentation probability");
+  s.add("BATCH_IMAGES", Field::either({Field::integer(1).min(1),
+                                       Field::list(Field::integer(1).min(1)).non_empty()}, 1))
+      .doc("per-device micro-batch; a list (one per data set) is summed");
+  s.boolean("ASPECT_GROUPING", true).doc("application-defined batching");
+  s.boolean("RESUME", false).doc("resume from the checkpoint of BEGIN_EPOCH - 1");
+  s.boolean("AUTO_RESUME", true).doc("resume from the newest complete checkpoint, if any");
+  s.integer("BEGIN_EPOCH", 0).min(0).doc("first epoch");
+  s.integer("END_EPOCH", 0).min(0).doc("end epoch (exclusive); must be > BEGIN_EPOCH to train");
+  s.string("OPTIMIZER", "SGD").one_of({"SGD", "Adam", "AdamW"});
+  s.number("CLIP_GRAD_NORM", -1.0).doc("> 0: clip the global gradient norm to this (ClipNorm)");
+  s.integer("GRAD_ACCUMULATE_STEPS", 1).min(1).doc("micro-batches per optimizer step");
+  s.number("LR", 0.1).min_exclusive(0).doc("per-sample learning rate (LR_SCALING per_sample)");
+  s.string("LR_SCHEDULE", "step").one_of({"step", "triangle", "plateau", "cosine", "constant"});
+  s.number("LR_FACTOR", 0.1).min_exclusive(0).doc("decay factor of step and plateau");
+  s.add("LR_STEP", Field::either({Field::list(Field::number(0).min(0)),
+                                  Field::string("").transform(parse_epoch_list),
+                                  Field::number(0).min(0).transform([](const nlohmann::json& x) {
+                                    return nlohmann::json::array({x});
+                                  })},
+                                 nlohmann::json::array())
+                       .check(check_increasing))
+      .doc("decay epochs of step: \"14,18\" or [14, 18]");
+  s.boolean("WARMUP", false);
+  s.string("WARMUP_METHOD", "linear").one_of({"linear", "constant"});
+  s.number("WARMUP_FACTOR", 1.0 / 3).min(0).doc("starting LR factor of warmup");
+  s.integer("WARMUP_STEPS", 1000).min(0).doc("warmup length in optimizer steps");
+  s.number("WD", 1e-4).min(0).doc("weight decay");
+  s.number("MOMENTUM", 0.9).min(0).max_exclusive(1).doc("SGD momentum");
+  s.boolean("FP16", false).doc("FP16 mixed precision");
+  s.add("FP16_LOSS_SCALE", Field::either({Field::string("dynamic").one_of({"dynamic"}),
+                                          Field::number(128.0).min_exclusive(0)}, 128.0))
+      .doc("'dynamic' (FP16Dynamic) or a fixed scale > 0 (FP16Static)");
+  s.list("LOSS_LOGGERS", Field::string("").check([](const nlohmann::json& v) -> std::string {
+     const std::string t = v.get<std::string>();
+     const auto comma = t.find(',');
+     if (comma != std::string::npos && comma > 0 && comma + 1 < t.size() && t.find(',', comma + 1) == std::string::npos)
+       return {};
+     return "expected \"output_key,DisplayName\" (one comma), got " + dump_text(v);
+   })).doc("extra losses to log, as \"output_key,DisplayName\"");
+  // --- trainkit's additions ---------------------------------------------------------------
+  s.boolean("BF16", false).doc("BF16 mixed precision (exclusive with FP16)");
+  s.number("FP16_INIT_SCALE", 65536.0).min_exclusive(0).doc("initial dynamic loss scale");
+  s.number("FP16_GROWTH_FACTOR", 2.0).min_exclusive(1);
+  s.number("FP16_BACKOFF_FACTOR", 0.5).min_exclusive(0).max_exclusive(1);
+  s.integer("FP16_GROWTH_INTERVAL", 2000).min(1);
+  s.integer("FP16_HYSTERESIS", 1).min(1).doc("overflows in a row before the scale is cut");
+  s.number("FP16_MIN_LOSS_SCALE", 1.0).min(0);
+  s.number("FP16_MAX_LOSS_SCALE", 16777216.0).min_exclusive(0).allow_infinity();
+  s.number("CLIP_GRAD_VALUE", -1.0).doc("> 0: clamp every gradient to [-v, v] (ClipValue)");
+  s.string("LR_SCALING", "per_sample").one_of({"per_sample", "none"})
+      .doc("per_sample: base LR = LR x total batch (VL-BERT); none: LR is the base LR");
+  s.string("PARTIAL_WINDOW", "flush").one_of({"flush", "span", "drop"});
+  s.string("NONFINITE", "skip").one_of({"skip", "abort"});
+  s.boolean("MASTER_WEIGHTS", false)
+      .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
+  s.integer("CHECKPOINT_KEEP", 3).min(1).doc("complete checkpoints kept (plus the best)");
+
+  s.rule([](const nlohmann::json& t, const std::string& path) {
+    if (t["FP16"].get<bool>() && t["BF16"].get<bool>())
+      throw ConfigError(join_path(path, "BF16"),
+                        "FP16 and BF16 are both true; set one of them to false (FP16: float16 with loss "
+                        "scaling; BF16: bfloat16, no scaling)");
+    if (t["MASTER_WEIGHTS"].get<bool>() && !t["FP16"].get<bool>() && !t["BF16"].get<bool>())
+      throw ConfigError(join_path(path, "MASTER_WEIGHTS"),
+                        "needs FP16 or BF16 (master weights are the fp32 copies of a half-precision model); "
+                        "set FP16: true or BF16: true, or MASTER_WEIGHTS: false");
+    const double norm = t["CLIP_GRAD_NORM"].get<double>(), value = t["CLIP_GRAD_VALUE"].get<double>();
+    if (norm > 0 && value > 0)
+      throw ConfigError(join_path(path, "CLIP_GRAD_VALUE"),
+                        "CLIP_GRAD_NORM (" + format_number(norm) + ") and CLIP_GRAD_VALUE (" + format_number(value) +
+                            ") are both > 0; clip by norm or by value, and set the other to -1");
+    const double lo = t["FP16_MIN_LOSS_SCALE"].get<double>(), hi = t["FP16_MAX_LOSS_SCALE"].get<double>();
+    if (!(hi > lo))
+      throw ConfigError(join_path(path, "FP16_MAX_LOSS_SCALE"),
+                        "must be > FP16_MIN_LOSS_SCALE (" + format_number(lo) + "), got " + format_number(hi));
+    if (t["LR_SCHEDULE"].get<std::string>() == "plateau" && !(t["LR_FACTOR"].get<double>() < 1))
+      throw ConfigError(join_path(path, "LR_FACTOR"), "plateau cuts the LR by LR_FACTOR, so it must be < 1, got " +
+                                                          format_number(t["LR_FACTOR"].get<double>()));
+    const double init = t["FP16_INIT_SCALE"].get<double>();
+    if (t["FP16"].get<bool>() && t["FP16_LOSS_SCALE"].is_string() && !(init >= lo && init <= hi))
+      throw ConfigError(join_path(path, "FP16_INIT_SCALE"),
+                        "must lie within [FP16_MIN_LOSS_SCALE, FP16_MAX_LOSS_SCALE] = [" + format_number(lo) + ", " +
+                            format_number(hi) + "], got " + format_number(init));
+  });
+  return s;
+}
+
+/// The top level of config.md (TRAIN included); application sections are added to it.
+inline Schema root_schema() {
+  Schema s;
+  s.integer("RNG_SEED", -1).min(-1).doc("seed of every RNG the toolkit touches; -1: random (printed)");
+  s.string("OUTPUT_PATH", "./output").doc("root of checkpoints and logs (--model-dir overrides)");
+  s.string("MODEL_PREFIX", "model").doc("checkpoint file prefix");
+  s.add("GPUS", Field::either({Field::string(""), Field::integer(0).min(0).transform([](const nlohmann::json& v) {
+                                 return nlohmann::json(std::to_string(v.get<std::int64_t>()));
+                               })},
+                              "")
+                    .check([](const nlohmann::json& v) -> std::string {
+                      const std::string s = v.get<std::string>();
+                      bool ok = true, digit = false;
+                      for (char c : s) {
+                        if (c == ',') ok = ok && digit, digit = false;
+                        else if (c >= '0' && c <= '9') digit = true;
+                        else if (c != ' ') ok = false;
+                      }
+                      if (ok && (digit || s.empty())) return {};
+                      return "expected device numbers separated by commas such as '0,1,2,3' (empty: CPU, or the "
+                             "local rank's GPU), got " + dump_text(v);
+                    }))
+      .doc("device list such as '0,1,2,3'; empty: CPU, or the local rank's GPU when distributed");
+  s.integer("LOG_FREQUENT", 50).min(1).doc("log every N optimizer steps");
+  s.integer("VAL_FREQUENT", 1).min(1).doc("validate every N epochs");
+  s.integer("CHECKPOINT_FREQUENT", 1).min(1).doc("checkpoint every N epochs");
+  s.integer("NUM_WORKERS_PER_GPU", 4).min(0).doc("data-loading workers");
+  s.string("MODULE", "").doc("the application's model name");
+  s.list("SCALES", Field::any()).doc("application-defined (image scales in VL-BERT)");
+  s.section("TRAIN", train_schema());
+  return s;
+}
+
+/// Section names a VL-BERT file uses; a top-level key near one of them (NETWROK) is a typo,
+/// not an application section of its own.
+inline const std::vector<std::string>& well_known_sections() {
+  static const std::vector<std::string> names = {"TRAIN", "NETWORK", "DATASET", "VAL", "TEST"};
+  return names;
+}
+
+}  // namespace detail
+}  // namespace trainkit

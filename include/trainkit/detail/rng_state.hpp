@@ -1,0 +1,46 @@
+#pragma once
+/// The random generators a training state includes (step.md, "State"), saved and restored in
+/// one place: the CPU generator (data order, CPU dropout) and, when the trainer's device is a
+/// GPU, that device's CUDA generator (dropout on the GPU). Records "rng.cpu" and "rng.cuda".
+#include <trainkit/detail/checkpoint_io.hpp>
+
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <mutex>
+
+namespace trainkit::detail {
+
+inline void save_rng_states(torch::serialize::OutputArchive& archive, torch::Device device) {
+  {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    archive.write("rng.cpu", generator.get_state(), /*is_buffer=*/true);
+  }
+  if (device.is_cuda()) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    archive.write("rng.cuda", generator.get_state(), /*is_buffer=*/true);
+  }
+}
+
+/// Restores what save_rng_states wrote; a checkpoint without "rng.cuda" (written on the CPU)
+/// leaves the CUDA generator as it is. Throws when "rng.cpu" is missing.
+inline void load_rng_states(torch::serialize::InputArchive& archive, torch::Device device) {
+  const torch::Tensor cpu = read_tensor(archive, "rng.cpu");
+  {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(cpu);
+  }
+  torch::Tensor cuda;
+  if (device.is_cuda() && archive.try_read("rng.cuda", cuda, /*is_buffer=*/true)) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(cuda);
+  }
+}
+
+}  // namespace trainkit::detail
