@@ -1,4 +1,5 @@
-// Is a compile-time accumulation count faster than AccumulationPolicy<Dynamic>?
+// Is a compile-time accumulation count faster than AccumulationPolicy<Dynamic>? And does the
+// step through AnyTrainer (what tk::fit and make_trainer's programs run) cost anything?
 //
 //   build/benchmarks/accumulation_fixed_vs_dynamic [--reps R] [--windows W]
 //
@@ -6,9 +7,11 @@
 // layers of width 256, 32 samples; where a host-side difference in the step would show most),
 // trains Trainer<P, AccumulationPolicy<N>, ClipNorm> and Trainer<P, AccumulationPolicy<Dynamic>,
 // ClipNorm> with accumulation_steps N on identical copies of the model and data, alternating
-// W windows of each, R times. Prints the median time per window of each and the median of the
-// paired ratios fixed / Dynamic (< 1: the fixed count is faster), with the range of the ratios.
-// The registry (registry.hpp) compiles Dynamic only because this ratio is 1 within noise.
+// W windows of each, R times; and the same Dynamic trainer type driven through an AnyTrainer&
+// (one virtual call and one std::function per micro-step). Prints the median time per window of
+// each, the median of the paired ratios fixed / Dynamic (< 1: the fixed count is faster) with
+// their range, and AnyTrainer / concrete (> 1: the interface costs time).
+// The registry (registry.hpp) compiles Dynamic only because fixed / Dynamic is 1 within noise.
 #include <trainkit/trainkit.hpp>
 
 #include <torch/torch.h>
@@ -50,9 +53,12 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Seconds per window over `windows` windows of n micro-batches.
+// Seconds per window over `windows` windows of n micro-batches. With T = tk::AnyTrainer the
+// micro-step goes through the interface, as in tk::fit (not inlined, so the compiler cannot
+// see the concrete type and devirtualise).
 template <class T>
-double time_windows(T& trainer, Mlp& model, const torch::Tensor& x, const torch::Tensor& y, int n, int windows) {
+[[gnu::noinline]] double time_windows(T& trainer, Mlp& model, const torch::Tensor& x, const torch::Tensor& y, int n,
+                                      int windows) {
   const auto t0 = std::chrono::steady_clock::now();
   for (int w = 0; w < windows; ++w)
     for (int i = 0; i < n; ++i) {
@@ -69,34 +75,39 @@ void row(int reps, int windows) {
   using Fixed = tk::TrainerOf<Precision, N, tk::ClipNorm>;
   using Dyn = tk::TrainerOf<Precision, tk::Dynamic, tk::ClipNorm>;
   torch::manual_seed(0);
-  Mlp a;
-  Mlp b;
+  Mlp a, b, c;
   {
     torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+    for (size_t i = 0; i < a->parameters().size(); ++i) {
+      b->parameters()[i].copy_(a->parameters()[i]);
+      c->parameters()[i].copy_(a->parameters()[i]);
+    }
   }
   const auto x = torch::randn({32 * N, 128}), y = torch::randn({32 * N, 16});
   const auto options = tk::TrainerOptions().max_grad_norm(1.0).accumulation_steps(N);
   Fixed fixed(a, tk::AdamW{1e-4, 1e-4}, options);
   Dyn dynamic(b, tk::AdamW{1e-4, 1e-4}, options);
+  Dyn erased_trainer(c, tk::AdamW{1e-4, 1e-4}, options);
+  tk::AnyTrainer& erased = erased_trainer;
   time_windows(fixed, a, x, y, N, windows / 4 + 1);  // warm-up
   time_windows(dynamic, b, x, y, N, windows / 4 + 1);
-  std::vector<double> tf, td, ratio;
+  time_windows(erased, c, x, y, N, windows / 4 + 1);
+  std::vector<double> tf, td, te, ratio, erased_ratio;
   for (int r = 0; r < reps; ++r) {
-    // Alternate which goes first, so drift in the machine's load hits both alike.
-    double f, d;
-    if (r % 2 == 0) {
-      f = time_windows(fixed, a, x, y, N, windows);
-      d = time_windows(dynamic, b, x, y, N, windows);
-    } else {
-      d = time_windows(dynamic, b, x, y, N, windows);
-      f = time_windows(fixed, a, x, y, N, windows);
-    }
-    tf.push_back(f), td.push_back(d), ratio.push_back(f / d);
+    // Rotate which goes first, so drift in the machine's load hits all alike.
+    double f = 0, d = 0, e = 0;
+    for (int k = 0; k < 3; ++k) switch ((r + k) % 3) {
+        case 0: f = time_windows(fixed, a, x, y, N, windows); break;
+        case 1: d = time_windows(dynamic, b, x, y, N, windows); break;
+        default: e = time_windows(erased, c, x, y, N, windows); break;
+      }
+    tf.push_back(f), td.push_back(d), te.push_back(e), ratio.push_back(f / d), erased_ratio.push_back(e / d);
   }
-  std::printf("| %-11s | %d | %8.1f | %8.1f | %.3f | %.3f-%.3f |\n", Precision::name, N, 1e6 * median(tf),
-              1e6 * median(td), median(ratio), *std::min_element(ratio.begin(), ratio.end()),
-              *std::max_element(ratio.begin(), ratio.end()));
+  std::printf("| %-11s | %d | %8.1f | %8.1f | %8.1f | %.3f (%.3f-%.3f) | %.3f (%.3f-%.3f) |\n", Precision::name, N,
+              1e6 * median(tf), 1e6 * median(td), 1e6 * median(te), median(ratio),
+              *std::min_element(ratio.begin(), ratio.end()), *std::max_element(ratio.begin(), ratio.end()),
+              median(erased_ratio), *std::min_element(erased_ratio.begin(), erased_ratio.end()),
+              *std::max_element(erased_ratio.begin(), erased_ratio.end()));
   std::fflush(stdout);
 }
 
@@ -125,8 +136,9 @@ int main(int argc, char** argv) {
   std::printf("MLP 128-256-256-256-16, 32 samples per micro-batch, AdamW, ClipNorm; %d repetitions of %d windows, "
               "%d thread(s)\n\n",
               reps, windows, torch::get_num_threads());
-  std::printf("| precision   | N | fixed us/window | Dynamic us/window | fixed/Dynamic (median) | range |\n");
-  std::printf("|---|---|---|---|---|---|\n");
+  std::printf("| precision | N | fixed us/window | Dynamic us/window | Dynamic via AnyTrainer us/window | "
+              "fixed / Dynamic, median (range) | AnyTrainer / concrete, median (range) |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
   rows<tk::FP32>(reps, windows);
   rows<tk::BF16>(reps, windows);
   rows<tk::FP16Dynamic>(reps, windows);

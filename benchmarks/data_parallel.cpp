@@ -11,6 +11,8 @@
 #include <trainkit/distributed.hpp>
 #include <trainkit/trainer.hpp>
 
+#include "../tests/support/counting_backend.hpp"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -89,7 +91,7 @@ int work(const std::map<std::string, std::string>& kv) {
   const int layers = std::max(1, static_cast<int>(millions * 1e6 / (width * width + width) + 0.5));
 
   auto base = tk::ProcessGroup::create(tk::DistributedOptions().timeout_seconds(300));
-  auto counter = c10::make_intrusive<tk::CountingBackend>(base.backend());
+  auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(base.backend());
   tk::ProcessGroup group(base.store(), counter, base.info(), base.timeout(), base.device());
 
   using Trainer = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>>;

@@ -298,35 +298,26 @@ class CheckpointManager {
   }
 
   static void write_state(torch::serialize::OutputArchive& a, const LoopState& s, const std::string& path) {
-    a.write("fit.epoch", c10::IValue(s.position.epoch));
-    a.write("fit.index", c10::IValue(s.position.index));
-    a.write("fit.seed", c10::IValue(s.seed));
-    a.write("fit.config", c10::IValue(s.config_json));
-    a.write("fit.best_metric", c10::IValue(s.best_metric));
-    a.write("fit.higher_is_better", c10::IValue(s.higher_is_better));
-    a.write("fit.best_value", c10::IValue(s.best_value));
-    a.write("fit.best_path", c10::IValue(s.best_path));
-    a.write("fit.path", c10::IValue(path));
+    detail::write_value(a, "fit.epoch", s.position.epoch);
+    detail::write_value(a, "fit.index", s.position.index);
+    detail::write_value(a, "fit.seed", s.seed);
+    detail::write_value(a, "fit.config", s.config_json);
+    detail::write_value(a, "fit.best_metric", s.best_metric);
+    detail::write_value(a, "fit.higher_is_better", s.higher_is_better);
+    detail::write_value(a, "fit.best_value", s.best_value);
+    detail::write_value(a, "fit.best_path", s.best_path);
+    detail::write_value(a, "fit.path", path);
   }
   static LoopState read_state(torch::serialize::InputArchive& a) {
     LoopState s;
-    c10::IValue v;
-    a.read("fit.epoch", v);
-    s.position.epoch = v.toInt();
-    a.read("fit.index", v);
-    s.position.index = v.toInt();
-    a.read("fit.seed", v);
-    s.seed = v.toInt();
-    a.read("fit.config", v);
-    s.config_json = v.toStringRef();
-    a.read("fit.best_metric", v);
-    s.best_metric = v.toStringRef();
-    a.read("fit.higher_is_better", v);
-    s.higher_is_better = v.toBool();
-    a.read("fit.best_value", v);
-    s.best_value = v.toDouble();
-    a.read("fit.best_path", v);
-    s.best_path = v.toStringRef();
+    s.position.epoch = detail::read_value(a, "fit.epoch").toInt();
+    s.position.index = detail::read_value(a, "fit.index").toInt();
+    s.seed = detail::read_value(a, "fit.seed").toInt();
+    s.config_json = detail::read_value(a, "fit.config").toStringRef();
+    s.best_metric = detail::read_value(a, "fit.best_metric").toStringRef();
+    s.higher_is_better = detail::read_value(a, "fit.higher_is_better").toBool();
+    s.best_value = detail::read_value(a, "fit.best_value").toDouble();
+    s.best_path = detail::read_value(a, "fit.best_path").toStringRef();
     return s;
   }
 

@@ -8,6 +8,8 @@
 /// sum(value_i * weight_i) / sum(weight_i), the mean over all items seen, never an average of
 /// averages. Sums are kept in float64 on the value's device, weights on the host, so add()
 /// costs one small kernel and no sync; values are read only when asked for.
+#include <trainkit/detail/checkpoint_io.hpp>
+
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
@@ -76,29 +78,25 @@ class Metrics {
 
   /// State for checkpoints, under `prefix` (sums, weights, order).
   void save(torch::serialize::OutputArchive& archive, const std::string& prefix) const {
-    archive.write(prefix + ".count", c10::IValue(static_cast<std::int64_t>(order_.size())));
+    detail::write_value(archive, prefix + ".count", static_cast<std::int64_t>(order_.size()));
     for (size_t i = 0; i < order_.size(); ++i) {
       const auto& e = entries_.at(order_[i]);
       const std::string key = prefix + "." + std::to_string(i);
-      archive.write(key + ".name", c10::IValue(order_[i]));
-      archive.write(key + ".sum", e.sum, /*is_buffer=*/true);
-      archive.write(key + ".weight", c10::IValue(e.weight));
+      detail::write_value(archive, key + ".name", order_[i]);
+      detail::write_tensor(archive, key + ".sum", e.sum);
+      detail::write_value(archive, key + ".weight", e.weight);
     }
   }
   void load(torch::serialize::InputArchive& archive, const std::string& prefix) {
     Metrics loaded;
-    c10::IValue v;
-    archive.read(prefix + ".count", v);
-    const auto count = v.toInt();
+    const auto count = detail::read_value(archive, prefix + ".count").toInt();
     for (std::int64_t i = 0; i < count; ++i) {
       const std::string key = prefix + "." + std::to_string(i);
-      archive.read(key + ".name", v);
-      const std::string name = v.toStringRef();
-      torch::Tensor sum;
-      archive.read(key + ".sum", sum, /*is_buffer=*/true);
-      archive.read(key + ".weight", v);
+      const std::string name = detail::read_value(archive, key + ".name").toStringRef();
+      const torch::Tensor sum = detail::read_tensor(archive, key + ".sum");
+      const double weight = detail::read_value(archive, key + ".weight").toDouble();
       loaded.order_.push_back(name);
-      loaded.entries_[name] = Entry{sum.clone(), v.toDouble()};
+      loaded.entries_[name] = Entry{sum.clone(), weight};
     }
     *this = std::move(loaded);
   }

@@ -13,6 +13,7 @@
 ///   step(groups, divisor, found_inf, lr)  divisor, found_inf, lr: device scalars. The true
 ///       gradient is grad / divisor; found_inf = 1 means: change nothing, bit for bit.
 ///   save / load                           state (moments, step counts) for checkpoints.
+#include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/type_traits.hpp>
 
 #include <torch/arg.h>
@@ -39,35 +40,57 @@ struct SGD {
   TORCH_ARG(bool, nesterov);
 };
 
-/// Adam with L2 weight decay added to the gradient (torch::optim::Adam's rule).
-struct Adam {
-  explicit Adam(double lr, double weight_decay = 0.0) : lr_(lr), weight_decay_(weight_decay) {}
-  Adam& betas(double beta1, double beta2) {
+namespace detail {
+
+/// The options Adam and AdamW share (torch::optim's defaults). The setters return the derived
+/// struct, not this base: `AdamW{lr}.eps(1e-6)` must stay an AdamW, since make_rule chooses the
+/// update rule by the type.
+template <class Derived>
+class AdamOptions {
+ public:
+  double lr() const { return lr_; }
+  double weight_decay() const { return weight_decay_; }
+  double beta1() const { return beta1_; }
+  double beta2() const { return beta2_; }
+  double eps() const { return eps_; }
+
+  Derived& lr(double value) { return set(lr_, value); }
+  Derived& weight_decay(double value) { return set(weight_decay_, value); }
+  Derived& beta1(double value) { return set(beta1_, value); }
+  Derived& beta2(double value) { return set(beta2_, value); }
+  Derived& eps(double value) { return set(eps_, value); }
+  Derived& betas(double beta1, double beta2) {
     beta1_ = beta1;
-    beta2_ = beta2;
-    return *this;
+    return set(beta2_, beta2);
   }
-  TORCH_ARG(double, lr);
-  TORCH_ARG(double, weight_decay);
-  TORCH_ARG(double, beta1) = 0.9;
-  TORCH_ARG(double, beta2) = 0.999;
-  TORCH_ARG(double, eps) = 1e-8;
+
+ protected:
+  AdamOptions(double lr, double weight_decay) : lr_(lr), weight_decay_(weight_decay) {}
+
+ private:
+  Derived& set(double& member, double value) {
+    member = value;
+    return static_cast<Derived&>(*this);
+  }
+
+  double lr_;
+  double weight_decay_;
+  double beta1_ = 0.9;
+  double beta2_ = 0.999;
+  double eps_ = 1e-8;
+};
+
+}  // namespace detail
+
+/// Adam with L2 weight decay added to the gradient (torch::optim::Adam's rule).
+struct Adam : detail::AdamOptions<Adam> {
+  explicit Adam(double lr, double weight_decay = 0.0) : AdamOptions(lr, weight_decay) {}
 };
 
 /// AdamW with decoupled weight decay (torch::optim::AdamW's rule), on every parameter as in
 /// VL-BERT. VL-BERT's own settings: `AdamW{lr, wd}.eps(1e-6)`.
-struct AdamW {
-  explicit AdamW(double lr, double weight_decay = 1e-2) : lr_(lr), weight_decay_(weight_decay) {}
-  AdamW& betas(double beta1, double beta2) {
-    beta1_ = beta1;
-    beta2_ = beta2;
-    return *this;
-  }
-  TORCH_ARG(double, lr);
-  TORCH_ARG(double, weight_decay);
-  TORCH_ARG(double, beta1) = 0.9;
-  TORCH_ARG(double, beta2) = 0.999;
-  TORCH_ARG(double, eps) = 1e-8;
+struct AdamW : detail::AdamOptions<AdamW> {
+  explicit AdamW(double lr, double weight_decay = 1e-2) : AdamOptions(lr, weight_decay) {}
 };
 
 namespace detail {
@@ -100,17 +123,12 @@ inline void check_lr(double lr, const char* who) {
 inline void save_states(torch::serialize::OutputArchive& archive, const std::string& prefix,
                         const std::vector<torch::Tensor>& states) {
   for (size_t g = 0; g < states.size(); ++g)
-    archive.write(prefix + "." + std::to_string(g), states[g], /*is_buffer=*/true);
+    write_tensor(archive, prefix + "." + std::to_string(g), states[g]);
 }
 inline void load_states(torch::serialize::InputArchive& archive, const std::string& prefix,
                         std::vector<torch::Tensor>& states) {
-  for (size_t g = 0; g < states.size(); ++g) {
-    torch::Tensor saved;
-    archive.read(prefix + "." + std::to_string(g), saved, /*is_buffer=*/true);
-    TORCH_CHECK(saved.sizes() == states[g].sizes(), "optimizer state '", prefix, ".", g,
-                "': checkpoint has shape ", saved.sizes(), ", the model needs ", states[g].sizes());
-    states[g].copy_(saved);
-  }
+  for (size_t g = 0; g < states.size(); ++g)
+    read_into(archive, prefix + "." + std::to_string(g), states[g]);
 }
 
 /// Adam and AdamW share moments and the step count; only the decay rule differs.
@@ -154,14 +172,12 @@ class FusedAdam final : public UpdateRule {
   double base_lr() const override { return options_.lr(); }
   std::string name() const override { return Decoupled ? "AdamW(fused)" : "Adam(fused)"; }
   void save(torch::serialize::OutputArchive& archive) const override {
-    archive.write("optim.step", step_, true);
+    write_tensor(archive, "optim.step", step_);
     save_states(archive, "optim.exp_avg", exp_avg_);
     save_states(archive, "optim.exp_avg_sq", exp_avg_sq_);
   }
   void load(torch::serialize::InputArchive& archive) override {
-    torch::Tensor step;
-    archive.read("optim.step", step, true);
-    step_.copy_(step);
+    read_into(archive, "optim.step", step_);
     load_states(archive, "optim.exp_avg", exp_avg_);
     load_states(archive, "optim.exp_avg_sq", exp_avg_sq_);
   }

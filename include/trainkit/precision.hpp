@@ -26,6 +26,7 @@
 /// half gradients into its fp32 gradient storage at the start of the optimizer phase (one
 /// cast pass), runs the unchanged phases 6-9 on fp32, and rewrites the half parameters from
 /// the masters (one copy). See trainer.hpp ("Storage") for what the model then holds.
+#include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/type_traits.hpp>
 #include <trainkit/options.hpp>
 
@@ -181,12 +182,10 @@ class PrecisionPolicy<FP16Static> {
   void update(const torch::Tensor& /*found_inf*/) {}
   void check(std::int64_t /*step*/) const {}
   void save(torch::serialize::OutputArchive& archive) const {
-    archive.write("scaler.scale", scale_, /*is_buffer=*/true);
+    detail::write_tensor(archive, "scaler.scale", scale_);
   }
   void load(torch::serialize::InputArchive& archive) {
-    torch::Tensor scale;
-    archive.read("scaler.scale", scale, /*is_buffer=*/true);
-    scale_.copy_(scale);
+    detail::read_into(archive, "scaler.scale", scale_);
   }
 
  private:
@@ -248,20 +247,16 @@ class PrecisionPolicy<FP16Dynamic> {
   }
 
   void save(torch::serialize::OutputArchive& archive) const {
-    archive.write("scaler.scale", scale_, true);
-    archive.write("scaler.growth_tracker", growth_tracker_, true);
-    archive.write("scaler.overflows_in_a_row", overflows_in_a_row_, true);
-    archive.write("scaler.collapsed_windows", collapsed_windows_, true);
+    detail::write_tensor(archive, "scaler.scale", scale_);
+    detail::write_tensor(archive, "scaler.growth_tracker", growth_tracker_);
+    detail::write_tensor(archive, "scaler.overflows_in_a_row", overflows_in_a_row_);
+    detail::write_tensor(archive, "scaler.collapsed_windows", collapsed_windows_);
   }
   void load(torch::serialize::InputArchive& archive) {
-    for (auto [key, tensor] : {std::pair{"scaler.scale", scale_},
-                               {"scaler.growth_tracker", growth_tracker_},
-                               {"scaler.overflows_in_a_row", overflows_in_a_row_},
-                               {"scaler.collapsed_windows", collapsed_windows_}}) {
-      torch::Tensor saved;
-      archive.read(key, saved, true);
-      tensor.copy_(saved);
-    }
+    detail::read_into(archive, "scaler.scale", scale_);
+    detail::read_into(archive, "scaler.growth_tracker", growth_tracker_);
+    detail::read_into(archive, "scaler.overflows_in_a_row", overflows_in_a_row_);
+    detail::read_into(archive, "scaler.collapsed_windows", collapsed_windows_);
   }
 
  private:

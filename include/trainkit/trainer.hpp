@@ -66,16 +66,6 @@
 
 namespace trainkit {
 
-namespace detail {
-
-inline std::string shape_string(c10::IntArrayRef sizes) {
-  std::ostringstream s;
-  s << sizes;
-  return s.str();
-}
-
-}  // namespace detail
-
 /// A training configuration as a type. See the file comment for use; step.md for semantics.
 /// It is also an AnyTrainer (any_trainer.hpp): code that takes AnyTrainer& (tk::fit, the
 /// checkpoint manager, a driver) compiles once for every configuration.
@@ -244,10 +234,10 @@ class Trainer final : public AnyTrainer {
   /// directory, flushed, renamed). `extra` adds the caller's state (epoch, sampler...).
   void save(const std::string& path, const SaveExtra& extra = {}) const override {
     torch::serialize::OutputArchive archive;
-    archive.write("meta.trainer", c10::IValue(name()));
-    archive.write("meta.version", c10::IValue(std::string(TRAINKIT_VERSION_STRING)));
-    archive.write("meta.optimizer", c10::IValue(rule_->name()));
-    archive.write("meta.config", c10::IValue(options_.config_json()));
+    detail::write_value(archive, "meta.trainer", name());
+    detail::write_value(archive, "meta.version", std::string(TRAINKIT_VERSION_STRING));
+    detail::write_value(archive, "meta.optimizer", rule_->name());
+    detail::write_value(archive, "meta.config", options_.config_json());
     torch::NoGradGuard no_grad;
     for (const auto& p : module_->named_parameters(true))
       archive.write("model.param." + p.key(), stored(p.key(), p.value()), /*is_buffer=*/true);
@@ -255,25 +245,26 @@ class Trainer final : public AnyTrainer {
       archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
     rule_->save(archive);
     precision_.save(archive);
-    archive.write("counters.applied", applied_, true);
-    archive.write("counters.skipped", skipped_, true);
-    archive.write("counters.windows", c10::IValue(windows_));
+    detail::write_tensor(archive, "counters.applied", applied_);
+    detail::write_tensor(archive, "counters.skipped", skipped_);
+    detail::write_value(archive, "counters.windows", windows_);
     const auto acc = accumulation_.state();
-    archive.write("window.position", c10::IValue(acc.position));
-    archive.write("window.items", c10::IValue(acc.items));
-    archive.write("window.reference", c10::IValue(acc.reference));
-    archive.write("window.counted", c10::IValue(acc.counted));
+    detail::write_value(archive, "window.position", acc.position);
+    detail::write_value(archive, "window.items", acc.items);
+    detail::write_value(archive, "window.reference", acc.reference);
+    detail::write_value(archive, "window.counted", acc.counted);
     // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
     if (acc.position > 0) {
       if constexpr (Precision::master_weights) {
-        archive.write("window.gradient_half", half_.grad(), true);
-        if (half_.kept_grad().defined()) archive.write("window.gradient_kept", half_.kept_grad(), true);
+        detail::write_tensor(archive, "window.gradient_half", half_.grad());
+        if (half_.kept_grad().defined())
+          detail::write_tensor(archive, "window.gradient_kept", half_.kept_grad());
       } else {
-        archive.write("window.gradient", flat_grad_, true);
+        detail::write_tensor(archive, "window.gradient", flat_grad_);
       }
-      archive.write("window.loss", window_loss_, true);
+      detail::write_tensor(archive, "window.loss", window_loss_);
     }
-    archive.write("schedule.state", c10::IValue(schedule_->state()));
+    detail::write_value(archive, "schedule.state", schedule_->state());
     detail::save_rng_states(archive, device_);
     if (extra) extra(archive);
     detail::write_archive_atomically(archive, path);
@@ -315,36 +306,29 @@ class Trainer final : public AnyTrainer {
     }
     rule_->load(archive);
     precision_.load(archive);
-    applied_.copy_(detail::read_tensor(archive, "counters.applied"));
-    skipped_.copy_(detail::read_tensor(archive, "counters.skipped"));
-    c10::IValue v;
-    archive.read("counters.windows", v);
-    windows_ = v.toInt();
+    detail::read_into(archive, "counters.applied", applied_);
+    detail::read_into(archive, "counters.skipped", skipped_);
+    windows_ = detail::read_value(archive, "counters.windows").toInt();
     typename Accumulation::State acc{};
-    archive.read("window.position", v);
-    acc.position = v.toInt();
-    archive.read("window.items", v);
-    acc.items = v.toInt();
-    archive.read("window.reference", v);
-    acc.reference = v.toDouble();
-    archive.read("window.counted", v);
-    acc.counted = v.toBool();
+    acc.position = detail::read_value(archive, "window.position").toInt();
+    acc.items = detail::read_value(archive, "window.items").toInt();
+    acc.reference = detail::read_value(archive, "window.reference").toDouble();
+    acc.counted = detail::read_value(archive, "window.counted").toBool();
     accumulation_.load_state(acc);
     if (acc.position > 0) {
       if constexpr (Precision::master_weights) {
-        half_.grad().copy_(detail::read_tensor(archive, "window.gradient_half"));
+        detail::read_into(archive, "window.gradient_half", half_.grad());
         if (half_.kept_grad().defined())
-          half_.kept_grad().copy_(detail::read_tensor(archive, "window.gradient_kept"));
+          detail::read_into(archive, "window.gradient_kept", half_.kept_grad());
       } else {
-        flat_grad_.copy_(detail::read_tensor(archive, "window.gradient"));
+        detail::read_into(archive, "window.gradient", flat_grad_);
       }
-      window_loss_.copy_(detail::read_tensor(archive, "window.loss"));
+      detail::read_into(archive, "window.loss", window_loss_);
     } else {
       zero_gradients();
       window_loss_.zero_();
     }
-    archive.read("schedule.state", v);
-    schedule_->load_state(v.toStringRef());
+    schedule_->load_state(detail::read_value(archive, "schedule.state").toStringRef());
     schedule_changed();
     detail::load_rng_states(archive, device_);
     if (extra) extra(archive);

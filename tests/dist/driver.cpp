@@ -16,6 +16,8 @@
 #include <trainkit/sampler.hpp>
 #include <trainkit/trainer.hpp>
 
+#include "../support/counting_backend.hpp"
+
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
@@ -88,7 +90,7 @@ TORCH_MODULE(Mlp);
 template <class Trainer>
 int run(const Args& a) {
   auto base = tk::ProcessGroup::create(tk::DistributedOptions().timeout_seconds(a.timeout));
-  auto counter = c10::make_intrusive<tk::CountingBackend>(base.backend());
+  auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(base.backend());
   tk::ProcessGroup group(base.store(), counter, base.info(), base.timeout(), base.device());
   const int rank = group.rank(), world = group.world_size();
 

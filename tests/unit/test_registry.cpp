@@ -128,8 +128,8 @@ TEST_CASE("AnyTrainer's precision region is the trainer's autocast region") {
     const auto region = bf16->precision_region();
     REQUIRE(region.has_value());
     CHECK(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
-    CHECK(at::autocast::get_autocast_dtype(c10::DeviceType::CPU) == at::kBFloat16);
-    CHECK(bf16_model(torch::randn({2, 8})).scalar_type() == at::kBFloat16);
+    CHECK((at::autocast::get_autocast_dtype(c10::DeviceType::CPU) == at::kBFloat16));
+    CHECK((bf16_model(torch::randn({2, 8})).scalar_type() == at::kBFloat16));
   }
   CHECK_FALSE(at::autocast::is_autocast_enabled(c10::DeviceType::CPU));
 }

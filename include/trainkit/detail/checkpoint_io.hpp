@@ -2,11 +2,14 @@
 // Atomic archive files: write to a temporary file in the destination's directory, fsync it,
 // rename it over the final name, fsync the directory. A crash at any instant leaves either
 // the old file or the new one under the final name, never a partial one.
+// Records are read and written through the helpers below, so that a missing record or one of
+// the wrong shape is reported by its name, the same way everywhere.
 #include <torch/serialize/archive.h>
 
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <sys/stat.h>
@@ -93,13 +96,55 @@ inline void write_archive_atomically(torch::serialize::OutputArchive& archive,
   fsync_path(dir, true);
 }
 
+/// A shape as LibTorch prints it ("[2, 3]"), for messages.
+inline std::string shape_string(c10::IntArrayRef sizes) {
+  std::ostringstream s;
+  s << sizes;
+  return s.str();
+}
+
+inline std::runtime_error missing_record(const std::string& key) {
+  return std::runtime_error("checkpoint has no record '" + key + "'");
+}
+
+/// Writes a tensor record. As a buffer: the tensor read back never requires grad.
+inline void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key,
+                         const torch::Tensor& tensor) {
+  archive.write(key, tensor, /*is_buffer=*/true);
+}
+
 /// A tensor record of an archive, as a new tensor (InputArchive::read into a defined tensor
 /// would set_() it in place).
 inline torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key) {
   torch::Tensor t;
-  if (!archive.try_read(key, t, /*is_buffer=*/true))
-    throw std::runtime_error("checkpoint has no record '" + key + "'");
+  if (!archive.try_read(key, t, /*is_buffer=*/true)) throw missing_record(key);
   return t;
+}
+
+/// Copies a tensor record into `target`, which keeps its storage, dtype and device (const as
+/// in Tensor::copy_: the handle stays, the values change). Throws when the record is missing
+/// or its shape differs (copy_ would broadcast a wrong shape silently).
+inline void read_into(torch::serialize::InputArchive& archive, const std::string& key,
+                      const torch::Tensor& target) {
+  const torch::Tensor saved = read_tensor(archive, key);
+  if (saved.sizes() != target.sizes())
+    throw std::runtime_error("checkpoint record '" + key + "' has shape " +
+                             shape_string(saved.sizes()) + ", this run needs " +
+                             shape_string(target.sizes()));
+  target.copy_(saved);
+}
+
+/// Writes a value record (an int, double, bool or string as c10::IValue).
+inline void write_value(torch::serialize::OutputArchive& archive, const std::string& key,
+                        const c10::IValue& value) {
+  archive.write(key, value);
+}
+
+/// A value record of an archive. Throws when it is missing.
+inline c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue value;
+  if (!archive.try_read(key, value)) throw missing_record(key);
+  return value;
 }
 
 inline void read_archive(torch::serialize::InputArchive& archive, const std::string& path) {

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Compile-time figures: a cold build of the main job's program (ccache off, 2 jobs) with each
+# translation unit's time and object size, and a user's one-file program against plain
+# <torch/torch.h> (each compiled alone, 1 job, ccache off, -O2, no precompiled header).
+#
+#   benchmarks/compile_times.sh [WORK_DIR]     (default /tmp/trainkit-compile-times; emptied)
+#
+# Prints markdown tables. Needs nothing but scripts/setup's LibTorch. Takes ~5-10 minutes here.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WORK="${1:-/tmp/trainkit-compile-times}"
+TORCH_PREFIX="$("$ROOT/scripts/setup" | tail -n 1)"
+export CCACHE_DISABLE=1
+rm -rf "$WORK"
+mkdir -p "$WORK"
+
+flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O2 -DNDEBUG"
+       "-DCMAKE_PREFIX_PATH=$TORCH_PREFIX")
+
+# Object time (ninja's log, ms) and size for every object of a build tree.
+table() {
+  local build="$1"
+  echo "| translation unit | compile s | object MB |"
+  echo "|---|---|---|"
+  awk 'NR > 1 && $4 ~ /\.(o|gch)$/ { printf "%s %.1f\n", $4, ($2 - $1) / 1000 }' "$build/.ninja_log" |
+    while read -r obj secs; do
+      size=$(stat -c %s "$build/$obj" 2>/dev/null || echo 0)
+      printf "| %s | %s | %.2f |\n" "${obj#*.dir/}" "$secs" "$(echo "$size / 1048576" | bc -l)"
+    done
+}
+
+# 1. The main job's program, cold.
+cmake -S "$ROOT" -B "$WORK/main" "${flags[@]}" >"$WORK/main-configure.log" 2>&1
+start=$(date +%s.%N)
+cmake --build "$WORK/main" --parallel 2 --target example_vlbert >"$WORK/main-build.log" 2>&1
+end=$(date +%s.%N)
+echo "## example_vlbert, cold (ccache off, -j2): $(printf '%.0f' "$(echo "$end - $start" | bc -l)") s wall"
+echo
+table "$WORK/main"
+echo
+
+# 2. A user's one-file program: plain torch, the umbrella header alone, the README's example.
+mkdir -p "$WORK/user/src"
+cat >"$WORK/user/src/plain_torch.cpp" <<'EOF'
+#include <torch/torch.h>
+int main() {
+  torch::nn::Linear model(16, 1);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  const auto x = torch::randn({256, 16}), y = x.sum(1, true);
+  for (int i = 0; i < 8; ++i) {
+    optimizer.zero_grad();
+    torch::mse_loss(model(x), y).backward();
+    optimizer.step();
+  }
+}
+EOF
+cat >"$WORK/user/src/trainkit_header.cpp" <<'EOF'
+#include <trainkit/trainkit.hpp>
+#include <torch/torch.h>
+int main() {
+  torch::nn::Linear model(16, 1);
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
+  const auto x = torch::randn({256, 16}), y = x.sum(1, true);
+  for (int i = 0; i < 8; ++i) {
+    optimizer.zero_grad();
+    torch::mse_loss(model(x), y).backward();
+    optimizer.step();
+  }
+}
+EOF
+# The README's example, as ctest's readme.example compiles it.
+awk '/<!-- example -->/{on=1; next} /<!-- \/example -->/{on=0} on && /^```cpp/{code=1; next} on && /^```/{code=0; next} code' \
+  "$ROOT/README.md" >"$WORK/user/src/readme_example.cpp"
+cat >"$WORK/user/CMakeLists.txt" <<EOF
+cmake_minimum_required(VERSION 3.18)
+project(user LANGUAGES CXX)
+set(TRAINKIT_BUILD_TESTS OFF)
+add_subdirectory("$ROOT" trainkit)
+foreach(name plain_torch trainkit_header readme_example)
+  add_executable(\${name} src/\${name}.cpp)
+  target_link_libraries(\${name} PRIVATE trainkit::trainkit)
+endforeach()
+EOF
+cmake -S "$WORK/user" -B "$WORK/user/build" "${flags[@]}" >"$WORK/user-configure.log" 2>&1
+cmake --build "$WORK/user/build" --parallel 1 >"$WORK/user-build.log" 2>&1
+echo "## a user's one-file program (ccache off, -j1, -O2, no precompiled header)"
+echo
+table "$WORK/user/build"
+awk 'NR > 1 && $4 ~ /\.o$/ { t[$4] = ($2 - $1) / 1000 }
+     END { for (k in t) if (k ~ /plain_torch/) p = t[k];
+           for (k in t) if (k !~ /plain_torch/) printf "\n%s / plain torch: %.2f", k, t[k] / p; print "" }' \
+  "$WORK/user/build/.ninja_log"

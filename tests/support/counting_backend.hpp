@@ -1,0 +1,40 @@
+#pragma once
+// A test double for the distributed tests and the data-parallel benchmark: it counts the
+// all-reduce traffic trainkit sends. Not part of the library; nothing under include/ uses it.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainkit_testing {
+
+/// A c10d backend that counts the all-reduce calls and bytes that pass through it to `inner`:
+/// tk::ProcessGroup(g.store(), counter, g.info(), ...).
+class CountingBackend final : public c10d::Backend {
+ public:
+  explicit CountingBackend(c10::intrusive_ptr<c10d::Backend> inner)
+      : c10d::Backend(inner->getRank(), inner->getSize()), inner_(std::move(inner)) {}
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    ++all_reduce_calls;
+    for (const auto& t : tensors) all_reduce_bytes += static_cast<std::int64_t>(t.nbytes());
+    return inner_->allreduce(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    return inner_->broadcast(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return inner_->barrier(opts);
+  }
+  const std::string getBackendName() const override { return inner_->getBackendName(); }
+
+  std::int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> inner_;
+};
+
+}  // namespace trainkit_testing
