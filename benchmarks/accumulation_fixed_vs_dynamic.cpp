@@ -1,7 +1,7 @@
 // Is a compile-time accumulation count faster than AccumulationPolicy<Dynamic>? And does the
 // step through AnyTrainer (what tk::fit and make_trainer's programs run) cost anything?
 //
-//   build/benchmarks/accumulation_fixed_vs_dynamic [--reps R] [--windows W]
+//   build/benchmarks/accumulation_fixed_vs_dynamic [--reps R] [--windows W] [--precision FP32|BF16|FP16Dynamic]
 //
 // For N in {1, 2, 4, 8} and FP32 / BF16 / FP16Dynamic, on an overhead-bound MLP (4 Linear
 // layers of width 256, 32 samples; where a host-side difference in the step would show most),
@@ -123,12 +123,14 @@ void rows(int reps, int windows) {
 
 int main(int argc, char** argv) {
   int reps = 9, windows = 40;
+  std::string only;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else if (a == "--windows") windows = std::atoi(argv[i + 1]);
+    else if (a == "--precision") only = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: accumulation_fixed_vs_dynamic [--reps R] [--windows W]\n");
+      std::fprintf(stderr, "usage: accumulation_fixed_vs_dynamic [--reps R] [--windows W] [--precision P]\n");
       return 2;
     }
   }
@@ -139,7 +141,7 @@ int main(int argc, char** argv) {
   std::printf("| precision | N | fixed us/window | Dynamic us/window | Dynamic via AnyTrainer us/window | "
               "fixed / Dynamic, median (range) | AnyTrainer / concrete, median (range) |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
-  rows<tk::FP32>(reps, windows);
-  rows<tk::BF16>(reps, windows);
-  rows<tk::FP16Dynamic>(reps, windows);
+  if (only.empty() || only == "FP32") rows<tk::FP32>(reps, windows);
+  if (only.empty() || only == "BF16") rows<tk::BF16>(reps, windows);
+  if (only.empty() || only == "FP16Dynamic") rows<tk::FP16Dynamic>(reps, windows);
 }
