@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile-time figures: a cold build of the main job's program (ccache off, 2 jobs) with each
 # translation unit's time and object size, and a user's one-file program against plain
-# <torch/torch.h> (each compiled alone, 1 job, ccache off, -O2, no precompiled header).
+# <torch/torch.h>: each file's compile command (-O2, no precompiled header, ccache off) run
+# alone 3 times, interleaved, CPU seconds (user + sys) and their median.
 #
 #   benchmarks/compile_times.sh [WORK_DIR]     (default /tmp/trainkit-compile-times; emptied)
 #
@@ -72,22 +73,61 @@ EOF
 # The README's example, as ctest's readme.example compiles it.
 awk '/<!-- example -->/{on=1; next} /<!-- \/example -->/{on=0} on && /^```cpp/{code=1; next} on && /^```/{code=0; next} code' \
   "$ROOT/README.md" >"$WORK/user/src/readme_example.cpp"
+# The same program with its trainer from the registry (make_trainer, trainkit::registry).
+cat >"$WORK/user/src/registry_user.cpp" <<'EOF'
+#include <trainkit/trainkit.hpp>
+#include <torch/torch.h>
+namespace tk = trainkit;
+int main() {
+  torch::nn::Linear model(16, 1);
+  const auto x = torch::randn({256, 16}), y = x.sum(1, true);
+  tk::OptimizerSettings adamw;
+  adamw.name = "AdamW", adamw.lr = 1e-2, adamw.weight_decay = 1e-4;
+  const auto trainer = tk::make_trainer({tk::PrecisionKind::FP16Dynamic, 4, tk::ClipKind::ClipNorm}, model.ptr(),
+                                        adamw, tk::TrainerOptions().max_grad_norm(1.0));
+  for (int epoch = 0; epoch < 20; ++epoch) {
+    for (int i = 0; i < 256; i += 32) {
+      auto xb = x.narrow(0, i, 32), yb = y.narrow(0, i, 32);
+      auto r = trainer->micro_step([&] { return torch::mse_loss(model(xb), yb); });
+      if (r.window_closed && epoch % 5 == 0 && i == 96) std::printf("loss %.4f\n", r.report.loss());
+    }
+    trainer->flush();
+  }
+}
+EOF
 cat >"$WORK/user/CMakeLists.txt" <<EOF
 cmake_minimum_required(VERSION 3.18)
 project(user LANGUAGES CXX)
-set(TRAINKIT_BUILD_TESTS OFF)
 add_subdirectory("$ROOT" trainkit)
-foreach(name plain_torch trainkit_header readme_example)
+foreach(name plain_torch trainkit_header readme_example registry_user)
   add_executable(\${name} src/\${name}.cpp)
   target_link_libraries(\${name} PRIVATE trainkit::trainkit)
 endforeach()
+target_link_libraries(registry_user PRIVATE trainkit::registry)
 EOF
 cmake -S "$WORK/user" -B "$WORK/user/build" "${flags[@]}" >"$WORK/user-configure.log" 2>&1
-cmake --build "$WORK/user/build" --parallel 1 >"$WORK/user-build.log" 2>&1
-echo "## a user's one-file program (ccache off, -j1, -O2, no precompiled header)"
+# Objects first (the registry's shards too), so that the commands below find their headers' build.
+cmake --build "$WORK/user/build" --parallel 2 >"$WORK/user-build.log" 2>&1
+names=(plain_torch trainkit_header readme_example registry_user)
+for name in "${names[@]}"; do
+  (cd "$WORK/user/build" && ninja -t commands "$name" | grep -- " -c .*src/$name.cpp" | head -n 1) >"$WORK/cmd_$name.sh"
+done
+for rep in 1 2 3; do
+  for name in "${names[@]}"; do
+    (cd "$WORK/user/build" && /usr/bin/time -f "$name %U %S" bash "$WORK/cmd_$name.sh" 2>&1 >/dev/null | tail -n 1)
+  done
+done >"$WORK/user-cpu.txt"
+echo "## a user's one-file program (ccache off, -O2, no precompiled header): CPU s (user + sys), 3 runs"
 echo
-table "$WORK/user/build"
-awk 'NR > 1 && $4 ~ /\.o$/ { t[$4] = ($2 - $1) / 1000 }
-     END { for (k in t) if (k ~ /plain_torch/) p = t[k];
-           for (k in t) if (k !~ /plain_torch/) printf "\n%s / plain torch: %.2f", k, t[k] / p; print "" }' \
-  "$WORK/user/build/.ninja_log"
+echo "| file | CPU s | median | / plain torch |"
+echo "|---|---|---|---|"
+python3 - "$WORK/user-cpu.txt" <<'EOF'
+import statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    name, user, system = line.split()
+    runs.setdefault(name, []).append(float(user) + float(system))
+plain = statistics.median(runs["plain_torch"])
+for name, t in runs.items():
+    print(f"| {name} | {', '.join(f'{x:.1f}' for x in t)} | {statistics.median(t):.1f} | {statistics.median(t) / plain:.2f} |")
+EOF
