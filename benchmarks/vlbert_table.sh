@@ -6,6 +6,9 @@
 #   FP16 rows   TRAIN.FP16=true TRAIN.FP16_LOSS_SCALE=dynamic
 #   BF16 rows   TRAIN.BF16=true
 #   4-step rows TRAIN.GRAD_ACCUMULATE_STEPS=4 and TRAIN.BATCH_IMAGES = batch / 4
+#   dp2 rows    2 data-parallel processes (torchrun --standalone, Gloo on the CPU) with
+#               TRAIN.BATCH_IMAGES = batch / 2 each: time per sample over both ranks' samples,
+#               peak RSS the larger rank's
 # Prints a Markdown table (and the machine) on stdout; the rows' RESULT lines go to $DIR/rows.jsonl.
 #
 #   benchmarks/vlbert_table.sh [--set K=V]...     (the --set values go to every run)
@@ -13,14 +16,14 @@
 #   TRAINKIT_BUILD_DIR   build directory (default build/); the program is built if missing
 #   VLBERT_TABLE_DIR     working directory (default output/vlbert/table; emptied first)
 #   VLBERT_TABLE_BATCH   effective batch (default 16, the VQA config's)
-#   VLBERT_TABLE_ROWS    rows to run (default "fp32 fp16 fp32x4 fp16x4 bf16 bf16x4")
+#   VLBERT_TABLE_ROWS    rows to run (default "fp32 fp16 fp32x4 fp16x4 bf16 bf16x4 fp32dp2")
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${TRAINKIT_BUILD_DIR:-$ROOT/build}"
 DIR="${VLBERT_TABLE_DIR:-$ROOT/output/vlbert/table}"
 BATCH="${VLBERT_TABLE_BATCH:-16}"
-ROWS="${VLBERT_TABLE_ROWS:-fp32 fp16 fp32x4 fp16x4 bf16 bf16x4}"
+ROWS="${VLBERT_TABLE_ROWS:-fp32 fp16 fp32x4 fp16x4 bf16 bf16x4 fp32dp2}"
 PROGRAM="$BUILD_DIR/examples/vlbert/vlbert"
 [[ -x "$PROGRAM" ]] || "$ROOT/scripts/build" --target example_vlbert
 if (( BATCH % 4 != 0 )); then echo "VLBERT_TABLE_BATCH must be a multiple of 4, got $BATCH" >&2; exit 2; fi
@@ -40,8 +43,13 @@ for row in $ROWS; do
     *) echo "unknown row '$row' (fp32, fp16, bf16, each optionally with x4)" >&2; exit 2 ;;
   esac
   if [[ "$row" == *x4 ]]; then sets+=(--set "TRAIN.BATCH_IMAGES=$((BATCH / 4))" --set TRAIN.GRAD_ACCUMULATE_STEPS=4); fi
-  echo "[table] $row: vlbert vqa ${sets[*]} $*" >&2
-  "$PROGRAM" vqa --cfg "$ROOT/cfgs/vlbert/vqa/base_1x24G_fp32.yaml" --model-dir "$DIR/$row" \
+  launch=("$PROGRAM")
+  if [[ "$row" == *dp2 ]]; then
+    sets+=(--set "TRAIN.BATCH_IMAGES=$((BATCH / 2))")
+    launch=("$ROOT/.venv/bin/torchrun" --standalone --nproc-per-node 2 --no-python "$PROGRAM")
+  fi
+  echo "[table] $row: ${launch[*]} vqa ${sets[*]} $*" >&2
+  "${launch[@]}" vqa --cfg "$ROOT/cfgs/vlbert/vqa/base_1x24G_fp32.yaml" --model-dir "$DIR/$row" \
     --set "NETWORK.PARTIAL_PRETRAIN=$checkpoint" "${sets[@]}" "$@" >"$DIR/$row.out"
   sed -n "s/^RESULT \(.*\)$/{\"row\": \"$row\", \"result\": \1}/p" "$DIR/$row.out" >>"$DIR/rows.jsonl"
 done
@@ -53,15 +61,16 @@ batch = int(sys.argv[2])
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
 print(f"Machine: {cpu}, {os.cpu_count()} cores; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
 print()
-print("| precision | accumulation | micro-batch | effective batch | trainer | peak RSS (MiB) | time per sample (ms) | skipped steps | final VQA accuracy |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| precision | processes | accumulation | micro-batch | effective batch | trainer | peak RSS per process (MiB) | time per sample (ms) | skipped steps | final VQA accuracy |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 base = None
 for r in rows:
     res, name = r["result"], r["row"]
     acc = 4 if name.endswith("x4") else 1
+    procs = res.get("world_size", 1)
     prec = name[:4].upper()
     ms = res["ms_per_sample"]
     base = base or ms
-    print(f"| {prec} | {acc} | {batch // acc} | {batch} | `{res['trainer']}` | {res['peak_rss_mib']:.0f} | "
+    print(f"| {prec} | {procs} | {acc} | {batch // acc // procs} | {batch} | `{res['trainer']}` | {res['peak_rss_mib']:.0f} | "
           f"{ms:.3f} ({ms / base:.2f}x) | {res['skipped_steps']} | {res['val'].get('Acc', float('nan')):.4f} |")
 PY

@@ -2,6 +2,11 @@
 //
 //   vlbert pretrain --cfg cfgs/vlbert/pretrain/base_1x24G_fp32.yaml [--set K=V]... [--model-dir DIR] [--resume]
 //   vlbert vqa      --cfg cfgs/vlbert/vqa/base_1x24G_fp32.yaml --set NETWORK.PARTIAL_PRETRAIN=DIR/vl-bert_base_pretrain-0009.ckpt
+//   torchrun --no-python --nproc-per-node N vlbert pretrain --cfg ...   N data-parallel processes
+//
+// The device comes from GPUS and the launch (tk::Launch, trainkit/launch.hpp): the CPU without
+// CUDA, else the local rank's GPU; under torchrun every rank trains its shard of each epoch and
+// the main rank (0) writes checkpoints, logs and the RESULT line.
 //
 // The configuration picks the compiled Trainer type (tk::make_trainer, from trainkit::registry);
 // the last line on stdout is the run's figures as JSON ("RESULT {...}").
@@ -18,6 +23,14 @@
 #include <string>
 
 namespace tk = trainkit;
+
+// " (rank R of W)" under a launcher, so that each rank's error says whose it is.
+static std::string rank_of_launch() {
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank == nullptr || world == nullptr || std::string(world) == "1") return "";
+  return std::string(" (rank ") + rank + " of " + world + ")";
+}
 
 int main(int argc, char** argv) {
   const std::string usage =
@@ -39,12 +52,17 @@ int main(int argc, char** argv) {
     tk::Config config;
     vlbert::register_sections(config);
     config.load(cl.cfg, cl.overrides());
-    for (const auto& note : config.notes()) std::cerr << "[vlbert] " << note << "\n";
+    const tk::Launch launch = tk::Launch::from_config(config);  // device (GPUS), ranks (torchrun)
+    if (launch.is_main()) {
+      for (const auto& note : config.notes()) std::cerr << "[vlbert] " << note << "\n";
+      for (const auto& note : launch.notes()) std::cerr << "[vlbert] " << note << "\n";
+    }
     const auto expected = task == "pretrain" ? "VLBertForPretraining" : "VLBertForVQA";
     const auto module = config.get<std::string>("MODULE");
     if (!module.empty() && module != expected)
       throw tk::ConfigError("MODULE", "is \"" + module + "\", but `vlbert " + task + "` trains " + expected);
-    const auto result = task == "pretrain" ? vlbert::pretrain(config) : vlbert::finetune(config);
+    const auto result = task == "pretrain" ? vlbert::pretrain(config, launch) : vlbert::finetune(config, launch);
+    if (!launch.is_main()) return 0;  // the main rank reports the run
     if (task == "vqa" && !result.val.empty()) {
       const double acc = result.val.back().at("Acc");
       std::printf("VQA validation accuracy %.4f | chance %.4f (1 of %zu answers) | majority answer %.4f | "
@@ -54,13 +72,13 @@ int main(int argc, char** argv) {
     std::printf("RESULT %s\n", vlbert::result_json(result).c_str());
     return 0;
   } catch (const tk::ConfigError& e) {
-    std::cerr << "error: " << e.what() << "\n";
+    std::cerr << "error" << rank_of_launch() << ": " << e.what() << "\n";
     return 2;
   } catch (const c10::Error& e) {
-    std::cerr << "error: " << e.what_without_backtrace() << "\n";
+    std::cerr << "error" << rank_of_launch() << ": " << e.what_without_backtrace() << "\n";
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
+    std::cerr << "error" << rank_of_launch() << ": " << e.what() << "\n";
     return 1;
   }
 }

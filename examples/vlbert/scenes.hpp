@@ -310,6 +310,13 @@ struct Batch {
   torch::Tensor answer_at;    // [B] position of the [MASK] that the answer is read from (VQA)
   std::vector<int> types;     // question types (VQA), for per-type accuracy
   std::int64_t size() const { return text.size(0); }
+  /// The same batch on `device` (the model's): every tensor moved, `types` kept.
+  Batch to(torch::Device device) const {
+    if (device == text.device()) return *this;
+    auto move = [&](const torch::Tensor& t) { return t.defined() ? t.to(device) : t; };
+    return {move(text), move(features), move(boxes), move(regions), move(mlm_labels), move(mvrc_labels),
+            move(answers), move(answer_at), types};
+  }
 };
 
 /// What a batch hides, for the single-modality baselines: the image (no regions at all, so not
@@ -453,9 +460,17 @@ class SyntheticData {
     const std::int64_t n = samples(vqa, val);
     if (index < 0 || index * batch_size >= n) throw std::out_of_range("SyntheticData::batch: index " + std::to_string(index) + " past the end");
     const auto& order = val || !shuffle ? identity(n) : permutation(n, epoch);
+    const auto begin = order.begin() + index * batch_size;
+    return batch_of(vqa, val, epoch, {begin, order.begin() + std::min(n, (index + 1) * batch_size)});
+  }
+
+  /// The batch of the samples `indices` (e.g. a tk::DistributedSampler's batch) in `epoch`:
+  /// each sample's masks depend on the seed, the epoch and the sample only.
+  Batch batch_of(bool vqa, bool val, std::int64_t epoch, const std::vector<std::int64_t>& indices) const {
+    const std::int64_t n = samples(vqa, val);
     std::vector<BatchBuilder::Sample> samples;
-    for (std::int64_t k = index * batch_size; k < std::min(n, (index + 1) * batch_size); ++k) {
-      const std::int64_t i = order[static_cast<std::size_t>(k)];
+    for (const std::int64_t i : indices) {
+      if (i < 0 || i >= n) throw std::out_of_range("SyntheticData::batch_of: sample " + std::to_string(i) + " of " + std::to_string(n));
       Rng rng(seed() ^ mix(static_cast<std::uint64_t>(val ? -1 : epoch)), kMasks, static_cast<std::uint64_t>(i));
       samples.push_back(vqa ? vqa_sample(val, i) : pretrain_sample(val, i, rng));
     }

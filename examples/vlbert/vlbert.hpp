@@ -8,7 +8,9 @@
 
 #include <trainkit/config.hpp>
 #include <trainkit/fit.hpp>
+#include <trainkit/launch.hpp>
 #include <trainkit/registry.hpp>
+#include <trainkit/sampler.hpp>
 #include <trainkit/weights.hpp>
 
 #include <chrono>
@@ -200,13 +202,15 @@ inline double peak_rss_mib() {
   return 0;
 }
 
-/// What a run measured.
+/// What a run measured (over every rank when data-parallel).
 struct RunResult {
-  std::string task, trainer;
+  std::string task, trainer, device;
+  int world_size = 1;
   std::vector<std::map<std::string, double>> val;  // per validated epoch
   std::vector<double> epoch_loss;                  // mean training loss per epoch
   double train_seconds = 0;                        // training only (validation excluded)
-  std::int64_t train_samples = 0, steps = 0, skipped = 0;
+  std::int64_t train_samples = 0, steps = 0, skipped = 0;  // samples: all ranks'
+  double peak_rss_mib = 0;                         // the largest of the ranks' peaks
   double chance = 0, question_prior = 0, majority = 0;  // VQA reference points
   PartialLoad partial;
   std::string checkpoint;  // the last one written (or resumed from)
@@ -215,18 +219,30 @@ struct RunResult {
 /// Runs `f` in the trainer's precision region (autocast for BF16/FP16), as training runs.
 using InPrecision = std::function<void(const std::function<void()>&)>;
 
-/// Trains `model` with the trainer the configuration asks for (tk::make_trainer) on the task
-/// `make_task(in_precision)` builds, through tk::fit (resume, validation, checkpoints, logs,
-/// progress line).
+/// This rank's validation batches: every world_size-th of the split's batches, from its rank.
+inline std::vector<std::int64_t> validation_batches(std::int64_t batches, const tk::Launch& launch) {
+  std::vector<std::int64_t> mine;
+  for (std::int64_t i = launch.rank(); i < batches; i += launch.world_size()) mine.push_back(i);
+  return mine;
+}
+
+/// Trains `model` (already on launch.device()) with the trainer the configuration asks for
+/// (tk::make_trainer; data-parallel over the launch's ranks) on the task `make_task(in_precision)`
+/// builds, through tk::fit (resume, validation, checkpoints, logs, progress line).
 template <class Model, class MakeTask>
-RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, Model& model, const std::string& name,
-                  MakeTask&& make_task) {
-  const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(config, model);
+RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const tk::Launch& launch, Model& model,
+                  const std::string& name, MakeTask&& make_task) {
+  const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(config, model, launch.world_size());
   tk::AnyTrainer& trainer = *made;
-  std::cerr << "[vlbert] " << name << " with " << trainer.type_name() << "\n";
+  launch.attach(trainer);  // data parallel: rank 0's weights to every rank, one all-reduce per window
+  if (launch.is_main())
+    std::cerr << "[vlbert] " << name << " with " << trainer.type_name() << " on " << launch.device().str()
+              << (launch.world_size() > 1 ? " x " + std::to_string(launch.world_size()) + " ranks" : std::string()) << "\n";
   RunResult r;
   r.task = name;
   r.trainer = trainer.type_name();
+  r.device = launch.device().str();
+  r.world_size = launch.world_size();
   const InPrecision in_precision = [&](const std::function<void()>& f) {
     [[maybe_unused]] const auto region = trainer.precision_region();
     f();
@@ -260,22 +276,30 @@ RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, Model
   r.steps = f.applied_steps;
   r.skipped = f.skipped_steps;
   r.checkpoint = f.checkpoints.empty() ? f.resumed_from : f.checkpoints.back();
+  r.train_samples = static_cast<std::int64_t>(launch.sum({static_cast<double>(r.train_samples)}, "summing the ranks' sample counts")[0]);
+  r.peak_rss_mib = launch.max({peak_rss_mib()}, "the ranks' peak memory")[0];
   return r;
 }
 
-/// Pre-training: MLM + MVRC on captioned scenes; validation: MLM and MVRC accuracy.
-inline RunResult pretrain(const tk::Config& config) {
-  const tk::FitOptions options = tk::fit_options(config);
+/// Pre-training: MLM + MVRC on captioned scenes; validation: MLM and MVRC accuracy (over every
+/// rank's share of the validation split).
+inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch) {
+  const tk::FitOptions options = tk::fit_options(config, launch);
   const SyntheticData data(data_options(config, options.seed()));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
   VLBertForPretraining model(model_config(config), 6);
+  model->to(launch.device());
   const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
-  const bool shuffle = config.get<bool>("TRAIN.SHUFFLE");
   const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
-  return run_fit(config, options, model, "pretrain", [&](const InPrecision& in_precision) {
+  // Each rank its shard of every epoch's order; W ranks x batch B see, window for window, the
+  // samples of one process with batch W x B.
+  const tk::DistributedSampler sampler(data.samples(false, false), bs, launch.rank(), launch.world_size(),
+                                       static_cast<std::uint64_t>(options.seed()), config.get<bool>("TRAIN.SHUFFLE"));
+  const torch::Device device = launch.device();
+  return run_fit(config, options, launch, model, "pretrain", [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
-    task.batches_per_epoch = [&](std::int64_t) { return SyntheticData::batches(data.samples(false, false), bs); };
-    task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch(false, false, e, i, bs, shuffle); };
+    task.batches_per_epoch = [&](std::int64_t) { return sampler.batches_per_epoch(); };
+    task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch_of(false, false, e, sampler.batch(e, i)).to(device); };
     task.loss = [&](const Batch& b, tk::Metrics& m) {
       const auto out = model->forward(b, with_mlm, with_mvrc);
       m.add("MLM-Loss", out.mlm.loss), m.add("MVRC-Loss", out.mvrc.loss);
@@ -284,16 +308,18 @@ inline RunResult pretrain(const tk::Config& config) {
     task.validate = [&, in_precision](std::int64_t) {
       torch::NoGradGuard no_grad;
       model->eval();
-      double mlm = 0, mlm_n = 0, mvrc = 0, mvrc_n = 0;
+      auto sums = torch::zeros({4}, torch::dtype(torch::kDouble).device(device));  // MLM right, count; MVRC right, count
       in_precision([&] {
-        for (std::int64_t i = 0; i < SyntheticData::batches(data.samples(false, true), val_bs); ++i) {
-          const auto out = model->forward(data.batch(false, true, 0, i, val_bs, false));
-          mlm += out.mlm.correct.item<double>(), mlm_n += out.mlm.count.item<double>();
-          mvrc += out.mvrc.correct.item<double>(), mvrc_n += out.mvrc.count.item<double>();
+        for (const std::int64_t i : validation_batches(SyntheticData::batches(data.samples(false, true), val_bs), launch)) {
+          const auto out = model->forward(data.batch(false, true, 0, i, val_bs, false).to(device));
+          sums += torch::stack({out.mlm.correct, out.mlm.count, out.mvrc.correct, out.mvrc.count}).to(torch::kDouble);
         }
       });
       model->train();
-      return std::map<std::string, double>{{"MLM-Acc", mlm / std::max(mlm_n, 1.0)}, {"MVRC-Acc", mvrc / std::max(mvrc_n, 1.0)}};
+      const auto host = sums.cpu();  // one host sync per validation
+      const auto v = launch.sum({host[0].item<double>(), host[1].item<double>(), host[2].item<double>(), host[3].item<double>()},
+                                "summing the validation counts");
+      return std::map<std::string, double>{{"MLM-Acc", v[0] / std::max(v[1], 1.0)}, {"MVRC-Acc", v[2] / std::max(v[3], 1.0)}};
     };
     task.best_metric = "MLM-Acc";
     return task;
@@ -301,9 +327,9 @@ inline RunResult pretrain(const tk::Config& config) {
 }
 
 /// VQA fine-tuning: the answer classifier over the [MASK] token, from PARTIAL_PRETRAIN's weights;
-/// validation: accuracy, overall and per question type.
-inline RunResult finetune(const tk::Config& config) {
-  const tk::FitOptions options = tk::fit_options(config);
+/// validation: accuracy, overall and per question type (over every rank's share).
+inline RunResult finetune(const tk::Config& config, const tk::Launch& launch) {
+  const tk::FitOptions options = tk::fit_options(config, launch);
   const SyntheticData data(data_options(config, options.seed()));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
   const auto& n = config.tree()["NETWORK"];
@@ -311,43 +337,50 @@ inline RunResult finetune(const tk::Config& config) {
                      n["CLASSIFIER_HIDDEN_SIZE"].get<std::int64_t>(), n["CLASSIFIER_DROPOUT"].get<double>());
   PartialLoad partial;
   const auto pretrained = n["PARTIAL_PRETRAIN"].get<std::string>();
-  if (!pretrained.empty()) {
+  if (!pretrained.empty()) {  // on the CPU, before the move (every rank reads the same file)
     partial = load_partial(*model, pretrained, n["PARTIAL_PRETRAIN_PREFIX_CHANGES"].get<std::vector<std::string>>());
-    print_partial_load(partial, pretrained);
+    if (launch.is_main()) print_partial_load(partial, pretrained);
   }
+  model->to(launch.device());
   const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
-  const bool shuffle = config.get<bool>("TRAIN.SHUFFLE");
-  RunResult r = run_fit(config, options, model, "vqa", [&](const InPrecision& in_precision) {
+  const tk::DistributedSampler sampler(data.samples(true, false), bs, launch.rank(), launch.world_size(),
+                                       static_cast<std::uint64_t>(options.seed()), config.get<bool>("TRAIN.SHUFFLE"));
+  const torch::Device device = launch.device();
+  RunResult r = run_fit(config, options, launch, model, "vqa", [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
-    task.batches_per_epoch = [&](std::int64_t) { return SyntheticData::batches(data.samples(true, false), bs); };
-    task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch(true, false, e, i, bs, shuffle); };
+    task.batches_per_epoch = [&](std::int64_t) { return sampler.batches_per_epoch(); };
+    task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch_of(true, false, e, sampler.batch(e, i)).to(device); };
     task.loss = [&](const Batch& b, tk::Metrics& m) {
       const auto logits = model->forward(b).to(torch::kFloat);
-      const auto answers = b.answers.to(logits.device());
-      m.add("Acc", logits.argmax(1).eq(answers).to(torch::kFloat).mean(), static_cast<double>(b.size()));
-      return torch::nn::functional::cross_entropy(logits, answers);
+      m.add("Acc", logits.argmax(1).eq(b.answers).to(torch::kFloat).mean(), static_cast<double>(b.size()));
+      return torch::nn::functional::cross_entropy(logits, b.answers);
     };
     task.validate = [&, in_precision](std::int64_t) {
       torch::NoGradGuard no_grad;
       model->eval();
-      std::map<int, std::pair<double, double>> per_type;  // type -> (right, total)
+      constexpr int kTypes = static_cast<int>(QuestionType::kCount);
+      std::vector<double> counts(2 * kTypes, 0.0);  // per type: right, total (the same layout on every rank)
       in_precision([&] {
-        for (std::int64_t i = 0; i < SyntheticData::batches(data.samples(true, true), val_bs); ++i) {
+        for (const std::int64_t i : validation_batches(SyntheticData::batches(data.samples(true, true), val_bs), launch)) {
           const Batch b = data.batch(true, true, 0, i, val_bs, false);
-          const auto right = model->forward(b).argmax(1).cpu().eq(b.answers);
+          const auto right = model->forward(b.to(device)).argmax(1).cpu().eq(b.answers);
           const auto acc = right.accessor<bool, 1>();
           for (std::int64_t k = 0; k < b.size(); ++k) {
-            auto& [ok, total] = per_type[b.types[static_cast<std::size_t>(k)]];
-            ok += acc[k], total += 1;
+            const int type = b.types[static_cast<std::size_t>(k)];
+            counts[static_cast<std::size_t>(2 * type)] += acc[k];
+            counts[static_cast<std::size_t>(2 * type + 1)] += 1;
           }
         }
       });
       model->train();
+      counts = launch.sum(std::move(counts), "summing the validation counts");
       std::map<std::string, double> m;
       double ok = 0, total = 0;
-      for (const auto& [type, v] : per_type) {
-        m[std::string("Acc-") + name(static_cast<QuestionType>(type))] = v.first / v.second;
-        ok += v.first, total += v.second;
+      for (int type = 0; type < kTypes; ++type) {
+        const double right = counts[static_cast<std::size_t>(2 * type)], seen = counts[static_cast<std::size_t>(2 * type + 1)];
+        if (seen == 0) continue;
+        m[std::string("Acc-") + name(static_cast<QuestionType>(type))] = right / seen;
+        ok += right, total += seen;
       }
       m["Acc"] = ok / std::max(total, 1.0);
       return m;
@@ -364,6 +397,10 @@ inline RunResult finetune(const tk::Config& config) {
   return r;
 }
 
+/// One process on the CPU (tests).
+inline RunResult pretrain(const tk::Config& config) { return pretrain(config, tk::Launch::single()); }
+inline RunResult finetune(const tk::Config& config) { return finetune(config, tk::Launch::single()); }
+
 /// The run's figures as one JSON line (benchmarks/vlbert_table.sh and scripts/run read it).
 inline std::string result_json(const RunResult& r) {
   nlohmann::json j;
@@ -376,7 +413,9 @@ inline std::string result_json(const RunResult& r) {
   j["ms_per_sample"] = 1000.0 * r.train_seconds / static_cast<double>(std::max<std::int64_t>(1, r.train_samples));
   j["steps"] = r.steps;
   j["skipped_steps"] = r.skipped;
-  j["peak_rss_mib"] = peak_rss_mib();
+  j["peak_rss_mib"] = r.peak_rss_mib;
+  j["world_size"] = r.world_size;
+  j["device"] = r.device;
   j["checkpoint"] = r.checkpoint;
   if (r.task == "vqa") {
     j["chance"] = r.chance;

@@ -50,6 +50,9 @@
 #include <vector>
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -92,6 +95,49 @@ struct CheckpointFile {
 class CheckpointError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
+};
+
+/// An exclusive lock on a run's output directory, held while a job writes into it: two jobs
+/// started on one directory would otherwise delete each other's temporary files and overwrite
+/// each other's checkpoints. flock() on `<directory>/.trainkit.lock`, so the kernel releases it
+/// when the holder exits or dies (SIGKILL included); the file keeps the holder's pid for the
+/// message of the job that is refused.
+class DirectoryLock {
+ public:
+  /// Throws CheckpointError naming the directory and the holder's pid when another process (or
+  /// another DirectoryLock in this one) holds it.
+  explicit DirectoryLock(const std::string& directory) : path_(directory + "/.trainkit.lock") {
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0)
+      throw CheckpointError("cannot open the lock file '" + path_ + "': " + std::strerror(errno));
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      char buf[32] = {};
+      const auto n = ::pread(fd_, buf, sizeof buf - 1, 0);
+      ::close(fd_);
+      fd_ = -1;
+      const std::string holder = n > 0 ? std::string(buf, static_cast<std::size_t>(n)) : std::string("unknown");
+      if (error == EWOULDBLOCK)
+        throw CheckpointError("the output directory '" + directory + "' is in use by another training job (pid " +
+                              holder.substr(0, holder.find_first_of(" \n")) + ", lock file '" + path_ +
+                              "'); give this run its own directory (--model-dir or OUTPUT_PATH), or stop the other job");
+      throw CheckpointError("cannot lock '" + path_ + "': " + std::strerror(error));
+    }
+    const std::string pid = std::to_string(::getpid()) + "\n";
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) < 0) {
+      // The lock holds without the pid; a refused job then says "pid unknown".
+    }
+  }
+  ~DirectoryLock() {
+    if (fd_ >= 0) ::close(fd_);  // closing the descriptor releases the flock
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
 };
 
 class CheckpointManager {
@@ -231,11 +277,6 @@ class CheckpointManager {
   /// matches its CRC-32, the fit loop's records are there); `why` says what is wrong when not.
   /// Reads the whole file.
   static bool is_complete(const std::string& path, std::string* why = nullptr) {
-    // LibTorch's reader finds a truncated file but not flipped bytes: check the CRC-32s first.
-    if (const std::string damage = detail::check_archive_file(path); !damage.empty()) {
-      if (why) *why = damage;
-      return false;
-    }
     try {
       torch::serialize::InputArchive archive;
       detail::read_archive(archive, path);
@@ -249,6 +290,9 @@ class CheckpointManager {
         return false;
       }
       return true;
+    } catch (const detail::DamagedArchive& e) {
+      if (why) *why = e.damage();
+      return false;
     } catch (const std::exception& e) {
       if (why) *why = first_line(e.what());
       return false;
@@ -280,21 +324,32 @@ class CheckpointManager {
     return true;
   }
 
-  // Temporary files of Trainer::save ("<name>.tmp.<pid>") whose process is gone.
+  // Temporary files of Trainer::save ("<name>.tmp.<pid>") whose process is gone. A temporary
+  // of a live process (another job writing into this directory, which DirectoryLock refuses,
+  // or this one) is never touched.
   void remove_stale_temporaries() const {
     DIR* dir = ::opendir(directory_.c_str());
     if (dir == nullptr) return;
     std::vector<std::string> stale;
     const std::string head = prefix_ + "-", marker = ".ckpt.tmp.";
-    const std::string mine = marker + std::to_string(::getpid());
     while (const dirent* e = ::readdir(dir)) {
       const std::string name = e->d_name;
       const auto at = name.find(marker);
-      if (name.compare(0, head.size(), head) == 0 && at != std::string::npos && name.substr(at) != mine)
-        stale.push_back(directory_ + "/" + name);
+      if (name.compare(0, head.size(), head) != 0 || at == std::string::npos) continue;
+      const std::string pid = name.substr(at + marker.size());
+      if (pid.empty() || pid.size() > 10 || !std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        continue;
+      if (!process_is_gone(static_cast<pid_t>(std::stoll(pid)))) continue;
+      stale.push_back(directory_ + "/" + name);
     }
     ::closedir(dir);
     for (const auto& p : stale) ::unlink(p.c_str());
+  }
+
+  // kill(pid, 0): ESRCH means no such process; EPERM means it exists (another user's).
+  static bool process_is_gone(pid_t pid) {
+    if (pid <= 0) return false;
+    return ::kill(pid, 0) != 0 && errno == ESRCH;
   }
 
   static void write_state(torch::serialize::OutputArchive& a, const LoopState& s, const std::string& path) {

@@ -255,11 +255,23 @@ class Config {
     d.world_size = world_size ? *world_size : world_size_from_environment();
     if (d.world_size < 1) throw ConfigError("WORLD_SIZE", "must be >= 1, got " + std::to_string(d.world_size));
     const nlohmann::json& b = t["BATCH_IMAGES"];
+    // Checked arithmetic: a list of huge entries, or a huge world size, is an error, never a
+    // wrapped (negative) total.
+    const auto overflow = [&](const std::string& what) {
+      return ConfigError("TRAIN.BATCH_IMAGES", what + " does not fit in 64 bits; BATCH_IMAGES is the per-device micro-batch");
+    };
     d.batch_images = 0;
-    if (b.is_array()) for (const auto& x : b) d.batch_images += x.get<std::int64_t>();
-    else d.batch_images = b.get<std::int64_t>();
+    if (b.is_array()) {
+      for (const auto& x : b)
+        if (__builtin_add_overflow(d.batch_images, x.get<std::int64_t>(), &d.batch_images)) throw overflow("the sum of the list");
+    } else {
+      d.batch_images = b.get<std::int64_t>();
+    }
     d.accumulation_steps = t["GRAD_ACCUMULATE_STEPS"].get<std::int64_t>();
-    d.total_batch = d.world_size * d.batch_images * d.accumulation_steps;
+    if (__builtin_mul_overflow(d.world_size, d.batch_images, &d.total_batch) ||
+        __builtin_mul_overflow(d.total_batch, d.accumulation_steps, &d.total_batch))
+      throw overflow("the total batch (world size " + std::to_string(d.world_size) + " x BATCH_IMAGES " +
+                     std::to_string(d.batch_images) + " x GRAD_ACCUMULATE_STEPS " + std::to_string(d.accumulation_steps) + ")");
     const double lr = t["LR"].get<double>();
     d.base_lr = t["LR_SCALING"].get<std::string>() == "per_sample" ? lr * static_cast<double>(d.total_batch) : lr;
     d.trainer = trainer_key();

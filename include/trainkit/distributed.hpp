@@ -54,6 +54,7 @@
 #define TRAINKIT_HAVE_NCCL 0
 #endif
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -136,6 +137,19 @@ inline int env_int(const char* name, int fallback) {
   return static_cast<int>(value);
 }
 
+/// An exception's message without LibTorch's backtrace (c10::Error::what() appends one).
+inline std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+/// Seconds as a person writes them: "8", "0.5", "1800".
+inline std::string seconds_text(double seconds) {
+  std::ostringstream s;
+  s << seconds;
+  return s.str();
+}
+
 inline std::string ranks_string(const std::vector<int>& ranks) {
   std::string s;
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
@@ -192,7 +206,7 @@ class ProcessGroup {
         throw DistributedError("trainkit: rank " + std::to_string(info.rank) + " of " +
                                std::to_string(info.world_size) + " (" + info.launcher +
                                ") could not join the store at " + store_text + " within " +
-                               std::to_string(options.timeout_seconds()) + " s: " + e.what());
+                               detail::seconds_text(options.timeout_seconds()) + " s: " + detail::message_of(e));
       }
       // Keys of one launch attempt never meet those of another (torchrun restarts).
       const std::string prefix =
@@ -207,6 +221,9 @@ class ProcessGroup {
     // "cuda" alone means this rank's GPU (LOCAL_RANK), where torchrun's convention puts it.
     if (cuda && !device.has_index())
       device = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(info.local_rank));
+    // This rank's GPU becomes the current device: kCUDA without an index, and the NCCL
+    // communicator, then mean it (not GPU 0 on every rank).
+    if (cuda) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
     const std::string backend = !options.backend().empty() ? options.backend() : cuda ? "nccl" : "gloo";
     if (backend == "nccl" && !cuda)
       throw std::invalid_argument("trainkit::ProcessGroup: NCCL needs a CUDA device, got " +
@@ -229,7 +246,12 @@ class ProcessGroup {
 #if TRAINKIT_HAVE_NCCL
         auto nccl = c10d::ProcessGroupNCCL::Options::create();
         nccl->timeout = timeout;
-        pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, full.rank, full.world_size, nccl);
+        auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, full.rank, full.world_size, nccl);
+        // Bound to this rank's GPU and connected now (inside the rendezvous' timeout), not
+        // lazily inside the first optimizer step.
+        group->setBoundDeviceId(device);
+        group->eagerConnectSingleDevice(device);
+        pg = group;
 #else
         throw std::invalid_argument(
             "trainkit::ProcessGroup: this build has no NCCL (LibTorch without USE_C10D_NCCL, or "
@@ -241,7 +263,7 @@ class ProcessGroup {
     } catch (const std::exception& e) {
       throw DistributedError("trainkit: rank " + std::to_string(full.rank) + " of " +
                              std::to_string(full.world_size) + " could not create the " + backend +
-                             " process group: " + e.what());
+                             " process group: " + detail::message_of(e));
     }
     return ProcessGroup(store, pg, full, timeout, cuda ? device : torch::Device(torch::kCPU));
   }
@@ -322,7 +344,7 @@ class ProcessGroup {
     try {
       work->wait();
     } catch (const std::exception& e) {
-      fail(what, e.what());
+      fail(what, detail::message_of(e));
     }
   }
   void all_reduce(const torch::Tensor& tensor, const std::string& what,
@@ -331,7 +353,7 @@ class ProcessGroup {
     try {
       work = start_all_reduce(tensor, op);
     } catch (const std::exception& e) {
-      fail(what, e.what());
+      fail(what, detail::message_of(e));
     }
     wait(work, what);
   }
@@ -344,7 +366,7 @@ class ProcessGroup {
     try {
       work = state_->backend->broadcast(tensors, o);
     } catch (const std::exception& e) {
-      fail(what, e.what());
+      fail(what, detail::message_of(e));
     }
     wait(work, what);
   }
@@ -388,7 +410,7 @@ class ProcessGroup {
             << (silent.size() > 1 ? " do" : " does") << " not answer (within "
             << grace.count() / 1000.0 << " s): died or hangs";
     } catch (const std::exception& e) {
-      msg << "; the store at " << state_->info.store << " does not answer either (" << e.what()
+      msg << "; the store at " << state_->info.store << " does not answer either (" << detail::message_of(e)
           << "): its host is gone";
     }
     msg << " (timeout " << state_->timeout.count() / 1000.0 << " s). " << state_->backend->getBackendName()
@@ -482,7 +504,7 @@ class DataParallel final : public Replicas {
       }
       if (items.defined()) works_.push_back(group_.start_all_reduce(items));
     } catch (const std::exception& e) {
-      group_.fail("starting the gradient all-reduce" + step, e.what());
+      group_.fail("starting the gradient all-reduce" + step, detail::message_of(e));
     }
     for (size_t b = 0; b < works_.size(); ++b)
       group_.wait(works_[b], b < static_cast<size_t>(n)
@@ -504,10 +526,12 @@ class DataParallel final : public Replicas {
     std::vector<torch::Tensor> parts;
     for (const auto& t : state) {
       const auto d = t.detach().to(torch::kDouble);
-      parts.push_back(d.sum().reshape({1}));
-      parts.push_back(d.abs().sum().reshape({1}));
+      // On the group's device before the cat: the state mixes device tensors (parameters,
+      // counters) with host ones (the window position).
+      parts.push_back(d.sum().reshape({1}).to(group_.device()));
+      parts.push_back(d.abs().sum().reshape({1}).to(group_.device()));
     }
-    const auto f = torch::cat(parts).to(group_.device());
+    const auto f = torch::cat(parts);
     auto both = torch::cat({f, -f});
     group_.all_reduce(both, "comparing the loaded state across ranks", c10d::ReduceOp::MAX);
     both = both.cpu();

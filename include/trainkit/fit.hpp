@@ -37,7 +37,10 @@
 /// only the main rank writes checkpoints, logs and messages; every rank resumes from the same
 /// file; logged and epoch means are over every rank's items, validation metrics the mean over
 /// ranks; a stop (signal on any rank) is agreed at each window boundary by one small collective
-/// (only with more than one rank).
+/// (only with more than one rank). With more than one rank, the RNG (CPU, and the trainer's
+/// GPU) is seeded before each micro-batch from (seed, rank, epoch, index): dropout masks and
+/// anything task.batch draws are a pure function of the position on every rank, so a resume is
+/// exact on every rank (a checkpoint holds one rank's generator state, the main rank's).
 ///
 /// Errors: a checkpoint that cannot be written (unwritable directory, full disk) throws
 /// CheckpointError naming the file and the step; the checkpoints already written stay intact.
@@ -45,6 +48,7 @@
 /// micro-batch, the optimizer step and the loss value.
 #include <trainkit/checkpoint.hpp>
 #include <trainkit/config.hpp>
+#include <trainkit/detail/rng_state.hpp>
 #include <trainkit/detail/stop_signals.hpp>
 #include <trainkit/log/progress.hpp>
 #include <trainkit/log/scalars.hpp>
@@ -142,6 +146,7 @@ inline std::string position_text(std::int64_t epoch, std::int64_t index, std::in
 }
 
 inline std::string short_number(double v) {
+  if (std::isnan(v)) return "nan";  // not "-nan"
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.6g", v);
   return buf;
@@ -163,6 +168,7 @@ class FitLoop {
     StopSignals signals(options_.handle_signals());
     if (writes()) {
       checkpoints_.create_directory();
+      lock_ = std::make_unique<DirectoryLock>(options_.output_path());  // one job per directory
       log_ = std::make_unique<ScalarFanout>();
       log_->emplace<TensorBoardWriter>(options_.output_path() + "/tensorboard");
       log_->emplace<JsonlScalarWriter>(options_.output_path() + "/" + options_.prefix() + "-scalars.jsonl");
@@ -176,6 +182,8 @@ class FitLoop {
     state_.best_metric = task_.best_metric;
     state_.higher_is_better = task_.higher_is_better;
     const FitPosition start = resume();
+    skipped_at_log_ = trainer_.skipped_steps().item<std::int64_t>();  // once per run
+    window_at_log_ = trainer_.windows();
     state_.config_json = options_.config_json();
     clock_ = Clock::now();
 
@@ -192,6 +200,11 @@ class FitLoop {
       trainer_.model().train();
       bool checkpoint_requested = false, stop_requested = false;
       for (std::int64_t index = first; index < batches; ++index) {
+        if (trainer_.replicas().world_size() > 1)  // every rank's RNG resumes exactly (below)
+          detail::seed_rng_states(detail::mix_seed({static_cast<std::uint64_t>(options_.seed()),
+                                                    static_cast<std::uint64_t>(trainer_.replicas().rank()),
+                                                    static_cast<std::uint64_t>(epoch), static_cast<std::uint64_t>(index)}),
+                                  trainer_.device());
         const Batch batch = task_.batch(epoch, index);
         const MicroStepResult r = micro_step(batch, epoch, index, batches);
         if (r.window_closed) window_closed(r.report, epoch, index + 1, batches);
@@ -367,6 +380,7 @@ class FitLoop {
     }
     logged_ = totals;
     const double loss = interval.count("Loss") ? interval["Loss"] : report.loss();
+    check_skipped(report, epoch, done, batches, loss);
     if (!trainer_.uses_loss_scale()) {
       if (trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
         throw NonFiniteGradient(position_text(epoch, done - 1, batches) + ", optimizer step " + std::to_string(step) +
@@ -393,6 +407,48 @@ class FitLoop {
       p.lr = report.lr();
       if (trainer_.uses_loss_scale()) p.loss_scale = report.loss_scale();
       progress_->update(p);
+    }
+  }
+
+  // Skipped optimizer steps, seen at log windows from the report's counters (no sync of their
+  // own). FP32/BF16 skip only on a non-finite gradient, never in a healthy run: the first skip
+  // is a warning, and nonfinite_patience skips with no clean log interval between them stop the
+  // run (on every rank: the counters agree). FP16's loss scale backs off by skipping: after the
+  // start-up backoff, a log interval with more than a quarter of its steps skipped is reported
+  // with the scale, once until an interval is clean again.
+  void check_skipped(const StepReport& report, std::int64_t epoch, std::int64_t done, std::int64_t batches, double loss) {
+    const std::int64_t skipped = report.skipped_steps() - skipped_at_log_, windows = report.window() - window_at_log_;
+    skipped_at_log_ = report.skipped_steps();
+    window_at_log_ = report.window();
+    if (skipped <= 0) {
+      skipped_unhealthy_ = 0;
+      scale_warned_ = false;
+      return;
+    }
+    const std::string where = position_text(epoch, done - 1, batches) + ", optimizer step " + std::to_string(report.window());
+    const std::string what = std::to_string(skipped) + " of the last " + std::to_string(windows) +
+                             " optimizer steps were skipped (non-finite gradients; training loss " + short_number(loss) + ")";
+    if (!trainer_.uses_loss_scale()) {
+      skipped_unhealthy_ += skipped;
+      const std::string patience = "TRAIN.NONFINITE_PATIENCE " + std::to_string(options_.nonfinite_patience());
+      if (skipped_unhealthy_ >= options_.nonfinite_patience())
+        throw NonFiniteGradient(where + ": " + what + "; " + std::to_string(skipped_unhealthy_) +
+                                " skipped with no clean log interval between them (" + patience +
+                                "): stopping. Lower TRAIN.LR or check the data; the checkpoints written so far are intact");
+      if (!skip_warned_) {
+        skip_warned_ = true;
+        say("trainkit: warning: " + where + ": " + what + ". " + trainer_.type_name() +
+            " skips a step only when its gradient is not finite: lower TRAIN.LR or check the data (" + patience +
+            " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)");
+      }
+      return;
+    }
+    constexpr std::int64_t kStartup = 32;  // the scale's start-up backoff (2^16 -> 2^0 is 16 halvings)
+    if (report.window() > kStartup && 4 * skipped > windows && !scale_warned_) {
+      scale_warned_ = true;
+      say("trainkit: warning: " + where + ": " + what + ", past the loss scale's start-up backoff; the scale is now " +
+          short_number(report.loss_scale()) + ". A scale that keeps falling means the gradient overflows at any scale: "
+          "lower TRAIN.LR, check the data, or train in BF16");
     }
   }
 
@@ -510,6 +566,10 @@ class FitLoop {
   const FitOptions& options_;
   Callbacks callbacks_;
   CheckpointManager checkpoints_;
+  std::unique_ptr<DirectoryLock> lock_;  // held while this run writes into output_path
+  std::int64_t skipped_at_log_ = 0, window_at_log_ = 0;  // the counters at the last log (check_skipped)
+  std::int64_t skipped_unhealthy_ = 0;                   // FP32/BF16 skips since a clean interval
+  bool skip_warned_ = false, scale_warned_ = false;
   std::unique_ptr<ScalarFanout> log_;   // TensorBoard events and JSON lines
   std::unique_ptr<ProgressLine> progress_;
   LoopState state_;

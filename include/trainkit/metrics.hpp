@@ -30,6 +30,7 @@ class Metrics {
                 value.sizes());
     check_weight(name, weight);
     Entry& e = entry(name, value.device());
+    if (e.sum.device() != value.device()) e.sum = e.sum.to(value.device());  // once, after a load (CPU)
     e.sum.add_(value.detach().reshape({}).to(e.sum.device(), torch::kDouble) * weight);
     e.weight += weight;
   }

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -65,6 +66,9 @@ struct FitOptions {
   TORCH_ARG(bool, auto_resume) = true;                 ///< TRAIN.AUTO_RESUME
   TORCH_ARG(std::int64_t, seed) = -1;                  ///< the run's seed (recorded, checked on resume)
   TORCH_ARG(std::string, config_json) = {};            ///< the resolved configuration, for checkpoints
+  /// FP32/BF16: skipped (non-finite) optimizer steps, with no clean log interval between them,
+  /// that stop the run (TRAIN.NONFINITE_PATIENCE); the first is a warning.
+  TORCH_ARG(std::int64_t, nonfinite_patience) = 20;
   /// SIGINT/SIGTERM stop the loop gracefully (off: the signals keep their handlers).
   TORCH_ARG(bool, handle_signals) = true;
   /// Write checkpoints and logs (false on data-parallel ranks other than 0; they still resume).
@@ -84,14 +88,16 @@ struct FitOptions {
     if (val_frequent_ < 1) fail("val_frequent must be >= 1 (VAL_FREQUENT)");
     if (checkpoint_frequent_ < 1) fail("checkpoint_frequent must be >= 1 (CHECKPOINT_FREQUENT)");
     if (checkpoint_keep_ < 1) fail("checkpoint_keep must be >= 1 (TRAIN.CHECKPOINT_KEEP)");
+    if (nonfinite_patience_ < 1) fail("nonfinite_patience must be >= 1 (TRAIN.NONFINITE_PATIENCE)");
     if (output_path_.empty()) fail("output_path is empty (OUTPUT_PATH / --model-dir)");
   }
 };
 
 /// The loop's settings from a validated configuration (with --model-dir and --resume already
 /// applied as overrides, see CommandLine). RNG_SEED -1 draws a random seed and says which on
-/// stderr, so that the run can be repeated.
-inline FitOptions fit_options(const Config& config) {
+/// stderr, so that the run can be repeated; `seed`, when given, is used instead of RNG_SEED's
+/// draw (launch.hpp: one seed for every rank).
+inline FitOptions fit_options(const Config& config, std::optional<std::int64_t> seed_drawn = std::nullopt) {
   const nlohmann::json& t = config.tree();
   const nlohmann::json& train = t["TRAIN"];
   FitOptions o;
@@ -103,11 +109,14 @@ inline FitOptions fit_options(const Config& config) {
       .val_frequent(t["VAL_FREQUENT"].get<std::int64_t>())
       .checkpoint_frequent(t["CHECKPOINT_FREQUENT"].get<std::int64_t>())
       .checkpoint_keep(train["CHECKPOINT_KEEP"].get<std::int64_t>())
+      .nonfinite_patience(train["NONFINITE_PATIENCE"].get<std::int64_t>())
       .resume(train["RESUME"].get<bool>())
       .auto_resume(train["AUTO_RESUME"].get<bool>())
       .config_json(config.dump(-1));
   std::int64_t seed = t["RNG_SEED"].get<std::int64_t>();
-  if (seed < 0) {
+  if (seed < 0 && seed_drawn) {
+    seed = *seed_drawn;
+  } else if (seed < 0) {
     seed = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff);
     std::cerr << "trainkit: RNG_SEED is -1: this run uses seed " << seed << " (set RNG_SEED: " << seed
               << " to repeat it)\n";

@@ -5,6 +5,7 @@
 #include "helpers.hpp"
 
 #include <trainkit/fit.hpp>
+#include <trainkit/weights.hpp>
 
 #include <csignal>
 #include <fstream>
@@ -318,4 +319,27 @@ TEST_CASE("a read-only output directory: a clear error; the old checkpoints stay
   write_bytes(dir / "file", "x");
   const std::string expected = "cannot create the output directory '" + dir / "file/out" + "'";
   CHECK_THROWS_WITH(tk::CheckpointManager(dir / "file/out").create_directory(), doctest::Contains(expected.c_str()));
+}
+
+TEST_CASE("every reader refuses a checkpoint with one flipped byte, naming the file, and changes nothing") {
+  TempDir dir;
+  Trained t;
+  t.steps(2);
+  const std::string path = dir / "model.ckpt";
+  t.trainer.save(path);
+  std::string bytes = read_bytes(path);
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x5a);  // inside a tensor's data
+  write_bytes(path, bytes);
+
+  Trained fresh;
+  const auto before = testing::flat(*fresh.model);
+  const std::string said = "checkpoint '" + path + "' is damaged: ";
+  // Trainer::load (resume, the fit loop) ...
+  CHECK_THROWS_WITH_AS(fresh.trainer.load(path), doctest::Contains(said.c_str()), std::runtime_error);
+  CHECK_THROWS_WITH_AS(fresh.trainer.load(path), doctest::Contains("CRC-32"), std::runtime_error);
+  CHECK(torch::equal(testing::flat(*fresh.model), before));
+  CHECK(fresh.trainer.windows() == 0);
+  // ... and the weights loader (NETWORK.PARTIAL_PRETRAIN), which loaded it without a word before.
+  CHECK_THROWS_WITH_AS(tk::load_weights(*fresh.model, path), doctest::Contains(said.c_str()), std::runtime_error);
+  CHECK(torch::equal(testing::flat(*fresh.model), before));
 }

@@ -57,7 +57,9 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 42);  // VL-BERT's 28 TRAIN keys and trainkit's 14
+  CHECK(t.size() == 43);  // VL-BERT's 28 TRAIN keys and trainkit's 15
+  CHECK(t["NONFINITE_PATIENCE"] == 20);
+  CHECK(c.tree()["DIST_TIMEOUT"] == 1800.0);
   CHECK(t["MASTER_WEIGHTS"] == false);
   CHECK(t["LR"] == 0.1);
   CHECK(t["OPTIMIZER"] == "SGD");
@@ -479,4 +481,19 @@ TEST_CASE("CommandLine: --cfg, --set, --model-dir, --resume") {
   CHECK(c.tree()["TRAIN"]["RESUME"] == true);
   const char* bad[] = {"prog", "--cfg"};
   CHECK_THROWS_AS(tk::CommandLine::parse(2, bad), tk::ConfigError);
+}
+
+TEST_CASE("batch sizes are bounded and the total batch never wraps around") {
+  // The value that wrapped the total to -9223372036854775808 (signed overflow) is refused by name.
+  CHECK_THROWS_WITH_AS(from_json(R"({"TRAIN": {"BATCH_IMAGES": [9223372036854775807, 1]}})"),
+                       doctest::Contains("TRAIN.BATCH_IMAGES"), tk::ConfigError);
+  CHECK_THROWS_WITH_AS(from_json(R"({"TRAIN": {"GRAD_ACCUMULATE_STEPS": 9223372036854775807}})"),
+                       doctest::Contains("TRAIN.GRAD_ACCUMULATE_STEPS"), tk::ConfigError);
+  // In bounds, but the product with a huge world size overflows: an error, not a negative total.
+  const tk::Config c = from_json(R"({"TRAIN": {"BATCH_IMAGES": [16777216, 16777216], "GRAD_ACCUMULATE_STEPS": 1048576}})");
+  CHECK(c.derived(1).total_batch == std::int64_t{1} << 45);
+  CHECK_THROWS_WITH_AS(c.derived(std::int64_t{1} << 40),
+                       doctest::Contains("TRAIN.BATCH_IMAGES: the total batch (world size 1099511627776 x BATCH_IMAGES "
+                                         "33554432 x GRAD_ACCUMULATE_STEPS 1048576) does not fit in 64 bits"),
+                       tk::ConfigError);
 }

@@ -166,3 +166,22 @@ TEST_CASE("progress: std::cout and std::cerr are asked whether they are terminal
   options.out = &other;
   CHECK_FALSE(tk::ProgressLine(options).is_terminal());
 }
+
+TEST_CASE("progress: a non-finite loss is shown as such, not left out") {
+  Fixture f;
+  auto options = f.options(false);
+  options.every_steps = 1;
+  options.every_seconds = 0;
+  tk::ProgressLine progress(options);
+  progress.update(state_at(1, 0, 0));  // the epoch's start: nothing printed
+  auto s = state_at(1, 1, 32);
+  s.loss = std::numeric_limits<double>::quiet_NaN();
+  f.now = 0.1;
+  progress.update(s);
+  CHECK(f.out.str().find("  loss nan  lr 0.001") != std::string::npos);
+  f.out.str("");
+  s.step = 2, s.loss = std::numeric_limits<double>::infinity();
+  f.now = 0.2;
+  progress.update(s);
+  CHECK(f.out.str().find("  loss inf  lr 0.001") != std::string::npos);
+}

@@ -46,6 +46,11 @@ inline std::string check_increasing(const nlohmann::json& epochs) {
   return {};
 }
 
+/// Bounds that keep the batch arithmetic (world size x BATCH_IMAGES x GRAD_ACCUMULATE_STEPS) far
+/// from overflow; far above any real run.
+inline constexpr std::int64_t kMaxBatchImages = std::int64_t{1} << 24;
+inline constexpr std::int64_t kMaxAccumulateSteps = std::int64_t{1} << 20;
+
 /// The TRAIN section of config.md: VL-BERT's keys, then trainkit's.
 inline Schema train_schema() {
   Schema s;
@@ -61,8 +66,8 @@ inline Schema train_schema() {
   s.number("VISUAL_SCALE_CLIP_GRAD_NORM", -1.0).doc("accepted for compatibility with VL-BERT; unused");
   s.boolean("SHUFFLE", true).doc("shuffle the training data");
   s.number("FLIP_PROB", 0.5).min(0).max(1).doc("application-defined augmentation probability");
-  s.add("BATCH_IMAGES", Field::either({Field::integer(1).min(1),
-                                       Field::list(Field::integer(1).min(1)).non_empty()}, 1))
+  s.add("BATCH_IMAGES", Field::either({Field::integer(1).min(1).max(kMaxBatchImages),
+                                       Field::list(Field::integer(1).min(1).max(kMaxBatchImages)).non_empty()}, 1))
       .doc("per-device micro-batch; a list (one per data set) is summed");
   s.boolean("ASPECT_GROUPING", true).doc("application-defined batching");
   s.boolean("RESUME", false).doc("resume from the checkpoint of BEGIN_EPOCH - 1");
@@ -71,7 +76,7 @@ inline Schema train_schema() {
   s.integer("END_EPOCH", 0).min(0).doc("end epoch (exclusive); must be > BEGIN_EPOCH to train");
   s.string("OPTIMIZER", "SGD").one_of({"SGD", "Adam", "AdamW"});
   s.number("CLIP_GRAD_NORM", -1.0).doc("> 0: clip the global gradient norm to this (ClipNorm)");
-  s.integer("GRAD_ACCUMULATE_STEPS", 1).min(1).doc("micro-batches per optimizer step");
+  s.integer("GRAD_ACCUMULATE_STEPS", 1).min(1).max(kMaxAccumulateSteps).doc("micro-batches per optimizer step");
   s.number("LR", 0.1).min_exclusive(0).doc("per-sample learning rate (LR_SCALING per_sample)");
   s.string("LR_SCHEDULE", "step").one_of({"step", "triangle", "plateau", "cosine", "constant"});
   s.number("LR_FACTOR", 0.1).min_exclusive(0).doc("decay factor of step and plateau");
@@ -114,6 +119,8 @@ inline Schema train_schema() {
       .doc("per_sample: base LR = LR x total batch (VL-BERT); none: LR is the base LR");
   s.string("PARTIAL_WINDOW", "flush").one_of({"flush", "span", "drop"});
   s.string("NONFINITE", "skip").one_of({"skip", "abort"});
+  s.integer("NONFINITE_PATIENCE", 20).min(1).doc(
+      "FP32/BF16 with NONFINITE skip: skipped steps with no clean log interval between them that stop the run (the first warns)");
   s.boolean("MASTER_WEIGHTS", false)
       .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
   s.integer("CHECKPOINT_KEEP", 3).min(1).doc("complete checkpoints kept (plus the best)");
@@ -171,6 +178,8 @@ inline Schema root_schema() {
                              "local rank's GPU), got " + dump_text(v);
                     }))
       .doc("device list such as '0,1,2,3'; empty: CPU, or the local rank's GPU when distributed");
+  s.number("DIST_TIMEOUT", 1800).min_exclusive(0).doc(
+      "seconds a data-parallel rank waits for the others (rendezvous, each collective) before it fails naming the silent ranks");
   s.integer("LOG_FREQUENT", 50).min(1).doc("log every N optimizer steps");
   s.integer("VAL_FREQUENT", 1).min(1).doc("validate every N epochs");
   s.integer("CHECKPOINT_FREQUENT", 1).min(1).doc("checkpoint every N epochs");

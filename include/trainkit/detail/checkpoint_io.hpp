@@ -4,6 +4,8 @@
 // the old file or the new one under the final name, never a partial one.
 // Records are read and written through the helpers below, so that a missing record or one of
 // the wrong shape is reported by its name, the same way everywhere.
+#include <trainkit/detail/zip_check.hpp>
+
 #include <torch/serialize/archive.h>
 
 #include <cerrno>
@@ -12,6 +14,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -147,11 +150,32 @@ inline c10::IValue read_value(torch::serialize::InputArchive& archive, const std
   return value;
 }
 
+/// A checkpoint whose bytes fail the archive check (truncated, a record's CRC-32 wrong).
+class DamagedArchive : public std::runtime_error {
+ public:
+  DamagedArchive(const std::string& path, std::string damage)
+      : std::runtime_error("checkpoint '" + path + "' is damaged: " + damage + "; nothing was loaded from it"),
+        damage_(std::move(damage)) {}
+  /// What is wrong, without the file's name.
+  const std::string& damage() const { return damage_; }
+
+ private:
+  std::string damage_;
+};
+
+/// Opens a checkpoint for reading. Every path that reads one (Trainer::load, resume,
+/// tk::load_weights, PARTIAL_PRETRAIN) comes here, so every one refuses a damaged file: the
+/// archive's own reader finds a truncated file but not flipped bytes, the CRC-32 of each record
+/// (zip_check.hpp) does.
 inline void read_archive(torch::serialize::InputArchive& archive, const std::string& path) {
   if (::access(path.c_str(), R_OK) != 0)
     throw std::runtime_error("cannot read checkpoint '" + path + "': " + std::strerror(errno));
+  if (const std::string damage = check_archive_file(path); !damage.empty()) throw DamagedArchive(path, damage);
   try {
-    archive.load_from(path);
+    // Onto the CPU, whatever device wrote it: a GPU checkpoint opens on a CPU-only machine, and
+    // no rank materialises the whole state on the GPU that saved it; readers copy to their
+    // targets' devices.
+    archive.load_from(path, torch::Device(torch::kCPU));
   } catch (const std::exception& e) {
     throw std::runtime_error("checkpoint '" + path +
                              "' is truncated or corrupt (not a complete archive): " + e.what());

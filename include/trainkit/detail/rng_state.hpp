@@ -9,6 +9,8 @@
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <mutex>
 
 namespace trainkit::detail {
@@ -40,6 +42,33 @@ inline void load_rng_states(torch::serialize::InputArchive& archive, torch::Devi
     auto generator = at::globalContext().defaultGenerator(device);
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(cuda);
+  }
+}
+
+/// A seed that is a pure function of `parts` (splitmix64 over each in turn).
+inline std::uint64_t mix_seed(std::initializer_list<std::uint64_t> parts) {
+  std::uint64_t h = 0x243F6A8885A308D3ull;
+  for (const std::uint64_t p : parts) {
+    std::uint64_t z = (h ^ p) + 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    h = z ^ (z >> 31);
+  }
+  return h;
+}
+
+/// Seeds the CPU generator and, on a GPU, that device's CUDA generator (no other device's; no
+/// host sync: a CUDA generator's seed is host state).
+inline void seed_rng_states(std::uint64_t seed, torch::Device device) {
+  {
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_current_seed(seed);
+  }
+  if (device.is_cuda()) {
+    auto generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_current_seed(seed);
   }
 }
 

@@ -54,13 +54,14 @@ struct ProgressOptions {
   std::function<double()> clock;
 };
 
-/// What the line shows. NaN fields are left out (a loss scale only exists with FP16Dynamic).
+/// What the line shows. NaN LR and scale are left out (a loss scale only exists with FP16Dynamic);
+/// a loss, when given, is shown even when it is NaN or inf.
 struct ProgressState {
   std::int64_t epoch = 0;
   std::int64_t step = 0;     ///< steps done in this epoch
   std::int64_t total = 0;    ///< steps in this epoch; 0: unknown (no ETA)
   std::int64_t samples = 0;  ///< samples done in this epoch
-  double loss = std::numeric_limits<double>::quiet_NaN();
+  std::optional<double> loss;  ///< shown as it is, NaN and inf included
   double lr = std::numeric_limits<double>::quiet_NaN();
   double loss_scale = std::numeric_limits<double>::quiet_NaN();
 };
@@ -204,8 +205,8 @@ class ProgressLine {
                              : std::numeric_limits<double>::quiet_NaN();
       text += "  ETA " + detail::format_hms(eta);
     }
-    if (!std::isnan(state_.loss)) {
-      std::snprintf(buf, sizeof buf, "  loss %.4g", state_.loss);
+    if (state_.loss) {
+      std::snprintf(buf, sizeof buf, "  loss %.4g", *state_.loss);
       text += buf;
     }
     if (!std::isnan(state_.lr)) {

@@ -1,0 +1,253 @@
+#pragma once
+/// Where a configured run trains: its device (GPUS and the launcher's LOCAL_RANK) and, when the
+/// launcher started more than one process (torchrun, srun), its data-parallel process group.
+///
+///   tk::Launch launch = tk::Launch::from_config(config);    // resolves ranks, device, group
+///   for (const auto& note : launch.notes()) if (launch.is_main()) std::cerr << note << "\n";
+///   const tk::FitOptions options = tk::fit_options(config, launch);   // one seed on every rank
+///   model->to(launch.device());                               // before the trainer is built
+///   auto trainer = tk::make_trainer(config, model, launch.world_size());
+///   launch.attach(*trainer);                                  // DataParallel when world > 1
+///   task.batch = [&](epoch, index) { return my_batch(sampler.batch(epoch, index)).to(launch.device()); };
+///
+/// GPUS (config.md) against the launch:
+///   ''          the CPU when this machine has no CUDA device (said once, in notes()), else the
+///               local rank's GPU (cuda:LOCAL_RANK).
+///   '0,1,2,3'   one device per process on this node: local rank i trains on cuda:GPUS[i]. The
+///               list's length must equal the processes per node (torchrun --nproc-per-node;
+///               1 without a launcher), every id must exist, and ids must not repeat; a machine
+///               without CUDA refuses any id. Each is a ConfigError naming GPUS.
+/// The world size is the launcher's (RANK/WORLD_SIZE, or Slurm's); the LR is scaled by it
+/// (make_trainer's world_size). Collectives run on Gloo for the CPU and NCCL for CUDA, under
+/// DIST_TIMEOUT seconds (a dead or hung rank makes the others fail within it).
+#include <trainkit/any_trainer.hpp>
+#include <trainkit/config.hpp>
+#include <trainkit/distributed.hpp>
+#include <trainkit/run_options.hpp>
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/cuda.h>
+#include <torch/types.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace trainkit {
+
+/// Where one process trains, and what the user should be told about the choice.
+struct DevicePlan {
+  torch::Device device = torch::kCPU;
+  std::string note;  ///< empty, or a line to print once (e.g. "training on the CPU")
+};
+
+/// Processes on this node: torchrun's LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS_PER_NODE (its
+/// leading number), else the world size (one node).
+inline int local_world_size(const RankInfo& info) {
+  if (info.launcher == "torchrun" && detail::env("LOCAL_WORLD_SIZE")) return detail::env_int("LOCAL_WORLD_SIZE", info.world_size);
+  if (info.launcher == "slurm") {
+    if (const char* v = detail::env("SLURM_NTASKS_PER_NODE")) {
+      const long n = std::strtol(v, nullptr, 10);
+      if (n > 0) return static_cast<int>(n);
+    }
+  }
+  return info.world_size;
+}
+
+/// The device of local rank `local_rank` of `local_world` processes on a node with
+/// `cuda_devices` CUDA devices, from GPUS (see the file comment). Pure: tested without a GPU.
+inline DevicePlan plan_device(const std::string& gpus, int local_rank, int local_world, std::int64_t cuda_devices) {
+  std::vector<int> ids;
+  {
+    std::string digits;
+    auto flush = [&] {
+      if (!digits.empty()) ids.push_back(std::stoi(digits));
+      digits.clear();
+    };
+    for (char c : gpus) {
+      if (c >= '0' && c <= '9') digits += c;
+      else if (c == ',') flush();
+    }
+    flush();
+  }
+  const std::string processes = std::to_string(local_world) + (local_world == 1 ? " process" : " processes");
+  if (ids.empty()) {
+    if (cuda_devices == 0)
+      return {torch::kCPU, "GPUS is empty and this machine has no CUDA device: training on the CPU" +
+                               std::string(local_world > 1 ? " (Gloo between the ranks)" : "")};
+    if (local_rank >= cuda_devices)
+      throw ConfigError("GPUS", "is empty, so local rank " + std::to_string(local_rank) + " would train on cuda:" +
+                                    std::to_string(local_rank) + ", but this machine has " + std::to_string(cuda_devices) +
+                                    " CUDA device(s); launch at most " + std::to_string(cuda_devices) + " processes per node");
+    return {torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank)), ""};
+  }
+  if (cuda_devices == 0)
+    throw ConfigError("GPUS", "lists CUDA device(s) '" + gpus + "', but this machine has no CUDA device (torch::cuda::is_available() "
+                                                                "is false); set GPUS: '' to train on the CPU");
+  if (static_cast<int>(ids.size()) != local_world)
+    throw ConfigError("GPUS", "lists " + std::to_string(ids.size()) + " device(s) ('" + gpus + "'), but this launch runs " +
+                                  processes + " on this node: one process per device, so launch with `torchrun --nproc-per-node " +
+                                  std::to_string(ids.size()) + " ...`" +
+                                  (local_world > 1 ? " or list " + std::to_string(local_world) + " devices" : std::string()));
+  std::set<int> seen;
+  for (int id : ids) {
+    if (id >= cuda_devices)
+      throw ConfigError("GPUS", "names cuda:" + std::to_string(id) + " ('" + gpus + "'), but this machine has " +
+                                    std::to_string(cuda_devices) + " CUDA device(s), cuda:0 to cuda:" + std::to_string(cuda_devices - 1));
+    if (!seen.insert(id).second)
+      throw ConfigError("GPUS", "names cuda:" + std::to_string(id) + " twice ('" + gpus + "'); each process needs its own device");
+  }
+  return {torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ids[static_cast<std::size_t>(local_rank)])), ""};
+}
+
+/// Ends the process with `message` when it is still alive after `seconds`. c10d's store client
+/// waits without a deadline for an answer from a port that accepts connections but is not a
+/// store; nothing else can interrupt that wait.
+class Watchdog {
+ public:
+  Watchdog(double seconds, std::string message)
+      : thread_([this, seconds, message = std::move(message)] {
+          std::unique_lock<std::mutex> lock(mutex_);
+          if (!done_changed_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) {
+            std::cerr << message << std::endl;
+            std::_Exit(1);
+          }
+        }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    done_changed_.notify_all();
+    thread_.join();
+  }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_changed_;
+  bool done_ = false;
+  std::thread thread_;  // last: starts after the members it reads
+};
+
+/// This process's place in the run: rank, device and (world size > 1) the process group.
+class Launch {
+ public:
+  /// From a validated configuration and the launcher's environment; joins the process group
+  /// when there is more than one process (blocks until every rank has joined, or DIST_TIMEOUT).
+  static Launch from_config(const Config& config) {
+    const double timeout = config.tree()["DIST_TIMEOUT"].get<double>();
+    const RankInfo info = ProcessGroup::resolve(DistributedOptions().timeout_seconds(timeout));
+    const int local_world = local_world_size(info);
+    if (info.local_rank < 0 || info.local_rank >= local_world)
+      throw DistributedError("trainkit: " + info.launcher + " gives local rank " + std::to_string(info.local_rank) + " of " +
+                             std::to_string(local_world) + " processes on this node");
+    const std::int64_t cuda = torch::cuda::is_available() ? static_cast<std::int64_t>(torch::cuda::device_count()) : 0;
+    DevicePlan plan = plan_device(config.tree()["GPUS"].get<std::string>(), info.local_rank, local_world, cuda);
+    Launch l;
+    l.info_ = info;
+    l.device_ = plan.device;
+    if (!plan.note.empty()) l.notes_.push_back(plan.note);
+    if (l.device_.is_cuda()) {
+      // kCUDA without an index (and NCCL's communicator) then mean this rank's GPU.
+      c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(l.device_);
+    }
+    if (info.world_size > 1) {
+      const std::string store = std::string(detail::env("MASTER_ADDR") ? detail::env("MASTER_ADDR") : "127.0.0.1") + ":" +
+                                std::to_string(detail::env_int("MASTER_PORT", 29500));
+      const Watchdog watchdog(2 * timeout + 10, "error (rank " + std::to_string(info.rank) + " of " + std::to_string(info.world_size) +
+                                                    "): trainkit: joining the process group at " + store + " took more than " +
+                                                    detail::seconds_text(2 * timeout + 10) + " s (DIST_TIMEOUT " +
+                                                    detail::seconds_text(timeout) + "): something answers on that port but "
+                                                    "no store does (another program holds MASTER_PORT?); choose another port");
+      l.group_ = ProcessGroup::create(DistributedOptions().timeout_seconds(timeout), l.device_);
+      l.notes_.push_back("data parallel: " + std::to_string(info.world_size) + " processes (" + info.launcher + ", " +
+                         l.group_->backend()->getBackendName() + ", store " + l.group_->info().store + "), rank " +
+                         std::to_string(info.rank) + " on " + l.device_.str());
+    }
+    return l;
+  }
+
+  /// One process on `device` (tests, programs that place themselves).
+  static Launch single(torch::Device device = torch::kCPU) {
+    Launch l;
+    l.device_ = device;
+    return l;
+  }
+
+  torch::Device device() const { return device_; }
+  int rank() const { return info_.rank; }
+  int world_size() const { return info_.world_size; }
+  bool is_main() const { return info_.rank == 0; }
+  const RankInfo& info() const { return info_; }
+  /// The group when world_size() > 1.
+  const std::optional<ProcessGroup>& group() const { return group_; }
+  /// What to tell the user once (the main rank prints them).
+  const std::vector<std::string>& notes() const { return notes_; }
+
+  /// Makes `trainer` data-parallel over the group (rank 0's weights to every rank); nothing
+  /// with one process. Call after the model is on device() and before training or load().
+  void attach(AnyTrainer& trainer) const {
+    if (group_) trainer.set_replicas(std::make_shared<DataParallel>(*group_));
+  }
+
+  /// Rank 0's `value` on every rank (a seed drawn on one rank).
+  std::int64_t agree(std::int64_t value) const {
+    if (!group_) return value;
+    auto t = torch::full({1}, value, torch::dtype(torch::kLong).device(group_->device()));
+    group_->broadcast(t, "agreeing on a value of rank 0");
+    return t.cpu().item<std::int64_t>();
+  }
+
+  /// Elementwise sum over ranks of a few host values (e.g. validation counts); every rank calls
+  /// it alike.
+  std::vector<double> sum(std::vector<double> values, const std::string& what = "summing values over ranks") const {
+    return reduce(std::move(values), c10d::ReduceOp::SUM, what);
+  }
+  /// Elementwise maximum over ranks (e.g. peak memory).
+  std::vector<double> max(std::vector<double> values, const std::string& what = "the maximum over ranks") const {
+    return reduce(std::move(values), c10d::ReduceOp::MAX, what);
+  }
+
+ private:
+  std::vector<double> reduce(std::vector<double> values, c10d::ReduceOp op, const std::string& what) const {
+    if (!group_ || values.empty()) return values;
+    auto t = torch::tensor(values, torch::kDouble).to(group_->device());
+    group_->all_reduce(t, what, op);
+    t = t.cpu();
+    const auto a = t.accessor<double, 1>();
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = a[static_cast<std::int64_t>(i)];
+    return values;
+  }
+
+  RankInfo info_{0, 1, 0, "single process", "in memory"};
+  torch::Device device_ = torch::kCPU;
+  std::optional<ProcessGroup> group_;
+  std::vector<std::string> notes_;
+};
+
+/// fit_options(config) for this launch: with RNG_SEED -1 rank 0 draws the seed and every rank
+/// uses it (the ranks' shards come from one permutation), said once by the main rank.
+inline FitOptions fit_options(const Config& config, const Launch& launch) {
+  if (launch.world_size() == 1 || config.tree()["RNG_SEED"].get<std::int64_t>() >= 0) return fit_options(config);
+  std::int64_t drawn = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff);
+  drawn = launch.agree(drawn);
+  FitOptions o = fit_options(config, drawn);
+  if (launch.is_main())
+    std::cerr << "trainkit: RNG_SEED is -1: this run uses seed " << drawn << " on all " << launch.world_size()
+              << " ranks (set RNG_SEED: " << drawn << " to repeat it)\n";
+  return o;
+}
+
+}  // namespace trainkit

@@ -1,0 +1,79 @@
+// Skipped optimizer steps are never silent (issue 14, item 4): in FP32 the first skip is a
+// warning naming the position, and TRAIN.NONFINITE_PATIENCE skips with no clean log interval
+// between them stop the run with NonFiniteGradient; one transient skip only warns.
+#include "helpers.hpp"
+
+#include <trainkit/fit.hpp>
+#include <trainkit/trainer.hpp>
+
+#include <limits>
+#include <sstream>
+#include <string>
+
+namespace {
+
+// std::cerr into a string for the scope.
+struct CaptureStderr {
+  std::ostringstream text;
+  std::streambuf* old = std::cerr.rdbuf(text.rdbuf());
+  ~CaptureStderr() { std::cerr.rdbuf(old); }
+};
+
+// An FP32 run of 2 epochs x 8 micro-batches (accumulation 1, a log every window) whose loss is
+// infinite at the micro-batches `bad` says.
+struct Run {
+  testing::TempDir dir;
+  testing::TinyMlp model = testing::make_mlp(3);
+  tk::Trainer<> trainer{model, tk::SGD{0.05}};
+  testing::Regression data = testing::regression(64);
+  tk::Task<std::int64_t> task;
+  explicit Run(std::function<bool(std::int64_t epoch, std::int64_t index)> bad) {
+    task.batches_per_epoch = [](std::int64_t) { return std::int64_t{8}; };
+    task.batch = [](std::int64_t epoch, std::int64_t index) { return epoch * 8 + index; };
+    task.loss = [this, bad](const std::int64_t& b, tk::Metrics&) {
+      const auto i = b % 8;
+      auto loss = torch::mse_loss(model(data.x.narrow(0, 8 * i, 8)), data.y.narrow(0, 8 * i, 8));
+      return bad(b / 8, i) ? loss * std::numeric_limits<float>::infinity() : loss;
+    };
+  }
+  tk::FitOptions options(std::int64_t patience) const {
+    return tk::FitOptions().output_path(dir.path).end_epoch(2).log_frequent(1).progress(false).handle_signals(false)
+        .nonfinite_patience(patience);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("FP32: skipped steps warn at the first and stop the run after NONFINITE_PATIENCE") {
+  Run run([](std::int64_t epoch, std::int64_t index) { return epoch == 0 && index >= 2; });  // diverged from step 3 on
+  CaptureStderr err;
+  std::string stopped;
+  try {
+    tk::fit(run.trainer, run.task, run.options(3));
+  } catch (const tk::NonFiniteGradient& e) {
+    stopped = e.what();
+  }
+  INFO(stopped);
+  CHECK(stopped.find("epoch 0, micro-batch 4 of 8, optimizer step 5: 1 of the last 1 optimizer steps were skipped "
+                     "(non-finite gradients; training loss ") == 0);
+  CHECK(stopped.find("3 skipped with no clean log interval between them (TRAIN.NONFINITE_PATIENCE 3): stopping") !=
+        std::string::npos);
+  const std::string said = err.text.str();
+  INFO(said);
+  CHECK(said.find("trainkit: warning: epoch 0, micro-batch 2 of 8, optimizer step 3: 1 of the last 1 optimizer steps were "
+                  "skipped") != std::string::npos);
+  CHECK(said.find("skips a step only when its gradient is not finite") != std::string::npos);
+  CHECK(run.trainer.skipped_steps().item<std::int64_t>() == 3);
+}
+
+TEST_CASE("FP32: one transient skip warns once and the run goes on") {
+  Run run([](std::int64_t epoch, std::int64_t index) { return epoch == 0 && index == 4; });
+  CaptureStderr err;
+  const tk::FitResult r = tk::fit(run.trainer, run.task, run.options(3));
+  CHECK(r.skipped_steps == 1);
+  CHECK(r.applied_steps == 15);
+  const std::string said = err.text.str();
+  INFO(said);
+  CHECK(said.find("trainkit: warning: epoch 0, micro-batch 4 of 8, optimizer step 5") != std::string::npos);
+  CHECK(said.find("warning", said.find("warning") + 1) == std::string::npos);  // once
+}

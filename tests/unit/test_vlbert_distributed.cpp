@@ -1,0 +1,206 @@
+// The main job (examples/vlbert, the `vlbert` program) data-parallel on the CPU over Gloo, its
+// ranks launched as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT):
+//   - 2 ranks x micro-batch B train as 1 process x 2B on the same data (parameters, logged losses);
+//   - one rank SIGKILLed: the other fails within DIST_TIMEOUT naming it, and a relaunch resumes
+//     from the last complete checkpoint to the uninterrupted run's final state, bit for bit;
+//   - GPUS that the machine or the launch contradicts is refused, naming GPUS.
+#if __has_include(<gloo/algorithm.h>)
+
+#include "helpers.hpp"
+#include "../support/processes.hpp"
+
+#include <nlohmann/json.hpp>
+#include <torch/serialize/input-archive.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <signal.h>
+
+using namespace trainkit_testing::processes;
+
+namespace {
+
+std::string vlbert_program() { return here() + "/../examples/vlbert/vlbert"; }
+
+// False (said) when the examples are not built (TRAINKIT_BUILD_EXAMPLES=OFF).
+bool have_program() {
+  if (testing::file_exists(vlbert_program())) return true;
+  MESSAGE("skipped: no " << vlbert_program() << " (the examples are not built)");
+  return false;
+}
+
+// A run small enough for seconds: the shipped config with small data and the given overrides.
+std::vector<std::string> vlbert_args(const std::string& task, const std::string& dir, const std::vector<std::string>& sets) {
+  std::vector<std::string> a{vlbert_program(), task, "--cfg",
+                             std::string(TRAINKIT_SOURCE_DIR) + "/cfgs/vlbert/" + task + "/base_1x24G_fp32.yaml",
+                             "--model-dir", dir};
+  for (const std::string s : {"DATASET.TRAIN_SCENES=32", "DATASET.VAL_SCENES=16", "LOG_FREQUENT=1", "DIST_TIMEOUT=15",
+                              "TRAIN.WARMUP_STEPS=2", "CHECKPOINT_FREQUENT=1"})
+    a.insert(a.end(), {"--set", s});
+  for (const auto& s : sets) a.insert(a.end(), {"--set", s});
+  return a;
+}
+
+// The ranks of one launch, as torchrun starts them; their output in DIR.rank<r>.{out,err}.
+std::vector<Child> launch(const std::vector<std::string>& argv, int world, const std::string& logs) {
+  const std::string port = std::to_string(free_port());
+  std::vector<Child> ranks;
+  for (int r = 0; r < world; ++r) {
+    std::map<std::string, std::string> vars{{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+    if (world > 1)
+      vars.insert({{"RANK", std::to_string(r)},
+                   {"WORLD_SIZE", std::to_string(world)},
+                   {"LOCAL_RANK", std::to_string(r)},
+                   {"LOCAL_WORLD_SIZE", std::to_string(world)}});
+    ranks.push_back(spawn(argv, vars, logs + ".rank" + std::to_string(r)));
+  }
+  return ranks;
+}
+
+void run_to_end(const std::vector<std::string>& argv, int world, const std::string& logs, double seconds = 300) {
+  const auto ranks = launch(argv, world, logs);
+  for (const auto& c : ranks) expect_success(c, wait_exit(c, seconds));
+}
+
+// The model's tensors of a checkpoint (Trainer::save's "model.param." / "model.buffer." records).
+std::map<std::string, torch::Tensor> model_tensors(const std::string& path) {
+  torch::serialize::InputArchive archive;
+  archive.load_from(path);
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& key : archive.keys())
+    if (key.rfind("model.", 0) == 0) {
+      torch::Tensor t;
+      archive.read(key, t, /*is_buffer=*/key.rfind("model.buffer.", 0) == 0);
+      out[key] = t;
+    }
+  return out;
+}
+
+// The largest difference between two checkpoints' model tensors (which must have the same names).
+double max_difference(const std::string& a, const std::string& b) {
+  const auto x = model_tensors(a), y = model_tensors(b);
+  REQUIRE(x.size() == y.size());
+  REQUIRE(x.size() > 10);
+  double worst = 0;
+  for (const auto& [name, t] : x) {
+    REQUIRE_MESSAGE(y.count(name), name << " missing from " << b);
+    worst = std::max(worst, (t.to(torch::kDouble) - y.at(name).to(torch::kDouble)).abs().max().item<double>());
+  }
+  return worst;
+}
+
+// Train-Loss by step from a run's JSON-lines log; a step logged twice fails.
+std::map<std::int64_t, double> logged_losses(const std::string& path) {
+  std::ifstream in(path);
+  REQUIRE_MESSAGE(in.good(), "cannot read " << path);
+  std::map<std::int64_t, double> losses;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["tag"] != "Train-Loss") continue;
+    const auto step = j["step"].get<std::int64_t>();
+    REQUIRE_MESSAGE(!losses.count(step), "step " << step << " logged twice in " << path);
+    losses[step] = j["value"].get<double>();
+  }
+  return losses;
+}
+
+nlohmann::json result_line(const std::string& out) {
+  std::ifstream in(out);
+  std::string line, result;
+  while (std::getline(in, line))
+    if (line.rfind("RESULT ", 0) == 0) result = line.substr(7);
+  REQUIRE_MESSAGE(!result.empty(), "no RESULT line in " << out);
+  return nlohmann::json::parse(result);
+}
+
+}  // namespace
+
+TEST_CASE("the main job: 2 ranks x micro-batch B train as 1 process x 2B (FP32, accumulation 2)") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  // No dropout: 1 x 2B and 2 x B draw different masks. Everything else as shipped.
+  const std::vector<std::string> common{"NETWORK.PARTIAL_PRETRAIN=''", "NETWORK.CLASSIFIER_DROPOUT=0",
+                                        "NETWORK.VLBERT.hidden_dropout_prob=0", "NETWORK.VLBERT.attention_probs_dropout_prob=0",
+                                        "TRAIN.GRAD_ACCUMULATE_STEPS=2", "TRAIN.END_EPOCH=2"};
+  auto with = [&](const std::string& batch) {
+    auto s = common;
+    s.push_back("TRAIN.BATCH_IMAGES=" + batch);
+    return s;
+  };
+  run_to_end(vlbert_args("vqa", dir / "one", with("8")), 1, dir / "one");
+  run_to_end(vlbert_args("vqa", dir / "two", with("4")), 2, dir / "two");
+
+  const auto one = result_line(dir / "one.rank0.out"), two = result_line(dir / "two.rank0.out");
+  CHECK(two["world_size"] == 2);
+  CHECK(one["steps"] == 8);  // 64 questions / (8 x 2) per window x 2 epochs
+  CHECK(two["steps"] == one["steps"]);
+  CHECK(two["train_samples"] == one["train_samples"]);
+  CHECK(slurp(dir / "two.rank1.out").find("RESULT") == std::string::npos);  // the main rank reports
+
+  // The logged losses: every window's, once, equal to float rounding (the sums are reassociated).
+  const auto l1 = logged_losses(dir / "one/vl-bert_base_vqa-scalars.jsonl");
+  const auto l2 = logged_losses(dir / "two/vl-bert_base_vqa-scalars.jsonl");
+  REQUIRE(l1.size() == 8);
+  REQUIRE(l2.size() == l1.size());
+  for (const auto& [step, loss] : l1) {
+    INFO("step " << step << ": 1 x 2B " << loss << ", 2 x B " << l2.at(step));
+    CHECK(std::abs(l2.at(step) - loss) <= 1e-5 * std::abs(loss));
+  }
+  // The parameters after 8 windows.
+  const double diff = max_difference(dir / "one/vl-bert_base_vqa-0001.ckpt", dir / "two/vl-bert_base_vqa-0001.ckpt");
+  MESSAGE("largest parameter difference, 1 x 2B against 2 x B after 8 windows: " << diff);
+  CHECK(diff < 1e-5);
+}
+
+TEST_CASE("the main job: a SIGKILLed rank stops the other within DIST_TIMEOUT, and the relaunch resumes exactly") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  // Pre-training with dropout (each rank's masks seeded per micro-batch): 3 epochs, a
+  // checkpoint after each.
+  const std::vector<std::string> sets{"TRAIN.BATCH_IMAGES=4", "TRAIN.END_EPOCH=3", "DATASET.TRAIN_SCENES=48"};
+  run_to_end(vlbert_args("pretrain", dir / "whole", sets), 2, dir / "whole");
+
+  const auto ranks = launch(vlbert_args("pretrain", dir / "cut", sets), 2, dir / "cut");
+  const std::string first = dir / "cut/vl-bert_base_pretrain-0000.ckpt";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+  while (!testing::file_exists(first) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE_MESSAGE(testing::file_exists(first), "no first checkpoint; rank 0 said:\n" << slurp(ranks[0].err));
+  ::kill(ranks[1].pid, SIGKILL);
+  const auto killed = std::chrono::steady_clock::now();
+  CHECK(wait_exit(ranks[1], 30) == 128 + SIGKILL);
+  const int status = wait_exit(ranks[0], 15 + 30);  // DIST_TIMEOUT, and slack for a busy machine
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  const std::string said = slurp(ranks[0].err);
+  INFO("rank 0 exited with " << status << " after " << took << " s and said:\n" << said);
+  CHECK(status == 1);
+  CHECK(took < 15 + 30);
+  CHECK(said.find("error (rank 0 of 2): trainkit: rank 0 of 2") != std::string::npos);
+  CHECK(said.find("rank 1") != std::string::npos);
+
+  // The relaunch resumes from the last complete checkpoint (auto-resume) and ends where the
+  // uninterrupted run ended.
+  run_to_end(vlbert_args("pretrain", dir / "cut", sets), 2, dir / "resumed");
+  CHECK(slurp(dir / "resumed.rank0.err").find("resum") != std::string::npos);
+  CHECK(max_difference(dir / "whole/vl-bert_base_pretrain-0002.ckpt", dir / "cut/vl-bert_base_pretrain-0002.ckpt") == 0.0);
+}
+
+TEST_CASE("the main job refuses GPUS that the machine or the launch contradicts, naming GPUS") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  const auto one = launch(vlbert_args("pretrain", dir / "run", {"GPUS=0,1"}), 1, dir / "one");
+  CHECK(wait_exit(one[0], 120) == 2);
+  const std::string said = slurp(dir / "one.rank0.err");
+  INFO(said);
+  // No CUDA here: the ids are refused; with CUDA, two devices for one process are.
+  CHECK(said.find("error: GPUS: lists") != std::string::npos);
+  CHECK_FALSE(testing::file_exists(dir / "run/vl-bert_base_pretrain-0000.ckpt"));
+}
+
+#endif
