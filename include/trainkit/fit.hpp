@@ -48,6 +48,7 @@
 /// micro-batch, the optimizer step and the loss value.
 #include <trainkit/checkpoint.hpp>
 #include <trainkit/config.hpp>
+#include <trainkit/config/resume_changes.hpp>
 #include <trainkit/detail/rng_state.hpp>
 #include <trainkit/detail/stop_signals.hpp>
 #include <trainkit/log/progress.hpp>
@@ -522,6 +523,7 @@ class FitLoop {
     a.write("fit.logged.weights", c10::IValue(c10::List<double>(weights)));
   }
   void load_loop_extra(torch::serialize::InputArchive& a) {
+    check_resume_changes(detail::read_value(a, "fit.config").toStringRef());  // before anything changes
     metrics_.load(a, "fit.metrics");
     c10::IValue names, sums, weights;
     a.read("fit.logged.names", names);
@@ -532,6 +534,24 @@ class FitLoop {
     const auto s = sums.toDoubleList();
     const auto w = weights.toDoubleList();
     for (size_t i = 0; i < n.size(); ++i) logged_.of[n[i].toStringRef()] = {s.get(i), w.get(i)};
+  }
+
+  // The checkpoint's resolved configuration against this run's: a key that changes the
+  // trajectory is refused with every difference (TRAIN.RESUME_CHANGES: allow lets it through,
+  // said once); keys of length, rhythm, place and evaluation change freely.
+  void check_resume_changes(const std::string& saved_json) {
+    if (saved_json.empty() || options_.config_json().empty()) return;  // not written from a configuration
+    const auto changes = resume_changes(saved_json, options_.config_json());
+    if (changes.empty()) return;
+    std::string listed;
+    for (const auto& c : changes) listed += "\n  " + c.key + ": " + c.before + " -> " + c.after;
+    if (!options_.allow_resume_changes())
+      throw ConfigError("TRAIN.RESUME_CHANGES", "the checkpoint in '" + options_.output_path() +
+                                                    "' was written with another configuration, and these keys change "
+                                                    "the training trajectory (checkpoint -> this run):" + listed +
+                                                    "\nResume with the checkpoint's values, start in a new directory (--model-dir), or set "
+                                                    "TRAIN.RESUME_CHANGES: allow (--set TRAIN.RESUME_CHANGES=allow) to continue with this run's");
+    say("trainkit: resuming with a changed configuration (TRAIN.RESUME_CHANGES: allow), checkpoint -> this run:" + listed);
   }
 
   FitResult stop(int signal) {

@@ -69,6 +69,10 @@ struct FitOptions {
   /// FP32/BF16: skipped (non-finite) optimizer steps, with no clean log interval between them,
   /// that stop the run (TRAIN.NONFINITE_PATIENCE); the first is a warning.
   TORCH_ARG(std::int64_t, nonfinite_patience) = 20;
+  /// A resume from a checkpoint whose configuration (config_json) differs in a key that changes
+  /// the trajectory: refused with the differences (false), or allowed and said (true)
+  /// (TRAIN.RESUME_CHANGES; resume_changes.hpp says which keys may change freely).
+  TORCH_ARG(bool, allow_resume_changes) = false;
   /// SIGINT/SIGTERM stop the loop gracefully (off: the signals keep their handlers).
   TORCH_ARG(bool, handle_signals) = true;
   /// Write checkpoints and logs (false on data-parallel ranks other than 0; they still resume).
@@ -110,6 +114,7 @@ inline FitOptions fit_options(const Config& config, std::optional<std::int64_t> 
       .checkpoint_frequent(t["CHECKPOINT_FREQUENT"].get<std::int64_t>())
       .checkpoint_keep(train["CHECKPOINT_KEEP"].get<std::int64_t>())
       .nonfinite_patience(train["NONFINITE_PATIENCE"].get<std::int64_t>())
+      .allow_resume_changes(train["RESUME_CHANGES"].get<std::string>() == "allow")
       .resume(train["RESUME"].get<bool>())
       .auto_resume(train["AUTO_RESUME"].get<bool>())
       .config_json(config.dump(-1));

@@ -234,6 +234,59 @@ class Trainer final : public AnyTrainer {
   /// directory, flushed, renamed). `extra` adds the caller's state (epoch, sampler...).
   void save(const std::string& path, const SaveExtra& extra = {}) const override {
     torch::serialize::OutputArchive archive;
+    write_state(archive);
+    if (extra) extra(archive);
+    detail::write_archive_atomically(archive, path);
+  }
+
+  /// Restores the state written by save(). Changes nothing when it fails: a checkpoint of
+  /// another trainer type or optimizer, or with other parameter names or shapes, is refused
+  /// before anything changes (the message names the first mismatch), and `extra` (the caller's
+  /// state and checks) runs first; a failure after that (an optimizer state that does not fit,
+  /// ranks that loaded different states) puts the previous state back.
+  void load(const std::string& path, const LoadExtra& extra = {}) override {
+    torch::serialize::InputArchive archive;
+    detail::read_archive(archive, path);
+    const auto what = [&](const std::string& s) { return "checkpoint '" + path + "': " + s; };
+    if (extra) extra(archive);  // the caller's state and checks (the fit loop's: the configuration)
+    c10::IValue type;
+    if (!archive.try_read("meta.trainer", type))
+      throw std::runtime_error(what("not a trainkit checkpoint (no meta.trainer record)"));
+    if (type.toStringRef() != name())
+      throw std::runtime_error(what("written by " + type.toStringRef() + ", this trainer is " +
+                                    name() + "; resume with the same configuration"));
+    c10::IValue optimizer;
+    if (archive.try_read("meta.optimizer", optimizer) && optimizer.toStringRef() != rule_->name())
+      throw std::runtime_error(what("written with the optimizer " + optimizer.toStringRef() + ", this trainer's is " +
+                                    rule_->name() + "; resume with the checkpoint's optimizer (TRAIN.OPTIMIZER), or "
+                                    "start a new run (tk::load_weights takes its weights alone)"));
+    check_model_records(archive, what);
+    // The previous state, in host memory, to put back if anything below fails.
+    std::stringstream previous;
+    {
+      torch::serialize::OutputArchive snapshot;
+      write_state(snapshot);
+      snapshot.save_to(previous);
+    }
+    try {
+      read_state(archive, what);
+      // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
+      replicas_->check_same_state({flat_params_, applied_, skipped_, precision_.scale(),
+                                   torch::tensor({static_cast<double>(windows_),
+                                                  static_cast<double>(accumulation_.state().position)},
+                                                 torch::kDouble)},
+                                  what("the ranks loaded different training states"));
+    } catch (...) {
+      torch::serialize::InputArchive snapshot;
+      snapshot.load_from(previous, torch::Device(torch::kCPU));
+      read_state(snapshot, [](const std::string& s) { return "restoring the state before a failed load: " + s; });
+      throw;
+    }
+  }
+
+ private:
+  // Every record of the trainer's state (save() and the snapshot a load can go back to).
+  void write_state(torch::serialize::OutputArchive& archive) const {
     detail::write_value(archive, "meta.trainer", name());
     detail::write_value(archive, "meta.version", std::string(TRAINKIT_VERSION_STRING));
     detail::write_value(archive, "meta.optimizer", rule_->name());
@@ -266,26 +319,13 @@ class Trainer final : public AnyTrainer {
     }
     detail::write_value(archive, "schedule.state", schedule_->state());
     detail::save_rng_states(archive, device_);
-    if (extra) extra(archive);
-    detail::write_archive_atomically(archive, path);
   }
 
-  /// Restores the state written by save(). Refuses, changing nothing, a checkpoint of another
-  /// trainer type or with other parameter names or shapes (the message names the first).
-  void load(const std::string& path, const LoadExtra& extra = {}) override {
-    torch::serialize::InputArchive archive;
-    detail::read_archive(archive, path);
-    const auto what = [&](const std::string& s) { return "checkpoint '" + path + "': " + s; };
-    c10::IValue type;
-    if (!archive.try_read("meta.trainer", type))
-      throw std::runtime_error(what("not a trainkit checkpoint (no meta.trainer record)"));
-    if (type.toStringRef() != name())
-      throw std::runtime_error(what("written by " + type.toStringRef() + ", this trainer is " +
-                                    name() + "; resume with the same configuration"));
-    // Check every parameter and buffer before changing anything.
-    std::vector<std::pair<torch::Tensor, torch::Tensor>> copies;
-    auto collect = [&](const std::string& prefix, const std::string& key,
-                       const torch::Tensor& target) {
+  // Every parameter and buffer of the model is in the archive with its shape; throws naming the
+  // first that is not, before anything changes.
+  template <class What>
+  void check_model_records(torch::serialize::InputArchive& archive, const What& what) const {
+    auto check = [&](const std::string& prefix, const std::string& key, const torch::Tensor& target) {
       torch::Tensor saved;
       if (!archive.try_read(prefix + key, saved, true))
         throw std::runtime_error(what("has no " + prefix.substr(6, prefix.size() - 7) + " '" +
@@ -294,17 +334,31 @@ class Trainer final : public AnyTrainer {
         throw std::runtime_error(what("'" + key + "' has shape " +
                                       detail::shape_string(saved.sizes()) + ", the model's is " +
                                       detail::shape_string(target.sizes())));
-      copies.emplace_back(target, saved);
     };
-    for (const auto& p : module_->named_parameters(true))
-      collect("model.param.", p.key(), stored(p.key(), p.value()));
-    for (const auto& b : module_->named_buffers(true)) collect("model.buffer.", b.key(), b.value());
+    for (const auto& p : module_->named_parameters(true)) check("model.param.", p.key(), stored(p.key(), p.value()));
+    for (const auto& b : module_->named_buffers(true)) check("model.buffer.", b.key(), b.value());
+  }
+
+  // Sets the trainer's state from the records write_state() wrote (checked by
+  // check_model_records first).
+  template <class What>
+  void read_state(torch::serialize::InputArchive& archive, const What& what) {
     {
       torch::NoGradGuard no_grad;
-      for (auto& [target, saved] : copies) target.copy_(saved);
+      for (const auto& p : module_->named_parameters(true))
+        detail::read_into(archive, "model.param." + p.key(), stored(p.key(), p.value()));
+      for (const auto& b : module_->named_buffers(true)) detail::read_into(archive, "model.buffer." + b.key(), b.value());
       if constexpr (Precision::master_weights) half_.write_back(flat_params_);
     }
-    rule_->load(archive);
+    try {
+      rule_->load(archive);
+    } catch (const std::exception& e) {
+      c10::IValue written;
+      const std::string by = archive.try_read("meta.optimizer", written) ? written.toStringRef() : std::string("an unknown optimizer");
+      throw std::runtime_error(what("its optimizer state was written by " + by + ", this trainer's optimizer is " +
+                                    rule_->name() + ", whose state it does not hold (" + detail::first_line_of(e) +
+                                    "); resume with the checkpoint's optimizer (TRAIN.OPTIMIZER), or start a new run"));
+    }
     precision_.load(archive);
     detail::read_into(archive, "counters.applied", applied_);
     detail::read_into(archive, "counters.skipped", skipped_);
@@ -331,12 +385,6 @@ class Trainer final : public AnyTrainer {
     schedule_->load_state(detail::read_value(archive, "schedule.state").toStringRef());
     schedule_changed();
     detail::load_rng_states(archive, device_);
-    if (extra) extra(archive);
-    // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
-    replicas_->check_same_state({flat_params_, applied_, skipped_, precision_.scale(),
-                                 torch::tensor({static_cast<double>(windows_),
-                                                static_cast<double>(acc.position)}, torch::kDouble)},
-                                what("the ranks loaded different training states"));
   }
 
  protected:

@@ -57,7 +57,8 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 43);  // VL-BERT's 28 TRAIN keys and trainkit's 15
+  CHECK(t.size() == 44);  // VL-BERT's 28 TRAIN keys and trainkit's 16
+  CHECK(t["RESUME_CHANGES"] == "refuse");
   CHECK(t["NONFINITE_PATIENCE"] == 20);
   CHECK(c.tree()["DIST_TIMEOUT"] == 1800.0);
   CHECK(t["MASTER_WEIGHTS"] == false);

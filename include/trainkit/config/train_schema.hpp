@@ -119,6 +119,9 @@ inline Schema train_schema() {
       .doc("per_sample: base LR = LR x total batch (VL-BERT); none: LR is the base LR");
   s.string("PARTIAL_WINDOW", "flush").one_of({"flush", "span", "drop"});
   s.string("NONFINITE", "skip").one_of({"skip", "abort"});
+  s.string("RESUME_CHANGES", "refuse").one_of({"refuse", "allow"}).doc(
+      "a resume whose configuration changes the training trajectory (LR, optimizer, batch, data...): refuse (with the "
+      "differences) or allow (said once)");
   s.integer("NONFINITE_PATIENCE", 20).min(1).doc(
       "FP32/BF16 with NONFINITE skip: skipped steps with no clean log interval between them that stop the run (the first warns)");
   s.boolean("MASTER_WEIGHTS", false)

@@ -150,6 +150,13 @@ inline c10::IValue read_value(torch::serialize::InputArchive& archive, const std
   return value;
 }
 
+/// The first line of an exception's message (c10::Error's without its backtrace).
+inline std::string first_line_of(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  const std::string text = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+  return text.substr(0, text.find('\n'));
+}
+
 /// A checkpoint whose bytes fail the archive check (truncated, a record's CRC-32 wrong).
 class DamagedArchive : public std::runtime_error {
  public:
