@@ -51,6 +51,7 @@ int main(int argc, char** argv) {
     }
     tk::Config config;
     vlbert::register_sections(config);
+    config.strict_sections();  // a section this program does not know (TRAINING for TRAIN) is an error
     config.load(cl.cfg, cl.overrides());
     const tk::Launch launch = tk::Launch::from_config(config);  // device (GPUS), ranks (torchrun)
     if (launch.is_main()) {

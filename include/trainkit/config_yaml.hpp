@@ -17,6 +17,7 @@
 #endif
 
 #include <string>
+#include <vector>
 
 namespace trainkit {
 namespace detail {
@@ -98,7 +99,16 @@ class YamlToJson {
 inline nlohmann::json parse_yaml_text(const std::string& text, const std::string& name) {
   YAML::Node node;
   try {
-    node = YAML::Load(text);
+    // One document: a second one (after `---`) would be dropped without a word by YAML::Load.
+    const std::vector<YAML::Node> documents = YAML::LoadAll(text);
+    if (documents.size() > 1) {
+      const YAML::Mark at = documents[1].Mark();
+      const std::string what = "a second YAML document (after '---'); a configuration file holds one document: merge them, "
+                               "or pass the second with --set";
+      if (at.is_null()) throw ConfigError("", name + ": " + what);
+      throw ConfigError::at(name, at.line + 1, at.column + 1, what);
+    }
+    if (!documents.empty()) node = documents[0];
 #if defined(TRAINKIT_YAML_HAS_DEPTH_GUARD)
   } catch (const YAML::DeepRecursion& e) {  // its own message says "bad file"
     throw ConfigError::at(name, e.mark.line + 1, e.mark.column + 1,

@@ -287,3 +287,10 @@ TEST_CASE("YAML configuration tests") {
   MESSAGE("skipped: built without YAML support (link trainkit::yaml, which defines TRAINKIT_WITH_YAML)");
 }
 #endif
+
+TEST_CASE("a second YAML document is refused, not dropped") {
+  CHECK(error_of("TRAIN:\n  END_EPOCH: 1\n---\nTRAIN:\n  END_EPOCH: 5\n") ==
+        "test.yaml:4:1: a second YAML document (after '---'); a configuration file holds one document: merge them, or pass "
+        "the second with --set");
+  CHECK(error_of("---\nTRAIN:\n  END_EPOCH: 1\n").empty());  // one document, introduced by ---
+}

@@ -191,6 +191,17 @@ TEST_CASE("the main job: a SIGKILLed rank stops the other within DIST_TIMEOUT, a
   CHECK(max_difference(dir / "whole/vl-bert_base_pretrain-0002.ckpt", dir / "cut/vl-bert_base_pretrain-0002.ckpt") == 0.0);
 }
 
+TEST_CASE("the main job refuses a section it does not know (a misspelt TRAIN)") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  const auto one = launch(vlbert_args("pretrain", dir / "run", {"TRAINING.END_EPOCH=1"}), 1, dir / "one");
+  CHECK(wait_exit(one[0], 120) == 2);
+  const std::string said = slurp(dir / "one.rank0.err");
+  INFO(said);
+  CHECK(said.find("error: TRAINING: unknown section") != std::string::npos);
+  CHECK_FALSE(testing::file_exists(dir / "run/vl-bert_base_pretrain-0000.ckpt"));
+}
+
 TEST_CASE("the main job refuses GPUS that the machine or the launch contradicts, naming GPUS") {
   if (!have_program()) return;
   testing::TempDir dir;
