@@ -479,7 +479,7 @@ class Trainer final : public AnyTrainer {
         e.param.set_data(param_view.view(e.param.sizes()));
         e.param.mutable_grad() = flat_grad_.narrow(0, offset, n).view(e.param.sizes());
       }
-      grad_views_.push_back({e.param, e.param.grad().data_ptr(), e.name});
+      grad_views_.push_back({e.param, e.param.grad().data_ptr(), e.param.data_ptr(), e.name});
       offset += n;
       const bool group_ends = i + 1 == entries.size() || entries[i + 1].mult != e.mult;
       if (group_ends) {
@@ -643,8 +643,17 @@ class Trainer final : public AnyTrainer {
     }
   }
 
-  // The flat-storage contract: every trainable parameter's .grad is still our view.
+  // The flat-storage contract: every trainable parameter and its .grad are still our views.
+  // Once per window, a pointer compare per parameter.
   void check_grad_storage() const {
+    for (const auto& g : grad_views_)
+      if (g.param.data_ptr() != g.param_data)
+        throw std::logic_error(
+            "Trainer: parameter '" + g.name + "' no longer lives in the trainer's storage: its data were replaced "
+            "after the trainer was built (torch::load(model, file), param.set_data(...), model->to(...)), so the "
+            "optimizer would update a copy the model does not read and the loss would never change. Load weights "
+            "or move the model before building the trainer, or use trainer.load(path) or tk::load_weights(model, "
+            "path), which copy into the parameters");
     for (const auto& g : grad_views_)
       if (!g.param.grad().defined() || g.param.grad().data_ptr() != g.data)
         throw std::logic_error(
@@ -669,7 +678,8 @@ class Trainer final : public AnyTrainer {
 
   struct GradView {
     torch::Tensor param;
-    const void* data;
+    const void* data;        // the .grad's storage (our flat gradient)
+    const void* param_data;  // the parameter's (our flat parameters, or the half copy)
     std::string name;
   };
 
