@@ -191,27 +191,29 @@ TEST_CASE("the main job: a SIGKILLed rank stops the other within DIST_TIMEOUT, a
   CHECK(max_difference(dir / "whole/vl-bert_base_pretrain-0002.ckpt", dir / "cut/vl-bert_base_pretrain-0002.ckpt") == 0.0);
 }
 
+// One process of the main job with `set`: it must exit 2 without writing a checkpoint; returns
+// what it printed on stderr.
+static std::string refused(const std::string& set) {
+  testing::TempDir dir;
+  const auto one = launch(vlbert_args("pretrain", dir / "run", {set}), 1, dir / "one");
+  CHECK(wait_exit(one[0], 120) == 2);
+  CHECK_FALSE(testing::file_exists(dir / "run/vl-bert_base_pretrain-0000.ckpt"));
+  return slurp(dir / "one.rank0.err");
+}
+
 TEST_CASE("the main job refuses a section it does not know (a misspelt TRAIN)") {
   if (!have_program()) return;
-  testing::TempDir dir;
-  const auto one = launch(vlbert_args("pretrain", dir / "run", {"TRAINING.END_EPOCH=1"}), 1, dir / "one");
-  CHECK(wait_exit(one[0], 120) == 2);
-  const std::string said = slurp(dir / "one.rank0.err");
+  const std::string said = refused("TRAINING.END_EPOCH=1");
   INFO(said);
   CHECK(said.find("error: TRAINING: unknown section") != std::string::npos);
-  CHECK_FALSE(testing::file_exists(dir / "run/vl-bert_base_pretrain-0000.ckpt"));
 }
 
 TEST_CASE("the main job refuses GPUS that the machine or the launch contradicts, naming GPUS") {
   if (!have_program()) return;
-  testing::TempDir dir;
-  const auto one = launch(vlbert_args("pretrain", dir / "run", {"GPUS=0,1"}), 1, dir / "one");
-  CHECK(wait_exit(one[0], 120) == 2);
-  const std::string said = slurp(dir / "one.rank0.err");
+  const std::string said = refused("GPUS=0,1");
   INFO(said);
   // No CUDA here: the ids are refused; with CUDA, two devices for one process are.
   CHECK(said.find("error: GPUS: lists") != std::string::npos);
-  CHECK_FALSE(testing::file_exists(dir / "run/vl-bert_base_pretrain-0000.ckpt"));
 }
 
 #endif
