@@ -66,16 +66,19 @@ inline tk::Schema network_schema() {
   return n;
 }
 
+/// The most memory the synthetic scenes' features may take.
+inline constexpr std::int64_t kMaxSceneBytes = std::int64_t{16} << 30;
+
 /// DATASET: the synthetic scenes' sizes.
 inline tk::Schema dataset_schema() {
   tk::Schema d;
   d.string("DATASET", "synthetic").one_of({"synthetic"});
-  d.integer("TRAIN_SCENES", 4000).min(1);
-  d.integer("VAL_SCENES", 500).min(1).doc("the fixed validation split");
-  d.integer("QUESTIONS_PER_SCENE", 2).min(1).doc("VQA samples per scene");
+  d.integer("TRAIN_SCENES", 4000).min(1).max(100000000).doc("held in memory (see the rule below)");
+  d.integer("VAL_SCENES", 500).min(1).max(100000000).doc("the fixed validation split");
+  d.integer("QUESTIONS_PER_SCENE", 2).min(1).max(1000).doc("VQA samples per scene");
   d.integer("MIN_OBJECTS", 2).min(1);
   d.integer("MAX_OBJECTS", 5).min(1).max(kMaxObjects);
-  d.integer("FEATURE_DIM", 32).min(1);
+  d.integer("FEATURE_DIM", 32).min(1).max(65536);
   d.number("FEATURE_NOISE", 1.0).min(0).doc("noise (standard deviation) on each region feature");
   d.boolean("ADD_IMAGE_AS_A_BOX", true).doc("region 0 is the whole image; words get its visual feature");
   d.number("TEXT_MASK_PROB", 0.15).min(0).max(1);
@@ -84,6 +87,16 @@ inline tk::Schema dataset_schema() {
   d.rule([](const nlohmann::json& s, const std::string& path) {
     if (s["MIN_OBJECTS"].get<std::int64_t>() > s["MAX_OBJECTS"].get<std::int64_t>())
       throw tk::ConfigError(path + ".MIN_OBJECTS", "must be <= MAX_OBJECTS (" + s["MAX_OBJECTS"].dump() + ")");
+    // The scenes' region features are generated up front and held in memory: refuse a size
+    // that cannot be, before it ends in std::bad_alloc (the bounds above keep this in range).
+    const std::int64_t scenes = s["TRAIN_SCENES"].get<std::int64_t>() + s["VAL_SCENES"].get<std::int64_t>();
+    const std::int64_t bytes = scenes * s["MAX_OBJECTS"].get<std::int64_t>() * s["FEATURE_DIM"].get<std::int64_t>() *
+                               static_cast<std::int64_t>(sizeof(float));
+    if (bytes > kMaxSceneBytes)
+      throw tk::ConfigError(path + ".TRAIN_SCENES", "the scenes' features would take up to " + std::to_string(bytes >> 20) +
+                                                        " MiB of memory (TRAIN_SCENES + VAL_SCENES) x MAX_OBJECTS x FEATURE_DIM "
+                                                        "x 4 bytes; the synthetic set is held in memory, at most " +
+                                                        std::to_string(kMaxSceneBytes >> 30) + " GiB: use fewer scenes");
   });
   return d;
 }

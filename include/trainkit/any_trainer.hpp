@@ -112,6 +112,9 @@ class AnyTrainer {
   /// Trainer::save / Trainer::load: the whole training state, atomically written.
   virtual void save(const std::string& path, const SaveExtra& extra = {}) const = 0;
   virtual void load(const std::string& path, const LoadExtra& extra = {}) = 0;
+  /// load() from an archive already opened (and checked) from `path`, which names it in errors:
+  /// a caller that looked inside the file first does not read it twice.
+  virtual void load(torch::serialize::InputArchive& archive, const std::string& path, const LoadExtra& extra = {}) = 0;
 
  protected:
   /// The compiled micro-step; items < 0 means no item count.

@@ -244,31 +244,27 @@ class CheckpointManager {
   };
 
   /// Loads `path` into `trainer` (and the caller's extra state). Throws when the file is
-  /// damaged, is not a fit checkpoint, or does not match the trainer.
+  /// damaged, is not a fit checkpoint, or does not match the trainer. Reads the file once.
   Loaded load(AnyTrainer& trainer, const std::string& path, const LoadExtra& extra = {}) const {
-    std::string why;
-    if (!is_complete(path, &why)) throw std::runtime_error("checkpoint '" + path + "': " + why);
-    Loaded loaded{path, {}};
-    trainer.load(path, [&](torch::serialize::InputArchive& archive) {
-      loaded.state = read_state(archive);
-      if (extra) extra(archive);
-    });
-    return loaded;
+    torch::serialize::InputArchive archive;
+    if (const std::string why = open_checkpoint(archive, path); !why.empty())
+      throw std::runtime_error("checkpoint '" + path + "': " + why);
+    return load(trainer, archive, path, extra);
   }
 
   /// Loads the newest complete checkpoint; std::nullopt when there is none. Damaged files are
-  /// reported on `report` (stderr by default) and skipped.
+  /// reported on `report` (stderr by default) and skipped. Reads the file it loads once.
   std::optional<Loaded> resume_newest(AnyTrainer& trainer, const LoadExtra& extra = {},
                                       std::ostream& report = std::cerr) const {
     const auto files = list();
     for (auto it = files.rbegin(); it != files.rend(); ++it) {
-      std::string why;
-      if (!is_complete(it->path, &why)) {
+      torch::serialize::InputArchive archive;
+      if (const std::string why = open_checkpoint(archive, it->path); !why.empty()) {
         report << "trainkit: skipping checkpoint '" << it->path << "': " << why;
         report << (std::next(it) != files.rend() ? "; trying the previous one\n" : "; no older checkpoint\n");
         continue;
       }
-      return load(trainer, it->path, extra);
+      return load(trainer, archive, it->path, extra);
     }
     return std::nullopt;
   }
@@ -277,29 +273,39 @@ class CheckpointManager {
   /// matches its CRC-32, the fit loop's records are there); `why` says what is wrong when not.
   /// Reads the whole file.
   static bool is_complete(const std::string& path, std::string* why = nullptr) {
-    try {
-      torch::serialize::InputArchive archive;
-      detail::read_archive(archive, path);
-      c10::IValue v;
-      if (!archive.try_read("meta.trainer", v)) {
-        if (why) *why = "not a trainkit checkpoint (no meta.trainer record)";
-        return false;
-      }
-      if (!archive.try_read("fit.epoch", v)) {
-        if (why) *why = "not written by the fit loop (no fit.epoch record)";
-        return false;
-      }
-      return true;
-    } catch (const detail::DamagedArchive& e) {
-      if (why) *why = e.damage();
-      return false;
-    } catch (const std::exception& e) {
-      if (why) *why = first_line(e.what());
-      return false;
-    }
+    torch::serialize::InputArchive archive;
+    const std::string what = open_checkpoint(archive, path);
+    if (why) *why = what;
+    return what.empty();
   }
 
  private:
+  // Opens `path` into `archive` (its CRCs checked): "" when it is a complete fit checkpoint,
+  // else what is wrong with it.
+  static std::string open_checkpoint(torch::serialize::InputArchive& archive, const std::string& path) {
+    try {
+      detail::read_archive(archive, path);
+      c10::IValue v;
+      if (!archive.try_read("meta.trainer", v)) return "not a trainkit checkpoint (no meta.trainer record)";
+      if (!archive.try_read("fit.epoch", v)) return "not written by the fit loop (no fit.epoch record)";
+      return "";
+    } catch (const detail::DamagedArchive& e) {
+      return e.damage();
+    } catch (const std::exception& e) {
+      return first_line(e.what());
+    }
+  }
+
+  Loaded load(AnyTrainer& trainer, torch::serialize::InputArchive& archive, const std::string& path,
+              const LoadExtra& extra) const {
+    Loaded loaded{path, {}};
+    trainer.load(archive, path, [&](torch::serialize::InputArchive& a) {
+      loaded.state = read_state(a);
+      if (extra) extra(a);
+    });
+    return loaded;
+  }
+
   static std::string first_line(const std::string& s) {
     const auto nl = s.find('\n');
     return nl == std::string::npos ? s : s.substr(0, nl);

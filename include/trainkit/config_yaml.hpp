@@ -25,7 +25,9 @@ namespace detail {
 class YamlToJson {
  public:
   static constexpr std::size_t max_depth = 64;
-  static constexpr std::size_t max_values = 1000000;  // aliases can multiply a small file
+  // Aliases can multiply a small file: a bound on the values and on the text once expanded.
+  static constexpr std::size_t max_values = 1000000;
+  static constexpr std::size_t max_bytes = std::size_t{64} << 20;
 
   explicit YamlToJson(std::string name) : name_(std::move(name)) {}
 
@@ -55,6 +57,7 @@ class YamlToJson {
                                         std::string(kv.first.IsSequence() ? "list" : "mapping") + " as a key" +
                                         at(kv.first));
           const std::string key = kv.first.Scalar();
+          count_bytes(key.size());
           if (!valid_utf8(key)) throw ConfigError(path, "a key is not valid UTF-8 text" + at(kv.first));
           const std::string key_path = join_path(path, key);
           if (out.contains(key)) throw ConfigError(key_path, "duplicate key (the file sets it twice; keep one)" + at(kv.first));
@@ -73,8 +76,15 @@ class YamlToJson {
     return " (" + name_ + ":" + std::to_string(m.line + 1) + ":" + std::to_string(m.column + 1) + ")";
   }
 
-  nlohmann::json scalar(const YAML::Node& node, const std::string& path) const {
+  void count_bytes(std::size_t n) {
+    if ((bytes_ += n) > max_bytes)
+      throw ConfigError("", name_ + ": more than " + std::to_string(max_bytes >> 20) +
+                                " MiB of text once aliases are expanded; a configuration is never that large");
+  }
+
+  nlohmann::json scalar(const YAML::Node& node, const std::string& path) {
     const std::string& text = node.Scalar();
+    count_bytes(text.size());
     if (!valid_utf8(text)) throw ConfigError(path, "the value is not valid UTF-8 text" + at(node));
     const std::string& tag = node.Tag();
     if (tag == "?") return resolve_plain_scalar(text);  // plain: typed by the core schema
@@ -92,7 +102,7 @@ class YamlToJson {
   }
 
   std::string name_;
-  std::size_t values_ = 0;
+  std::size_t values_ = 0, bytes_ = 0;
 };
 
 /// YAML text to the JSON tree Config checks.

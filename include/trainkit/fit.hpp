@@ -25,7 +25,10 @@
 ///      Train-<metric>, LR/Group_<i>, grad-para/Total-Norm, loss-scale, skipped-steps,
 ///      samples-per-second (log/scalars.hpp's tags; step = optimizer windows, applied + skipped)
 ///      to <OUTPUT_PATH>/tensorboard/ (TensorBoard events) and <OUTPUT_PATH>/<prefix>-scalars.jsonl,
-///      and update the progress line (log/progress.hpp) on stderr.
+///      and update the progress line (log/progress.hpp) on stderr. A run that resumes at
+///      optimizer step S drops the JSON lines past S (what the stopped run logged after its
+///      checkpoint; said once) and opens its TensorBoard file with a session start at S + 1, which
+///      hides those points in TensorBoard: each (step, tag) is in the logs once.
 ///   4. End of an epoch: validation every VAL_FREQUENT epochs (and after the last), Val-<metric>
 ///      logged, the plateau schedule told, the epoch_end callback, a checkpoint every
 ///      CHECKPOINT_FREQUENT epochs (and after the last, at a new best, on request).
@@ -170,9 +173,6 @@ class FitLoop {
     if (writes()) {
       checkpoints_.create_directory();
       lock_ = std::make_unique<DirectoryLock>(options_.output_path());  // one job per directory
-      log_ = std::make_unique<ScalarFanout>();
-      log_->emplace<TensorBoardWriter>(options_.output_path() + "/tensorboard");
-      log_->emplace<JsonlScalarWriter>(options_.output_path() + "/" + options_.prefix() + "-scalars.jsonl");
       if (options_.progress()) {
         ProgressOptions p;
         p.every_steps = options_.log_frequent();
@@ -183,6 +183,7 @@ class FitLoop {
     state_.best_metric = task_.best_metric;
     state_.higher_is_better = task_.higher_is_better;
     const FitPosition start = resume();
+    if (writes()) open_logs();
     skipped_at_log_ = trainer_.skipped_steps().item<std::int64_t>();  // once per run
     window_at_log_ = trainer_.windows();
     state_.config_json = options_.config_json();
@@ -336,6 +337,22 @@ class FitLoop {
         ", micro-batch " + std::to_string(saved.position.index) + " (optimizer step " +
         std::to_string(trainer_.windows()) + ")");
     return saved.position;
+  }
+
+  // The scalar logs, continued from where training continues: a run stopped after its last
+  // checkpoint logged points that the resumed run logs again, so the JSON lines past the
+  // checkpoint's step are cut, and TensorBoard is told to hide them (a session start).
+  void open_logs() {
+    const std::string jsonl = options_.output_path() + "/" + options_.prefix() + "-scalars.jsonl";
+    const std::int64_t step = trainer_.windows();
+    if (const std::size_t dropped = drop_points_after(jsonl, step))
+      say("trainkit: dropped " + std::to_string(dropped) + " line(s) past optimizer step " + std::to_string(step) +
+          " from '" + jsonl + "' (" +
+          (result_.resumed_from.empty() ? "an earlier run's: this run starts afresh in the directory"
+                                        : "logged after the checkpoint: training continues from it") + ")");
+    log_ = std::make_unique<ScalarFanout>();
+    log_->emplace<TensorBoardWriter>(options_.output_path() + "/tensorboard").session_start(step + 1);
+    log_->emplace<JsonlScalarWriter>(jsonl);
   }
 
   // 2. One micro-batch through the trainer, its loss and metrics added to the epoch's means.

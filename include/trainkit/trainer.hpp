@@ -247,6 +247,10 @@ class Trainer final : public AnyTrainer {
   void load(const std::string& path, const LoadExtra& extra = {}) override {
     torch::serialize::InputArchive archive;
     detail::read_archive(archive, path);
+    load(archive, path, extra);
+  }
+  /// load() from an archive opened from `path` (detail::read_archive: its CRCs checked).
+  void load(torch::serialize::InputArchive& archive, const std::string& path, const LoadExtra& extra = {}) override {
     const auto what = [&](const std::string& s) { return "checkpoint '" + path + "': " + s; };
     if (extra) extra(archive);  // the caller's state and checks (the fit loop's: the configuration)
     c10::IValue type;

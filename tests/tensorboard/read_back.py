@@ -119,6 +119,48 @@ def main():
                                                  (step, value, wall_time)))
     print("OK: %d scalars over %d tags read back by tensorboard %s" %
           (len(expected), len(by_tag), __import__("tensorboard").__version__))
+    check_resumed(workdir, tensor_util)
+
+
+def check_resumed(workdir, tensor_util):
+    """A stopped and resumed run (two event files, each opened by a session start): both of
+    TensorBoard's readers (the scalar accumulator and the server's plugin accumulator) show each
+    (tag, step) once, with the values of resumed.jsonl, the text log cut back at the resume."""
+    from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
+    by_tag = {}
+    steps_seen = set()
+    with open(os.path.join(workdir, "resumed.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            key = (row["tag"], row["step"])
+            if key in steps_seen:
+                fail("resumed.jsonl holds %r twice" % (key,))
+            steps_seen.add(key)
+            by_tag.setdefault(row["tag"], []).append((row["step"], row["value"]))
+    run_dir = os.path.join(workdir, "resumed")
+    if len(glob.glob(os.path.join(run_dir, "*tfevents*"))) != 2:
+        fail("expected two event files in %s" % run_dir)
+    scalars = event_accumulator.EventAccumulator(
+        run_dir, size_guidance={event_accumulator.SCALARS: 0})
+    scalars.Reload()
+    tensors = plugin_event_accumulator.EventAccumulator(
+        run_dir, tensor_size_guidance={"scalars": 0})
+    tensors.Reload()
+    for tag, series in by_tag.items():
+        for name, read in (
+                ("EventAccumulator", [(s.step, s.value) for s in scalars.Scalars(tag)]),
+                ("plugin EventAccumulator",
+                 [(t.step, float(tensor_util.make_ndarray(t.tensor_proto)))
+                  for t in tensors.Tensors(tag)])):
+            if [s for s, _ in read] != [s for s, _ in series]:
+                fail("resumed run, %s, %s: steps %s, the log has %s" %
+                     (name, tag, [s for s, _ in read], [s for s, _ in series]))
+            for (step, got), (_, want) in zip(read, series):
+                if not same_float32(got, want):
+                    fail("resumed run, %s, %s at step %d: %r, the log has %r" %
+                         (name, tag, step, got, want))
+    print("OK: a resumed run's %d points are shown once each by both readers" %
+          sum(len(s) for s in by_tag.values()))
 
 
 if __name__ == "__main__":

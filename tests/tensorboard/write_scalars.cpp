@@ -2,7 +2,8 @@
 // read_back.py, which reads the event file with TensorBoard's own reader and compares.
 // Includes only trainkit's log headers and is built without LibTorch's include path: it also
 // checks that these headers stand alone.
-//   write_scalars <dir>    ->  <dir>/run/events.out.tfevents.*, <dir>/expected.jsonl
+//   write_scalars <dir>    ->  <dir>/run/events.out.tfevents.*, <dir>/expected.jsonl, and a
+//                              resumed run: <dir>/resumed/ (two event files), <dir>/resumed.jsonl
 #include <trainkit/log/progress.hpp>
 #include <trainkit/log/scalars.hpp>
 #include <trainkit/log/tensorboard.hpp>
@@ -14,6 +15,8 @@
 #include <limits>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 int main(int argc, char** argv) {
   if (argc != 2) {
@@ -65,6 +68,34 @@ int main(int argc, char** argv) {
     events.close();
     expected.close();
     std::printf("wrote %s\n", events.path().c_str());
+
+    // A run stopped after step 23 whose last checkpoint was at step 14, then resumed there, as
+    // the fit loop does it: each run starts its event file with a session start at the step it
+    // continues from, and the JSON-lines log is cut back to the checkpoint before the second run
+    // appends. What TensorBoard shows must be that log: each (tag, step) once.
+    const std::string log = dir + "/resumed.jsonl";
+    ::unlink(log.c_str());
+    const auto run = [&](std::int64_t first, std::int64_t last) {
+      trainkit::TensorBoardWriter resumed(dir + "/resumed", options);
+      resumed.session_start(first);
+      trainkit::JsonlScalarWriter text_log(log);  // appends, as the fit loop's
+      for (std::int64_t step = first; step <= last; ++step) {
+        for (const char* tag : {tags::train_loss, "Val-Acc"}) {
+          const double value = 1.0 / static_cast<double>(step + 1) + (first > 0 ? 0.5 : 0.0);
+          const double wall_time = 1.7e9 + static_cast<double>(step) + (first > 0 ? 100.0 : 0.0);
+          resumed.add_scalar(tag, value, step, wall_time);
+          text_log.add_scalar(tag, value, step, wall_time);
+        }
+      }
+    };
+    run(1, 23);
+    const std::size_t dropped = trainkit::drop_points_after(log, 14);
+    if (dropped != 2 * 9) {
+      std::fprintf(stderr, "write_scalars: drop_points_after dropped %zu lines, expected 18\n", dropped);
+      return 1;
+    }
+    run(15, 30);
+    std::printf("wrote %s/resumed (two runs, resumed at step 15)\n", dir.c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "write_scalars: %s\n", e.what());
     return 1;

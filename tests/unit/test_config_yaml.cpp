@@ -106,6 +106,14 @@ TEST_CASE("YAML files: the broken ones, with their messages") {
   CHECK(error_of("TRAIN:\n  BATCH_IMAGES:\n  - 8\x8a\n") ==
         "TRAIN.BATCH_IMAGES[0]: the value is not valid UTF-8 text (test.yaml:3:5)");
   CHECK(error_of("TRAIN:\n  L\xffR: 1\n") == "TRAIN: a key is not valid UTF-8 text (test.yaml:2:3)");
+  // Control characters are escaped in messages, not sent to the terminal (here an ANSI escape).
+  CHECK(error_of("TRAIN:\n  \"L\x1b[31mR\": 1\n").rfind("TRAIN.L\\u001b[31mR: unknown key", 0) == 0);
+  // An alias bomb: 10 KB of text referenced 10^4 times is 100 MB once expanded, in few values.
+  std::string bomb = "a: &a \"" + std::string(10000, 'x') + "\"\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n";
+  for (const char* level : {"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\n", "d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n",
+                            "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n"})
+    bomb += level;
+  CHECK(error_of(bomb) == "test.yaml: more than 64 MiB of text once aliases are expanded; a configuration is never that large");
 }
 
 TEST_CASE("an empty YAML file or section means defaults") {

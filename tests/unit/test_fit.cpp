@@ -6,6 +6,7 @@
 #include <trainkit/fit.hpp>
 
 #include <csignal>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -187,6 +188,52 @@ TEST_CASE("fit: a stop inside an epoch finishes the window, checkpoints, and res
   const auto lc = read_scalars(split_dir / "model-scalars.jsonl");
   CHECK(only(la, "Train-Loss") == only(lc, "Train-Loss"));
   CHECK(only(la, "Train-MAE") == only(lc, "Train-MAE"));
+}
+
+/// The lines of a JSON-lines scalar log as (step, tag, value), in order, without the timings
+/// (wall time, samples-per-second), which differ between runs.
+std::vector<std::string> log_lines(const std::string& path) {
+  std::vector<std::string> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j["tag"] == tk::scalar_tags::samples_per_second) continue;
+    out.push_back(j["step"].dump() + " " + j["tag"].get<std::string>() + " " + j["value"].dump());
+  }
+  return out;
+}
+
+TEST_CASE("fit: a run resumed from an earlier checkpoint than its last log point logs each (step, tag) once") {
+  TempDir straight_dir, crashed_dir;
+  torch::manual_seed(14);
+  RegressionTask straight(testing::make_mlp(8, 8, 16, 3, 0.2));
+  T a(straight.model, tk::AdamW{1e-2}, trainer_options());
+  tk::fit(a, straight.task, fit_options(straight_dir.path, 3));
+
+  // The same run, then its last checkpoint lost: as if it had died after logging epoch 2.
+  torch::manual_seed(14);
+  RegressionTask first(testing::make_mlp(8, 8, 16, 3, 0.2));
+  T b(first.model, tk::AdamW{1e-2}, trainer_options());
+  tk::fit(b, first.task, fit_options(crashed_dir.path, 3));
+  REQUIRE(::unlink((crashed_dir / "model-0002.ckpt").c_str()) == 0);
+  const std::string jsonl = crashed_dir / "model-scalars.jsonl";
+  { std::ofstream(jsonl, std::ios::app) << "{\"step\":11,\"tag\":\"Train-Lo"; }  // torn by the crash
+  const auto before = log_lines(straight_dir / "model-scalars.jsonl");
+
+  torch::manual_seed(15);
+  RegressionTask second(testing::make_mlp(9, 8, 16, 3, 0.2));
+  T c(second.model, tk::AdamW{1e-2}, trainer_options());
+  const auto rc = tk::fit(c, second.task, fit_options(crashed_dir.path, 3));
+  CHECK(rc.resumed_from == crashed_dir / "model-0001.ckpt");
+  check_same_state(a, straight.model, c, second.model);
+  // Each (step, tag) once, in the straight run's order and with its values.
+  CHECK(log_lines(jsonl) == before);
+  // TensorBoard: the resumed run's file is the second one of the directory.
+  std::size_t event_files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(crashed_dir / "tensorboard"))
+    event_files += entry.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+  CHECK(event_files == 2);
 }
 
 TEST_CASE("fit: the epoch's means are weighted by items, not averages of averages") {

@@ -4,6 +4,7 @@
 
 #include <trainkit/log/scalars.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -126,6 +127,41 @@ TEST_CASE("text logs: buffered until every_records, flush() or close()") {
   tk::CsvScalarWriter csv(dir / "now.csv", options);
   csv.add_scalar("x", 1, 1, 0.0);
   CHECK(read_file(dir / "now.csv") == "step,tag,value,wall_time\n1,x,1,0.000000\n");
+}
+
+TEST_CASE("drop_points_after: the trailing points past a step and a torn last line go, nothing else") {
+  testing::TempDir dir;
+  const auto write = [](const std::string& path, std::int64_t from, std::int64_t to) {
+    tk::JsonlScalarWriter jsonl(path);
+    for (std::int64_t step = from; step <= to; ++step) {
+      jsonl.add_scalar("a", 1.0, step, 0.0);
+      jsonl.add_scalar("b", 2.0, step, 0.0);
+    }
+  };
+  const std::string path = dir / "scalars.jsonl";
+  CHECK(tk::drop_points_after(path, 3) == 0);  // no file yet: nothing to do
+  // An earlier run (steps 1..9), then a run that logged steps 1..7 and died in a line.
+  write(path, 1, 9);
+  write(path, 1, 7);
+  { std::ofstream(path, std::ios::app) << "{\"step\":8,\"ta"; }
+  const std::string text = read_file(path);
+  CHECK(tk::drop_points_after(path, 4) == 2 * 3 + 1);
+  const std::string kept = read_file(path);
+  CHECK(kept == text.substr(0, kept.size()));
+  CHECK(kept.size() < text.size());
+  CHECK(kept.substr(kept.rfind('{')) == "{\"step\":4,\"tag\":\"b\",\"value\":2,\"wall_time\":0.000000}\n");
+  CHECK(std::count(kept.begin(), kept.end(), '\n') == 2 * 9 + 2 * 4);  // the earlier run is whole
+  CHECK(tk::drop_points_after(path, 4) == 0);  // idempotent
+  // CSV: the header is not a point and stops the scan.
+  const std::string csv_path = dir / "scalars.csv";
+  {
+    tk::CsvScalarWriter csv(csv_path);
+    for (std::int64_t step = 1; step <= 5; ++step) csv.add_scalar("a", 1.0, step, 0.0);
+  }
+  CHECK(tk::drop_points_after(csv_path, 2) == 3);
+  CHECK(read_file(csv_path) == "step,tag,value,wall_time\n1,a,1,0.000000\n2,a,1,0.000000\n");
+  CHECK(tk::drop_points_after(csv_path, 0) == 2);
+  CHECK(read_file(csv_path) == "step,tag,value,wall_time\n");
 }
 
 TEST_CASE("ScalarFanout: one wall time for all sinks, each sink called despite another's error") {

@@ -234,3 +234,12 @@ TEST_CASE("partial loading applies prefix changes and reports a shape mismatch i
   }));
   CHECK(!r.loaded.empty());  // the embeddings still match
 }
+
+TEST_CASE("a data set too large to hold in memory is a ConfigError naming DATASET.TRAIN_SCENES, not bad_alloc") {
+  testing::TempDir dir;
+  tk::Config c = tiny_config(dir.path);
+  CHECK_THROWS_WITH_AS(c.set("DATASET.TRAIN_SCENES=100000000"),
+                       doctest::Contains("DATASET.TRAIN_SCENES: the scenes' features would take up to"), tk::ConfigError);
+  CHECK_THROWS_WITH_AS(c.set("DATASET.TRAIN_SCENES=100000001"),
+                       doctest::Contains("DATASET.TRAIN_SCENES: must be <= "), tk::ConfigError);
+}

@@ -85,6 +85,19 @@ inline std::string encode_scalar_event(double wall_time, std::int64_t step, std:
   return event;
 }
 
+/// A SessionLog{status: START} event at `step` (Event field 7): TensorBoard's readers drop every
+/// point of the run at steps >= `step` read before it (a restarted run's orphans); the first
+/// START of a run only marks its beginning for the server's reader.
+inline std::string encode_session_start_event(double wall_time, std::int64_t step) {
+  std::string session_log;
+  put_int64(session_log, 1, 1);  // SessionLog.status = START
+  std::string event;
+  put_double(event, 1, wall_time);
+  put_int64(event, 2, step);
+  put_bytes(event, 7, session_log);
+  return event;
+}
+
 /// Appends `data` to `out` as one TFRecord.
 inline void append_tfrecord(std::string& out, std::string_view data) {
   std::string length;

@@ -24,13 +24,16 @@
 /// Values are written with 17 significant digits: the double read back is the one written.
 #include <trainkit/detail/log_file.hpp>
 
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -226,6 +229,59 @@ class JsonlScalarWriter : public detail::TextScalarLog {
            ",\"wall_time\":" + detail::format_wall_time(wall_time) + "}\n";
   }
 };
+
+/// Drops the points a stopped run logged after its last checkpoint, so that a resumed run does
+/// not log the same (step, tag) twice: removes the trailing lines of a CSV or JSON-lines scalar
+/// log (as the writers above write them) whose step is past `last_step`, and a torn last line (no
+/// newline: the process died while writing it). Stops at the first line, from the end, with a
+/// step <= last_step or without a step (the CSV header), so an earlier run's log is never touched.
+/// Returns the number of lines dropped; a missing file is 0. Throws naming the file on failure.
+inline std::size_t drop_points_after(const std::string& path, std::int64_t last_step) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return 0;
+    detail::throw_file_error("open", "scalar log", path, errno);
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  std::string text;
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) detail::throw_file_error("read", "scalar log", path, errno);
+    if (n == 0) break;
+    text.append(buffer, static_cast<std::size_t>(n));
+  }
+  // The step a line starts with: `{"step":N,` (JSON lines) or `N,` (CSV); none for other lines.
+  const auto step_of = [](std::string_view line) -> std::optional<std::int64_t> {
+    constexpr std::string_view json_head = "{\"step\":";
+    if (line.substr(0, json_head.size()) == json_head) line.remove_prefix(json_head.size());
+    std::int64_t step = 0;
+    const auto [end, error] = std::from_chars(line.data(), line.data() + line.size(), step);
+    if (error != std::errc() || end == line.data() + line.size() || *end != ',') return std::nullopt;
+    return step;
+  };
+  // The start of the line that ends at text[end - 1] (its newline, or the torn end).
+  const auto line_start = [&](std::size_t end) {
+    const std::size_t newline = end < 2 ? std::string::npos : text.rfind('\n', end - 2);
+    return newline == std::string::npos ? 0 : newline + 1;
+  };
+  std::size_t keep = text.size(), dropped = 0;
+  if (keep > 0 && text[keep - 1] != '\n') keep = line_start(keep + 1), ++dropped;  // a torn last line
+  while (keep > 0) {
+    const std::size_t start = line_start(keep);
+    const auto step = step_of(std::string_view(text).substr(start, keep - 1 - start));
+    if (!step || *step <= last_step) break;
+    keep = start;
+    ++dropped;
+  }
+  if (keep < text.size() && ::ftruncate(fd, static_cast<off_t>(keep)) != 0)
+    detail::throw_file_error("truncate", "scalar log", path, errno);
+  return dropped;
+}
 
 /// Sends every scalar to each of its sinks, stamped with one wall time. An error in one sink
 /// does not starve the others: all are called, then the first error is rethrown.

@@ -7,6 +7,8 @@
 ///       events.out.tfevents.<unix seconds>.<hostname><suffix>, with ".<pid>.<n>" appended when
 ///       that name exists (two writers in one second); writes and flushes the file-version
 ///       record, so an unwritable directory or a full disk is an exception here, naming the path.
+///   session_start(step)   a SessionLog START event: points of earlier files at steps >= step
+///       are not shown (a resumed run's restart point; the fit loop writes one at every start)
 ///   add_scalar(tag, value, step[, wall_time])  one Event{wall_time, step, Summary{Value{tag,
 ///       simple_value}}} record; the value is stored as float32 (TensorBoard's simple_value).
 ///   flush() / close() / destructor          as every ScalarSink: buffered per FlushPolicy.
@@ -43,6 +45,17 @@ class TensorBoardWriter : public ScalarSink {
       : file_(create(log_dir, options)) {
     std::string record;
     detail::append_tfrecord(record, detail::encode_file_version_event(detail::unix_time_now()));
+    file_.append(record);
+    file_.flush();
+  }
+
+  /// Marks the start of a run that continues at optimizer step `step`: TensorBoard then shows
+  /// none of the points at steps >= `step` that earlier files of this directory hold (what a
+  /// stopped run logged after its last checkpoint), so a resumed run's curves have no doubles.
+  /// Written at once (flushed): call it before the run's first scalar.
+  void session_start(std::int64_t step) {
+    std::string record;
+    detail::append_tfrecord(record, detail::encode_session_start_event(detail::unix_time_now(), step));
     file_.append(record);
     file_.flush();
   }
