@@ -11,6 +11,7 @@
 // libcudart's, counting and forwarding) and the syncs LibTorch itself reports in its sync debug
 // mode (c10::cuda::warning_state(), as torch.cuda.set_sync_debug_mode). The hand-written
 // LibTorch loop (../compare/run_baselines.cpp) is measured alongside for comparison.
+#include "bench_features.hpp"  // generated: TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS (../compare/CMakeLists.txt)
 #include "harness.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>

@@ -53,6 +53,7 @@ int main(int argc, char** argv) {
     vlbert::register_sections(config);
     config.strict_sections();  // a section this program does not know (TRAINING for TRAIN) is an error
     config.load(cl.cfg, cl.overrides());
+    config.require_training();  // END_EPOCH > BEGIN_EPOCH (an empty file has END_EPOCH 0): exit 2, naming it
     const tk::Launch launch = tk::Launch::from_config(config);  // device (GPUS), ranks (torchrun)
     if (launch.is_main()) {
       for (const auto& note : config.notes()) std::cerr << "[vlbert] " << note << "\n";

@@ -55,8 +55,10 @@ inline tk::Schema network_schema() {
                                                                s["num_attention_heads"].dump());
   });
   tk::Schema n;
-  n.string("PARTIAL_PRETRAIN", "").doc("checkpoint to initialise from: every weight whose name and shape match");
-  n.list("PARTIAL_PRETRAIN_PREFIX_CHANGES", tk::Field::string("")).doc("renames 'old->new' applied to checkpoint names");
+  n.string("PARTIAL_PRETRAIN", "")
+      .doc("weights to initialise from (a trainkit checkpoint, .safetensors, or a PyTorch state_dict): every weight "
+           "whose name and shape match");
+  n.list("PARTIAL_PRETRAIN_PREFIX_CHANGES", tk::Field::string("")).doc("renames 'old->new' applied to the file's names");
   n.boolean("WITH_MLM_LOSS", true);
   n.boolean("WITH_MVRC_LOSS", true);
   n.string("CLASSIFIER_TYPE", "2fc").one_of({"2fc"});
@@ -184,8 +186,9 @@ inline VLBertConfig model_config(const tk::Config& config) {
 /// What load_partial() did, by parameter name.
 using PartialLoad = tk::WeightsReport;
 
-/// Copies into `model` every parameter and buffer of a trainkit checkpoint (Trainer::save) whose
-/// name (after `prefix_changes`, VL-BERT's "old->new" renames) and shape match (tk::load_weights).
+/// Copies into `model` every parameter and buffer of a weights file (a trainkit checkpoint, a
+/// .safetensors file or a PyTorch state_dict) whose name (after `prefix_changes`, VL-BERT's
+/// "old->new" renames) and shape match (tk::load_weights), converting dtypes.
 inline PartialLoad load_partial(torch::nn::Module& model, const std::string& path,
                                 const std::vector<std::string>& prefix_changes = {}) {
   std::vector<tk::PrefixChange> changes;
@@ -199,9 +202,11 @@ inline PartialLoad load_partial(torch::nn::Module& model, const std::string& pat
 
 inline void print_partial_load(const PartialLoad& r, const std::string& path) {
   std::cerr << "[vlbert] PARTIAL_PRETRAIN " << path << ": loaded " << r.loaded.size() << " weights, "
-            << r.not_loaded.size() << " not loaded, " << r.unused.size() << " in the checkpoint unused\n";
+            << r.not_loaded.size() << " not loaded, " << r.unused.size() << " in the file unused, "
+            << r.converted.size() << " converted\n";
   for (const auto& n : r.not_loaded) std::cerr << "[vlbert]   not loaded (initialised afresh): " << n << "\n";
-  for (const auto& n : r.unused) std::cerr << "[vlbert]   unused from the checkpoint: " << n << "\n";
+  for (const auto& n : r.unused) std::cerr << "[vlbert]   unused from the file: " << n << "\n";
+  for (const auto& n : r.converted) std::cerr << "[vlbert]   dtype converted: " << n << "\n";
 }
 
 // --- the run ---------------------------------------------------------------------------------

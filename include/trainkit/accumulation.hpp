@@ -62,9 +62,14 @@ class AccumulationPolicy {
     const bool counted = items >= 0;
     if (position_ == 0) {
       counted_ = counted;
-      // Any constant works for exactness (rescale() divides it back out); this one keeps the
-      // weighted loss at the magnitude of a 1/N mean, which matters for fp16 loss scaling.
-      reference_ = counted ? static_cast<double>(items > 0 ? items : 1) * window() : window();
+      // Any constant works for exactness (rescale() divides it back out). This one keeps the
+      // weighted loss at the magnitude of the window's mean, items_i / (window's items), as a
+      // GradScaler loop weights it: with fp16 loss scaling, larger weights overflow more often.
+      // The window's item count is known only at its end: the mean count per micro-batch of the
+      // windows so far times N stands for it (the first micro-batch's count in the first window).
+      const double per_batch = seen_batches_ > 0 ? static_cast<double>(seen_items_) / static_cast<double>(seen_batches_)
+                                                 : static_cast<double>(items > 0 ? items : 1);
+      reference_ = counted ? per_batch * static_cast<double>(window()) : static_cast<double>(window());
     } else if (counted != counted_) {
       throw std::invalid_argument(
           "micro_step: micro-batch " + std::to_string(position_ + 1) + " of the window " +
@@ -91,7 +96,12 @@ class AccumulationPolicy {
     return reference_ / static_cast<double>(position_);
   }
 
+  /// After the optimizer phase: the window's counts join the running mean (reference above).
   void reset() {
+    if (counted_ && items_ > 0) {
+      seen_items_ += items_;
+      seen_batches_ += position_;
+    }
     position_ = 0;
     items_ = 0;
   }
@@ -101,13 +111,16 @@ class AccumulationPolicy {
     std::int64_t position, items;
     double reference;
     bool counted;
+    std::int64_t seen_items = 0, seen_batches = 0;  // the closed windows' counts (reference)
   };
-  State state() const { return {position_, items_, reference_, counted_}; }
+  State state() const { return {position_, items_, reference_, counted_, seen_items_, seen_batches_}; }
   void load_state(const State& s) {
     position_ = s.position;
     items_ = s.items;
     reference_ = s.reference;
     counted_ = s.counted;
+    seen_items_ = s.seen_items;
+    seen_batches_ = s.seen_batches;
   }
 
  private:
@@ -116,6 +129,7 @@ class AccumulationPolicy {
   std::int64_t items_ = 0;
   double reference_ = 1.0;
   bool counted_ = false;
+  std::int64_t seen_items_ = 0, seen_batches_ = 0;
 };
 
 template <class T>

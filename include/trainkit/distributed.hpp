@@ -483,16 +483,24 @@ class DataParallel final : public Replicas {
     }
   }
 
-  double reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) override {
+  GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) override {
     ++windows_;
-    const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
     // With item counts the ranks' windows hold different numbers of items: send each rank's
-    // sum over its items, and divide by the total over all ranks (exact global mean).
+    // sum over its items, and divide by the total over all ranks (exact global mean). The total
+    // stays on the device (the trainer folds it into the optimizer's divisor): no host sync.
+    // NCCL multiplies each rank's part by its weight inside the reduction (PREMUL_SUM); other
+    // backends take one pass over the gradient first.
     torch::Tensor items;
+    c10d::ReduceOp op = c10d::ReduceOp::SUM;
     if (window.items >= 0) {
-      flat_grad.mul_(window.rescale * static_cast<double>(window.items));
-      items = torch::full({1}, window.items, torch::dtype(torch::kLong).device(group_.device()));
+      const double weight = window.rescale * static_cast<double>(window.items);
+      if (group_.backend()->getBackendName() == "nccl")
+        op = c10d::makeNCCLPreMulSum(weight);
+      else
+        flat_grad.mul_(weight);
+      items = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
     }
+    const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
     const auto n = buckets(flat_grad.numel(), static_cast<std::int64_t>(flat_grad.element_size()));
     const std::int64_t per = n == 0 ? 0 : (flat_grad.numel() + n - 1) / n;
     works_.clear();
@@ -500,7 +508,7 @@ class DataParallel final : public Replicas {
       for (std::int64_t b = 0; b < n; ++b) {
         const auto begin = b * per;
         works_.push_back(group_.start_all_reduce(
-            flat_grad.narrow(0, begin, std::min(per, flat_grad.numel() - begin))));
+            flat_grad.narrow(0, begin, std::min(per, flat_grad.numel() - begin)), op));
       }
       if (items.defined()) works_.push_back(group_.start_all_reduce(items));
     } catch (const std::exception& e) {
@@ -512,14 +520,9 @@ class DataParallel final : public Replicas {
                                        std::to_string(n) + step
                                  : "all-reduce of the window's item count" + step);
     works_.clear();
-    if (items.defined()) {
-      const auto total = items.item<std::int64_t>();
-      if (total <= 0)
-        throw std::invalid_argument("optimizer step: the window's item counts sum to 0 over all "
-                                    "ranks; a window needs at least one item");
-      return 1.0 / static_cast<double>(total);
-    }
-    return window.rescale / static_cast<double>(world_size());
+    // Item counts are exact in float up to 2^24 per window.
+    if (items.defined()) return {1.0, items.reshape({})};
+    return {window.rescale / static_cast<double>(world_size()), {}};
   }
 
   void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) override {

@@ -39,9 +39,10 @@
 /// (task.batch(epoch, index) gives this rank's micro-batch, e.g. from tk::DistributedSampler);
 /// only the main rank writes checkpoints, logs and messages; every rank resumes from the same
 /// file; logged and epoch means are over every rank's items, validation metrics the mean over
-/// ranks; a stop (signal on any rank) is agreed at each window boundary by one small collective
-/// (only with more than one rank). With more than one rank, the RNG (CPU, and the trainer's
-/// GPU) is seeded before each micro-batch from (seed, rank, epoch, index): dropout masks and
+/// ranks; a stop (a signal or a callback's request on any rank) is agreed at the next log window
+/// (every LOG_FREQUENT optimizer steps) or epoch end, inside the collective that logging does
+/// anyway: no window pays a collective or a host sync for it. With more than one rank, the RNG
+/// (CPU, and the trainer's GPU) is seeded before each micro-batch from (seed, rank, epoch, index): dropout masks and
 /// anything task.batch draws are a pure function of the position on every rank, so a resume is
 /// exact on every rank (a checkpoint holds one rank's generator state, the main rank's).
 ///
@@ -209,7 +210,9 @@ class FitLoop {
                                   trainer_.device());
         const Batch batch = task_.batch(epoch, index);
         const MicroStepResult r = micro_step(batch, epoch, index, batches);
-        if (r.window_closed) window_closed(r.report, epoch, index + 1, batches);
+        stop_requested |= signals.received() != 0;
+        Requests agreed;  // data parallel: what every rank does at this window
+        if (r.window_closed) agreed = window_closed(r.report, epoch, index + 1, batches, {stop_requested, checkpoint_requested});
         if (callbacks_.batch_end) {
           BatchEnd info{epoch, index, batches, &r};
           callbacks_.batch_end(info);
@@ -218,20 +221,29 @@ class FitLoop {
         }
         stop_requested |= signals.received() != 0;
         // Checkpoints inside an epoch fall on window boundaries: the signal's "finish the
-        // current window" is this condition becoming true.
+        // current window" is this condition becoming true. Ranks must stop and checkpoint at the
+        // same window: they agree at log windows, in the collective that logging does anyway
+        // (no sync of its own), so a data-parallel stop or checkpoint waits for the next log
+        // window (where the checkpoint's running sums are every rank's: save_loop_extra).
         const bool at_boundary = trainer_.window_position() == 0 && index + 1 < batches;
-        if (at_boundary) stop_requested = any_rank(stop_requested);
-        if ((checkpoint_requested || stop_requested) && at_boundary) {
+        const bool single = trainer_.replicas().world_size() == 1;
+        const bool stop_now = single ? stop_requested : agreed.stop;
+        const bool checkpoint_now = single ? checkpoint_requested : agreed.checkpoint;
+        if ((checkpoint_now || stop_now) && at_boundary) {
           state_.position = {epoch, index + 1};
           write_checkpoint(/*epoch_end*/ false);
           checkpoint_requested = false;
-          if (stop_requested) return stop(signals.received());
+          if (stop_now) return stop(signals.received());
         }
       }
       if (auto report = flush(epoch, batches)) window_closed(*report, epoch, batches, batches);
       stop_requested = any_rank(stop_requested || signals.received() != 0);
       if (stop_requested) {  // every micro-batch ran; the epoch's end runs after resuming
         state_.position = {epoch, batches};
+        if (trainer_.replicas().world_size() > 1) {  // the sums over every rank (save_loop_extra)
+          logged_ = metrics_.totals();
+          total_over_ranks(logged_);
+        }
         write_checkpoint(false);
         return stop(signals.received());
       }
@@ -289,15 +301,22 @@ class FitLoop {
     std::size_t i = 0;
     for (auto& [name, x] : values) x = v[i++];
   }
+  // Stop and checkpoint requests: this rank's, or (returned by total_over_ranks) any rank's.
+  struct Requests {
+    bool stop = false, checkpoint = false;
+  };
   // Sums and weights averaged alike: their ratio is then the mean over every rank's items.
-  // (Every rank's task must add the same metric names.)
-  void total_over_ranks(Metrics::Totals& totals) {
-    if (trainer_.replicas().world_size() == 1) return;
+  // (Every rank's task must add the same metric names.) The requests ride along: returns
+  // whether any rank made each.
+  Requests total_over_ranks(Metrics::Totals& totals, Requests requests = {}) {
+    if (trainer_.replicas().world_size() == 1) return requests;
     std::vector<double> v;
     for (const auto& [name, sw] : totals.of) v.insert(v.end(), {sw.first, sw.second});
+    v.insert(v.end(), {requests.stop ? 1.0 : 0.0, requests.checkpoint ? 1.0 : 0.0});
     trainer_.replicas().average(v);
     std::size_t i = 0;
     for (auto& [name, sw] : totals.of) sw = {v[i], v[i + 1]}, i += 2;
+    return {v[i] > 0, v[i + 1] > 0};
   }
   std::map<std::string, double> epoch_means() {
     Metrics::Totals totals = metrics_.totals();
@@ -383,12 +402,15 @@ class FitLoop {
     }
   }
 
-  // 3. After a window: every LOG_FREQUENT windows, read its report and log.
-  void window_closed(const StepReport& report, std::int64_t epoch, std::int64_t done, std::int64_t batches) {
-    if (report.window() % options_.log_frequent() != 0) return;
+  // 3. After a window: every LOG_FREQUENT windows, read its report and log. Data parallel:
+  // the ranks' totals are summed in one collective, which also carries each rank's stop and
+  // checkpoint requests; returns those of any rank (none between log windows).
+  Requests window_closed(const StepReport& report, std::int64_t epoch, std::int64_t done, std::int64_t batches,
+                         Requests requests = {}) {
+    if (report.window() % options_.log_frequent() != 0) return {};
     const auto step = report.window();
     Metrics::Totals totals = metrics_.totals();  // one sync with the report's below
-    total_over_ranks(totals);
+    const Requests agreed = total_over_ranks(totals, requests);
     std::map<std::string, double> interval;
     for (const auto& [name, sw] : totals.of) {
       const auto old = logged_.of.find(name);
@@ -426,6 +448,7 @@ class FitLoop {
       if (trainer_.uses_loss_scale()) p.loss_scale = report.loss_scale();
       progress_->update(p);
     }
+    return agreed;
   }
 
   // Skipped optimizer steps, seen at log windows from the report's counters (no sync of their
@@ -527,7 +550,13 @@ class FitLoop {
 
   // The loop's running sums, so that a resumed epoch's means and logs equal the straight run's.
   void save_loop_extra(torch::serialize::OutputArchive& a) const {
-    metrics_.save(a, "fit.metrics");
+    // Data parallel, inside an epoch: the mean over the ranks of their running sums, which the
+    // log window this checkpoint follows has just computed (logged_). Every rank resumes with
+    // it, and every later mean over the ranks is then the uninterrupted run's.
+    if (trainer_.replicas().world_size() > 1 && state_.position.index > 0)
+      Metrics::from_totals(logged_).save(a, "fit.metrics");
+    else
+      metrics_.save(a, "fit.metrics");
     std::vector<std::string> names;
     std::vector<double> sums, weights;
     for (const auto& [name, sw] : logged_.of) {

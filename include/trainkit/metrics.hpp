@@ -77,6 +77,17 @@ class Metrics {
     order_.clear();
   }
 
+  /// Metrics whose sums and weights are `totals` (host values): what a data-parallel checkpoint
+  /// holds, the mean over the ranks of their running sums.
+  static Metrics from_totals(const Totals& totals) {
+    Metrics m;
+    for (const auto& [name, sw] : totals.of) {
+      m.order_.push_back(name);
+      m.entries_[name] = Entry{torch::full({}, sw.first, torch::kDouble), sw.second};
+    }
+    return m;
+  }
+
   /// State for checkpoints, under `prefix` (sums, weights, order).
   void save(torch::serialize::OutputArchive& archive, const std::string& prefix) const {
     detail::write_value(archive, prefix + ".count", static_cast<std::int64_t>(order_.size()));

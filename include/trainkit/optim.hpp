@@ -243,10 +243,13 @@ class TorchOptimizer final : public UpdateRule {
   }
   void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
             const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) override {
-    if (found_inf.item<float>() != 0.0f) return;
+    // The overflow flag and the LR in one read (the one host sync of this path).
+    const auto host = torch::stack({found_inf.reshape({}).to(torch::kDouble), lrs.front().reshape({}).to(torch::kDouble)}).cpu();
+    const double* values = host.data_ptr<double>();
+    if (values[0] != 0.0) return;
     for (const auto& g : groups) g.grads.div_(divisor);
     // The schedule's factor relative to the base LR, applied to each group's own LR.
-    const double factor = lrs.front().item<double>() / base_lr();
+    const double factor = values[1] / base_lr();
     auto& param_groups = optimizer_->param_groups();
     for (size_t i = 0; i < param_groups.size(); ++i)
       param_groups[i].options().set_lr(base_lrs_[i] * factor);

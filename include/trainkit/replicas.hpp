@@ -8,9 +8,10 @@
 ///                                 buffers become rank 0's
 ///   reduce_gradients(flat_grad, window)
 ///                                 optimizer phase 5, once per window, never inside one:
-///                                 `flat_grad` becomes the sum over ranks; returns the host factor
-///                                 R such that flat_grad * R is the mean gradient over every
-///                                 rank's micro-batches (or items when item counts are given). A
+///                                 `flat_grad` becomes the sum over ranks; returns the
+///                                 GradientFactor that makes it the mean gradient over every
+///                                 rank's micro-batches (or items when item counts are given),
+///                                 without a host sync (the item total stays on the device). A
 ///                                 non-finite value on any rank is non-finite on every rank after
 ///                                 the sum, so every rank skips the same steps
 ///   check_same_state(state, what) after Trainer::load(): throws on every rank unless every rank
@@ -38,6 +39,16 @@ struct WindowWeights {
   std::int64_t micro_batches = 0;
 };
 
+/// What phase 5 gives back: flat_grad * rescale / total is the mean gradient over every rank's
+/// micro-batches or items. `total` is undefined (read as 1) unless the divisor is only known on
+/// the device: the window's item count summed over the ranks, as a 0-dim float tensor on the
+/// gradient's device, which the trainer folds into the optimizer's divisor (reading it on the
+/// host would be a sync every window). A total of 0 makes the step non-finite: it is skipped.
+struct GradientFactor {
+  double rescale = 1.0;
+  torch::Tensor total;
+};
+
 /// See the file comment. Implementations: SingleProcess, tk::DataParallel (distributed.hpp).
 class Replicas {
  public:
@@ -51,7 +62,7 @@ class Replicas {
   /// Makes every rank's parameters and buffers (and `flat_params`, the trainer's storage) rank 0's.
   virtual void attach(torch::nn::Module& model, const torch::Tensor& flat_params) = 0;
   /// Phase 5: see the file comment.
-  virtual double reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) = 0;
+  virtual GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) = 0;
   /// Throws (on every rank) unless `state` is the same on every rank; `what` names it.
   virtual void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) = 0;
   /// The mean over ranks of `values`, in place.
@@ -64,8 +75,8 @@ class SingleProcess final : public Replicas {
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   void attach(torch::nn::Module&, const torch::Tensor&) override {}
-  double reduce_gradients(torch::Tensor&, const WindowWeights& window) override {
-    return window.rescale;
+  GradientFactor reduce_gradients(torch::Tensor&, const WindowWeights& window) override {
+    return {window.rescale, {}};
   }
   void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
   void average(std::vector<double>&) override {}

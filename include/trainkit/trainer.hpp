@@ -310,6 +310,8 @@ class Trainer final : public AnyTrainer {
     detail::write_value(archive, "window.items", acc.items);
     detail::write_value(archive, "window.reference", acc.reference);
     detail::write_value(archive, "window.counted", acc.counted);
+    detail::write_value(archive, "window.seen_items", acc.seen_items);
+    detail::write_value(archive, "window.seen_batches", acc.seen_batches);
     // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
     if (acc.position > 0) {
       if constexpr (Precision::master_weights) {
@@ -372,6 +374,9 @@ class Trainer final : public AnyTrainer {
     acc.items = detail::read_value(archive, "window.items").toInt();
     acc.reference = detail::read_value(archive, "window.reference").toDouble();
     acc.counted = detail::read_value(archive, "window.counted").toBool();
+    c10::IValue seen;  // (absent from older checkpoints: the running mean starts again)
+    if (archive.try_read("window.seen_items", seen)) acc.seen_items = seen.toInt();
+    if (archive.try_read("window.seen_batches", seen)) acc.seen_batches = seen.toInt();
     accumulation_.load_state(acc);
     if (acc.position > 0) {
       if constexpr (Precision::master_weights) {
@@ -575,22 +580,28 @@ class Trainer final : public AnyTrainer {
         g.grads = flat_grad_.narrow(0, g.params.storage_offset(), g.params.numel());
     }
     // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat storage, once per
-    //    window); `grad_rescale` makes it the mean over every rank's micro-batches or items.
+    //    window); `factor` makes it the mean over every rank's micro-batches or items.
     const auto acc = accumulation_.state();
-    const double grad_rescale = replicas_->reduce_gradients(
+    const GradientFactor factor = replicas_->reduce_gradients(
         flat_grad_, {rescale, acc.counted ? acc.items : -1, acc.position});
-    // 6+7. One pass over the gradient: the global L2 norm of the still-scaled gradient. A
-    //    non-finite norm is exactly a non-finite gradient (an overflow), so the norm is both
-    //    the overflow check and, divided by the scale, the logged and clipped norm.
+    // 6+7. One pass over the gradient: the global L2 norm of the still-scaled gradient, both
+    //    the overflow check and, divided by the divisor, the logged and clipped norm. A
+    //    non-finite gradient has a non-finite norm. So has a finite one whose norm overflows
+    //    fp32 (the squares are summed in fp32: elements from ~1.8e19 on), and it is skipped as
+    //    an overflow too, where torch.amp.GradScaler checks elements and applies it (clipped by
+    //    max_norm / inf = 0): a norm beyond fp32 is as unusable as an inf (tests: test_skip).
     const auto scaled_norm = at::linalg_vector_norm(flat_grad_, 2);
-    const auto found_inf = scaled_norm.isfinite().logical_not().to(torch::kFloat);
     // The accumulated gradient is the true gradient times `divisor`.
     torch::Tensor divisor;
     if constexpr (Precision::scales_loss)
-      divisor = precision_.scale().reshape({}) / grad_rescale;
+      divisor = precision_.scale().reshape({}) / factor.rescale;
     else
-      divisor = torch::full({}, 1.0 / grad_rescale, scaled_norm.options());
+      divisor = torch::full({}, 1.0 / factor.rescale, scaled_norm.options());
+    if (factor.total.defined()) divisor = divisor * factor.total;  // the ranks' item total
     const auto true_norm = scaled_norm / divisor;
+    // (A window with no items on any rank has divisor 0: a non-finite true norm, skipped.)
+    const auto found_inf =
+        (factor.total.defined() ? true_norm : scaled_norm).isfinite().logical_not().to(torch::kFloat);
     // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
     const auto optimizer_divisor = clip_.divisor(flat_grad_, divisor, true_norm);
     // 9. The update, skipped on the device when found_inf (parameters and optimizer state

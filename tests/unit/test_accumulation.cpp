@@ -171,3 +171,30 @@ TEST_CASE("mixing item counts and none inside one window is an error") {
   CHECK_THROWS_WITH_AS(trainer.micro_step([&] { return torch::mse_loss(model(data.x), data.y); }),
                        doctest::Contains("item count"), std::invalid_argument);
 }
+
+TEST_CASE("uneven item counts: after the first window, each micro-batch weighs items / (the window's items), as in a GradScaler loop") {
+  // Sizes [1, 13, 13, 13]: weighting by the first micro-batch (1 x 4) made every scaled gradient
+  // 10x a GradScaler loop's (items / 40), and FP16 skipped 4 windows of 6 where it skipped 1.
+  tk::AccumulationPolicy<4> policy{tk::TrainerOptions()};
+  const std::int64_t sizes[] = {1, 13, 13, 13};
+  for (int window = 0; window < 3; ++window) {
+    double weights = 0;
+    for (const auto items : sizes) {
+      const double w = policy.weight(items);
+      if (window > 0) CHECK(w == doctest::Approx(static_cast<double>(items) / 40.0).epsilon(1e-15));
+      weights += w;
+    }
+    CHECK(policy.closes());
+    // Whatever the reference, the window's weights times rescale() sum to 1: the exact mean.
+    CHECK(weights * policy.rescale() == doctest::Approx(1.0).epsilon(1e-15));
+    if (window > 0) CHECK(policy.rescale() == doctest::Approx(1.0).epsilon(1e-15));
+    policy.reset();
+  }
+  // The running mean is part of the state a checkpoint holds.
+  const auto state = policy.state();
+  CHECK(state.seen_items == 3 * 40);
+  CHECK(state.seen_batches == 3 * 4);
+  tk::AccumulationPolicy<4> resumed{tk::TrainerOptions()};
+  resumed.load_state(state);
+  CHECK(resumed.weight(13) == policy.weight(13));
+}

@@ -96,3 +96,21 @@ TEST_CASE("NONFINITE abort: FP32 names the step and the loss") {
                        tk::NonFiniteGradient);
   CHECK(torch::equal(testing::flat(*model), params));
 }
+
+TEST_CASE("a finite gradient whose fp32 norm overflows is skipped as an overflow (GradScaler would apply it)") {
+  auto model = make_mlp(23);
+  tk::Trainer<> trainer(model, tk::SGD{0.1});
+  const auto w = model->parameters()[0];
+  const auto params = testing::flat(*model);
+  // Gradient elements of 2e19 are finite in fp32 (max 3.4e38); their squares are not.
+  const auto huge = [&](std::int64_t n, float value) {
+    return trainer.micro_step([&] { return (w.flatten().narrow(0, 0, n) * value).sum(); }).report;
+  };
+  auto r = huge(4, 2e19f);
+  CHECK(r.skipped());
+  CHECK(torch::equal(testing::flat(*model), params));
+  // Two elements of 1e19: the squares' sum, 2e38, is finite; so is the norm; the step is applied.
+  r = huge(2, 1e19f);
+  CHECK(r.applied());
+  CHECK(r.grad_norm() == doctest::Approx(1.4142135e19).epsilon(1e-6));
+}

@@ -230,7 +230,7 @@ TEST_CASE("partial loading applies prefix changes and reports a shape mismatch i
   const PartialLoad r = load_partial(*other, dir / "pre.model");
   CHECK(other->vlbert->layers[0]->as<Layer>()->intermediate->weight.equal(before));
   CHECK(std::any_of(r.not_loaded.begin(), r.not_loaded.end(), [](const std::string& n) {
-    return n == "vlbert.encoder.0.intermediate.weight (shape [96, 48] in the checkpoint)";
+    return n == "vlbert.encoder.0.intermediate.weight (shape [96, 48] in the file)";
   }));
   CHECK(!r.loaded.empty());  // the embeddings still match
 }

@@ -3,6 +3,8 @@
 //   - 2 ranks x micro-batch B train as 1 process x 2B on the same data (parameters, logged losses);
 //   - one rank SIGKILLed: the other fails within DIST_TIMEOUT naming it, and a relaunch resumes
 //     from the last complete checkpoint to the uninterrupted run's final state, bit for bit;
+//   - SIGTERM to one rank: both stop at the same log window, exit 0, and the relaunch resumes
+//     exactly;
 //   - GPUS that the machine or the launch contradicts is refused, naming GPUS.
 #if __has_include(<gloo/algorithm.h>)
 
@@ -191,6 +193,39 @@ TEST_CASE("the main job: a SIGKILLed rank stops the other within DIST_TIMEOUT, a
   CHECK(max_difference(dir / "whole/vl-bert_base_pretrain-0002.ckpt", dir / "cut/vl-bert_base_pretrain-0002.ckpt") == 0.0);
 }
 
+TEST_CASE("the main job: SIGTERM to one rank stops both at the same log window; the relaunch resumes exactly") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  // The ranks agree on a stop at log windows (every 2 optimizer steps here), in the collective
+  // that logging does anyway.
+  const std::vector<std::string> sets{"TRAIN.BATCH_IMAGES=4", "TRAIN.END_EPOCH=3", "DATASET.TRAIN_SCENES=48",
+                                      "LOG_FREQUENT=2"};
+  run_to_end(vlbert_args("pretrain", dir / "whole", sets), 2, dir / "whole");
+
+  const auto ranks = launch(vlbert_args("pretrain", dir / "cut", sets), 2, dir / "cut");
+  const std::string first = dir / "cut/vl-bert_base_pretrain-0000.ckpt";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+  while (!testing::file_exists(first) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE_MESSAGE(testing::file_exists(first), "no first checkpoint; rank 0 said:\n" << slurp(ranks[0].err));
+  ::kill(ranks[1].pid, SIGTERM);  // rank 1 only: rank 0 learns it at the next log window
+  const int status0 = wait_exit(ranks[0], 120), status1 = wait_exit(ranks[1], 120);
+  const std::string said0 = slurp(ranks[0].err), said1 = slurp(ranks[1].err);
+  INFO("rank 0 (" << status0 << ") said:\n" << said0 << "\nrank 1 (" << status1 << ") said:\n" << said1);
+  CHECK(status0 == 0);
+  CHECK(status1 == 0);
+  CHECK(said1.find("stop requested") != std::string::npos);
+  CHECK(said0.find("trainkit: stopped at epoch") != std::string::npos);
+  CHECK_FALSE(testing::file_exists(dir / "cut/vl-bert_base_pretrain-0002.ckpt"));  // it did stop early
+
+  run_to_end(vlbert_args("pretrain", dir / "cut", sets), 2, dir / "resumed");
+  CHECK(slurp(dir / "resumed.rank0.err").find("resum") != std::string::npos);
+  CHECK(max_difference(dir / "whole/vl-bert_base_pretrain-0002.ckpt", dir / "cut/vl-bert_base_pretrain-0002.ckpt") == 0.0);
+  // Each (step, tag) once in the log of the stopped and resumed run.
+  CHECK(logged_losses(dir / "cut/vl-bert_base_pretrain-scalars.jsonl") ==
+        logged_losses(dir / "whole/vl-bert_base_pretrain-scalars.jsonl"));
+}
+
 // One process of the main job with `set`: it must exit 2 without writing a checkpoint; returns
 // what it printed on stderr.
 static std::string refused(const std::string& set) {
@@ -206,6 +241,13 @@ TEST_CASE("the main job refuses a section it does not know (a misspelt TRAIN)") 
   const std::string said = refused("TRAINING.END_EPOCH=1");
   INFO(said);
   CHECK(said.find("error: TRAINING: unknown section") != std::string::npos);
+}
+
+TEST_CASE("the main job refuses a configuration that trains no epoch (an empty file's END_EPOCH 0), exit 2") {
+  if (!have_program()) return;
+  const std::string said = refused("TRAIN.END_EPOCH=0");
+  INFO(said);
+  CHECK(said.find("error: TRAIN.END_EPOCH: must be > TRAIN.BEGIN_EPOCH (0) to train, got 0") != std::string::npos);
 }
 
 TEST_CASE("the main job refuses GPUS that the machine or the launch contradicts, naming GPUS") {

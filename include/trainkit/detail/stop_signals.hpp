@@ -1,6 +1,7 @@
 #pragma once
 // SIGINT / SIGTERM during fit(): the first sets a flag that the loop polls (it then finishes the
-// current window, writes a checkpoint and returns); a second exits at once. The handler only
+// current window, or with several ranks runs to the next log window, writes a checkpoint and
+// returns); a second exits at once. The handler only
 // stores a sig_atomic_t, write(2)s a fixed message and, the second time, _exit()s: nothing else
 // is async-signal-safe.
 #include <csignal>
@@ -25,8 +26,9 @@ inline void on_stop_signal(int sig) {
   }
   stop_signal_received = sig;
   static const char msg[] =
-      "\ntrainkit: stop requested: finishing the current window, then writing a checkpoint "
-      "(send the signal again to exit at once)\n";
+      "\ntrainkit: stop requested: finishing the current window (data parallel: up to the next "
+      "log window, where the ranks agree), then writing a checkpoint (send the signal again to "
+      "exit at once)\n";
   write_stderr(msg, sizeof msg - 1);
 }
 
