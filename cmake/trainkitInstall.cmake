@@ -9,6 +9,7 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/" DESTINATION "${CMAKE_INSTALL_
         FILES_MATCHING PATTERN "*.hpp" PATTERN "*.h")
 
 install(TARGETS trainkit EXPORT trainkitTargets)
+install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" DESTINATION "${CMAKE_INSTALL_DATADIR}/doc/trainkit")
 
 # The registry's shards as sources: the package builds trainkit::registry from them on demand.
 install(FILES ${TRAINKIT_REGISTRY_SOURCES} DESTINATION "${CMAKE_INSTALL_DATADIR}/trainkit/registry")

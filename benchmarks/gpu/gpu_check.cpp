@@ -20,6 +20,8 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cmath>
+#include <map>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -85,9 +87,9 @@ double step_flops(const bench::ModelSpec& m, int64_t batch, int64_t seq) {
   return 3.0 * (dense + attention);
 }
 
-double matmul_peak_tflops(torch::Device device, int64_t n) {
-  auto a = torch::randn({n, n}, torch::dtype(torch::kBFloat16).device(device));
-  auto b = torch::randn({n, n}, torch::dtype(torch::kBFloat16).device(device));
+double matmul_peak_tflops(torch::Device device, int64_t n, torch::ScalarType dtype = torch::kBFloat16) {
+  auto a = torch::randn({n, n}, torch::dtype(dtype).device(device));
+  auto b = torch::randn({n, n}, torch::dtype(dtype).device(device));
   std::vector<double> ms;
   for (int i = 0; i < 12; ++i) {
     bench::synchronize(device);
@@ -139,11 +141,16 @@ int main(int argc, char** argv) try {
   const int64_t seq = dry ? 8 : spec.seq;
 
   const double peak = matmul_peak_tflops(device, dry ? 256 : 8192);
+  // FP32 rows against an fp32 product's peak (TF32 where LibTorch allows it), not bf16's.
+  const double peak_fp32 = matmul_peak_tflops(device, dry ? 256 : 8192, torch::kFloat);
   const double flops = step_flops(spec, micro_batch, seq);
-  std::printf("gpu_check: %s, micro-batch %lld x %lld tokens, %.3f TFLOP per step; bf16 matmul peak "
-              "measured %.3g TFLOP/s (%s)\n",
+  std::printf("gpu_check: %s, micro-batch %lld x %lld tokens, %.3f TFLOP per step; matmul peaks measured: "
+              "bf16 %.3g TFLOP/s, fp32 %.3g TFLOP/s (%s)\n",
               model.c_str(), static_cast<long long>(micro_batch), static_cast<long long>(seq),
-              flops / 1e12, peak, dry ? "CPU dry run" : "cuda:0");
+              flops / 1e12, peak, peak_fp32, dry ? "CPU dry run" : "cuda:0");
+  // What must hold; the last line is PASS or the list of what failed (exit 1).
+  std::vector<std::string> failed;
+  std::map<std::string, double> first_loss, peak_memory;  // by "impl/precision"
 
   // Does each way of counting see a sync it must see (a .item())?
   Counts self;
@@ -163,7 +170,7 @@ int main(int argc, char** argv) try {
               "warnings %ld (each should be >= 1 on a GPU; 0 means that counter cannot see syncs)\n",
               self.cuda, self.torch);
 
-  std::printf("\n| implementation | precision | step ms | TFLOP/s | of bf16 peak | peak GPU memory MiB | "
+  std::printf("\n| implementation | precision | step ms | TFLOP/s | of peak (bf16; fp32 rows: fp32) | peak GPU memory MiB | "
               "syncs per step (CUDA calls / LibTorch) | first / last loss |\n");
   std::printf("|---|---|---|---|---|---|---|---|\n");
   for (const auto& impl : {std::string("trainkit"), std::string("libtorch")}) {
@@ -227,15 +234,42 @@ int main(int argc, char** argv) try {
       }
       const double ms = bench::median(r.window_ms);
       const double tflops = flops / (ms * 1e-3) / 1e12;
+      const std::string row = impl + "/" + precision;
+      first_loss[row] = losses.front();
+      peak_memory[row] = peak_mib;
+      if (impl == "trainkit" && device.is_cuda() && c.cuda != 0)
+        failed.push_back(row + ": " + std::to_string(c.cuda) + " CUDA synchronising calls in " +
+                         std::to_string(c.windows) + " counted steps (must be 0)");
+      if (!std::isfinite(losses.back())) failed.push_back(row + ": the last loss is not finite");
       std::printf("| %s | %s | %.2f | %.3g | %.0f%% | %.0f | %.2f / %.2f | %.4f / %.4f |\n",
                   impl == "trainkit" ? "trainkit" : "hand-written LibTorch", precision.c_str(), ms,
-                  tflops, 100.0 * tflops / peak, peak_mib,
+                  tflops, 100.0 * tflops / (precision == "fp32" ? peak_fp32 : peak), peak_mib,
                   c.windows ? double(c.cuda) / c.windows : 0.0,
                   c.windows ? double(c.torch) / c.windows : 0.0, losses.front(), losses.back());
       std::fflush(stdout);
     }
   }
-  return 0;
+  // The same model, weights and first batch: the first FP32 loss is the same computation.
+  if (first_loss.count("trainkit/fp32") && first_loss.count("libtorch/fp32")) {
+    const double a = first_loss["trainkit/fp32"], b = first_loss["libtorch/fp32"];
+    if (!(std::abs(a - b) <= 1e-5 * std::abs(b)))
+      failed.push_back("the first FP32 loss: trainkit " + std::to_string(a) + ", hand-written LibTorch " + std::to_string(b));
+  }
+  // Peak memory no higher than the hand-written loop's (2% for the allocator's rounding).
+  for (const auto& [row, mib] : peak_memory) {
+    const std::string precision = row.substr(row.find('/') + 1);
+    const auto theirs = peak_memory.find("libtorch/" + precision);
+    if (row.rfind("trainkit/", 0) == 0 && theirs != peak_memory.end() && mib > 1.02 * theirs->second)
+      failed.push_back(row + ": peak memory " + std::to_string(mib) + " MiB, the hand-written loop's " +
+                       std::to_string(theirs->second) + " MiB");
+  }
+  if (failed.empty()) {
+    std::printf("\nPASS\n");
+    return 0;
+  }
+  std::printf("\nFAIL:\n");
+  for (const auto& f : failed) std::printf("- %s\n", f.c_str());
+  return 1;
 } catch (const std::exception& e) {
   std::cerr << "gpu_check: " << e.what() << "\n";
   return 2;

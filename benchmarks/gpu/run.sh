@@ -27,6 +27,7 @@ DEPS="$ROOT/build-gpu-deps"
 START=$(date +%s)
 BUDGET="${TRAINKIT_GPU_BUDGET:-$([[ "$MODE" == --dry-run ]] && echo 1800 || echo 460)}"
 left() { echo $((BUDGET - ($(date +%s) - START))); }
+FAILED=()  # the steps that failed; the report's last line is PASS or them
 say() { echo "$*" | tee -a "$REPORT"; }
 # step NAME SECONDS COMMAND...: runs COMMAND under the smaller of SECONDS and the budget left.
 step() {
@@ -36,6 +37,7 @@ step() {
   l=$(left)
   ((l < limit)) && limit=$l
   if ((limit < 10)); then
+    FAILED+=("$name (no time left)")
     say "- $name: SKIPPED (the time budget is spent)"
     return 1
   fi
@@ -47,6 +49,7 @@ step() {
   if ((rc == 0)); then
     echo "[gpu] $name: ok (${took} s)" >&2
   else
+    FAILED+=("$name")
     say "- $name: FAILED (exit $rc after ${took} s; limit ${limit} s), last lines:"
     tail -n 15 "$LOGS/$name.log" | sed 's/^/      /' | tee -a "$REPORT"
   fi
@@ -92,6 +95,14 @@ if [[ "$MODE" == "--dry-run" ]]; then
   step build 900 env TRAINKIT_JOBS="${TRAINKIT_JOBS:-1}" TRAINKIT_BUILD_DIR="$B" \
     "$ROOT/scripts/build" --target benchmark_gpu_check
 else
+  # Fail fast: nlohmann-json is required, doctest only for the unit tests. Neither can be
+  # installed on the GPU machine: --pack-deps here copies them into build-gpu-deps/.
+  if [[ ! -d "$DEPS/include/nlohmann" && ! -d /usr/include/nlohmann ]]; then
+    say "FAIL: nlohmann-json is neither packed ($DEPS) nor installed: run 'benchmarks/gpu/run.sh --pack-deps' before borrowing the machine and carry build-gpu-deps"
+    exit 1
+  fi
+  HAVE_DOCTEST=OFF
+  [[ -d "$DEPS/include/doctest" || -d /usr/include/doctest ]] && HAVE_DOCTEST=ON
   TORCH_PREFIX="$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')"
   prefix="$TORCH_PREFIX"
   cxxflags=""
@@ -108,6 +119,7 @@ else
   step configure 120 cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" -DCMAKE_PREFIX_PATH="$prefix" \
     -DTRAINKIT_BUILD_EXAMPLES=OFF -DTRAINKIT_BUILD_TOOLS=OFF -DTRAINKIT_WITH_YAML=OFF \
+    -DTRAINKIT_BUILD_TESTS="$HAVE_DOCTEST" \
     "${flags[@]}"
   step build 240 cmake --build "$B" --target benchmark_gpu_check -j "$(nproc)"
 fi
@@ -182,6 +194,8 @@ say "### Unit tests"
 say ""
 if [[ "$MODE" == "--dry-run" ]]; then
   say "- (dry run) would build trainkit_tests in $B and run: ctest --test-dir $B -L unit -j 4"
+elif [[ "$HAVE_DOCTEST" != ON ]]; then
+  say "- SKIPPED: doctest is neither packed nor installed (run --pack-deps here to include the unit tests)"
 else
   if step build_tests 330 cmake --build "$B" --target trainkit_tests -j "$(nproc)"; then
     OMP_NUM_THREADS=4 step unit_tests 150 ctest --test-dir "$B" -L unit -j 4 --timeout 120 --output-on-failure
@@ -190,3 +204,8 @@ else
 fi
 say ""
 say "Total $(($(date +%s) - START)) s. Logs: $LOGS"
+if ((${#FAILED[@]} > 0)); then
+  say "FAIL: ${FAILED[*]}"
+  exit 1
+fi
+say "PASS"

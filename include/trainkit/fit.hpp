@@ -141,7 +141,7 @@ struct FitResult {
   std::string best_checkpoint;                 ///< "" when no best metric
   bool stopped = false;                        ///< by a signal or a callback, before END_EPOCH
   int signal = 0;                              ///< the signal that stopped it (0: none)
-  std::string message;                         ///< the stop message: how to resume
+  std::string message;                         ///< the stop message (how to resume), or why nothing was trained
 };
 
 namespace detail {
@@ -184,6 +184,12 @@ class FitLoop {
     state_.best_metric = task_.best_metric;
     state_.higher_is_better = task_.higher_is_better;
     const FitPosition start = resume();
+    if (!result_.resumed_from.empty() && start.epoch >= options_.end_epoch()) {  // a finished job run again
+      result_.message = "trainkit: nothing to train: '" + result_.resumed_from + "' is at epoch " +
+                        std::to_string(start.epoch) + " and TRAIN.END_EPOCH is " + std::to_string(options_.end_epoch()) +
+                        "; raise TRAIN.END_EPOCH to train on, or start afresh in another directory (--model-dir)";
+      say(result_.message);
+    }
     if (writes()) open_logs();
     skipped_at_log_ = trainer_.skipped_steps().item<std::int64_t>();  // once per run
     window_at_log_ = trainer_.windows();

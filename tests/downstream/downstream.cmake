@@ -2,6 +2,7 @@
 # tests/downstream/ with this build's compiler, launcher, build type and packages (settings in
 # downstream-init.cmake, given with -C), from scratch, and runs its program `downstream`:
 #   downstream.install         cmake --install this build into downstream/prefix (fixture)
+#   downstream.install_unbuilt cmake --install of a freshly configured, unbuilt tree
 #   downstream.find_package    find_package(trainkit CONFIG REQUIRED) against that prefix
 #   downstream.add_subdirectory / downstream.fetchcontent   the source tree itself
 # The projects compile tests/downstream/main.cpp; another program can be given to any of them with
@@ -48,3 +49,9 @@ trainkit_add_downstream_test(find_package "-DEXPECT_TRAINKIT_DIR=${_prefix}/")
 set_tests_properties(downstream.find_package PROPERTIES FIXTURES_REQUIRED trainkit_installed)
 trainkit_add_downstream_test(add_subdirectory "-DEXTRA_ARGS=-DTRAINKIT_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
 trainkit_add_downstream_test(fetchcontent "-DEXTRA_ARGS=-DFETCHCONTENT_SOURCE_DIR_TRAINKIT=${PROJECT_SOURCE_DIR}")
+
+add_test(NAME downstream.install_unbuilt
+         COMMAND "${CMAKE_COMMAND}" "-DSOURCE=${PROJECT_SOURCE_DIR}" "-DWORK=${_work}/unbuilt"
+                 "-DINIT_CACHE=${_work}/downstream-init.cmake" "-DGENERATOR=${CMAKE_GENERATOR}"
+                 -P "${_here}/install_unbuilt.cmake")
+set_tests_properties(downstream.install_unbuilt PROPERTIES LABELS downstream TIMEOUT 600)

@@ -236,6 +236,22 @@ TEST_CASE("fit: a run resumed from an earlier checkpoint than its last log point
   CHECK(event_files == 2);
 }
 
+TEST_CASE("fit: a finished job run again trains nothing and says so") {
+  TempDir dir;
+  torch::manual_seed(16);
+  RegressionTask t(testing::make_mlp(10, 8, 16, 3, 0.2));
+  T a(t.model, tk::AdamW{1e-2}, trainer_options());
+  const auto first = tk::fit(a, t.task, fit_options(dir.path, 2));
+  CHECK(first.message.empty());
+  RegressionTask u(testing::make_mlp(10, 8, 16, 3, 0.2));  // a new process's model
+  T b(u.model, tk::AdamW{1e-2}, trainer_options());
+  const auto again = tk::fit(b, u.task, fit_options(dir.path, 2));
+  CHECK(again.windows == first.windows);
+  CHECK(again.checkpoints.empty());
+  CHECK(again.message.find("nothing to train: '" + dir / "model-0001.ckpt" + "' is at epoch 2 and TRAIN.END_EPOCH is 2") !=
+        std::string::npos);
+}
+
 TEST_CASE("fit: the epoch's means are weighted by items, not averages of averages") {
   TempDir dir;
   torch::manual_seed(13);
