@@ -35,8 +35,24 @@ static std::string rank_of_launch() {
 int main(int argc, char** argv) {
   const std::string usage =
       "usage: vlbert pretrain|vqa --cfg FILE [--set SECTION.KEY=VALUE]... [--model-dir DIR] [--resume]\n";
+  if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::cout << usage << R"(
+VL-BERT pre-training (pretrain) and VQA fine-tuning (vqa) on embedded synthetic scenes.
+
+  --cfg FILE        the configuration (YAML or JSON): cfgs/vlbert/pretrain/*.yaml, cfgs/vlbert/vqa/*.yaml
+  --set K=V         override one key (repeatable), e.g. --set TRAIN.END_EPOCH=1 --set TRAIN.FP16=true
+  --model-dir DIR   where checkpoints and logs go (OUTPUT_PATH); a run there resumes by itself
+  --resume          resume from BEGIN_EPOCH's checkpoint (TRAIN.RESUME)
+
+Several processes: torchrun --no-python --nproc-per-node N vlbert pretrain --cfg ... (GPUS picks the
+devices). The checks of a configuration without training: trainkit-config check FILE.
+The last line on stdout is the run's figures as JSON ("RESULT {...}"). Exit status: 0 done or
+stopped with a checkpoint, 2 a configuration or command-line error, 1 any other error.
+)";
+    return 0;
+  }
   if (argc < 2 || (std::string(argv[1]) != "pretrain" && std::string(argv[1]) != "vqa")) {
-    std::cerr << usage;
+    std::cerr << usage << "(vlbert --help says more)\n";
     return 2;
   }
   const std::string task = argv[1];
