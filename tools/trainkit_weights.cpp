@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <iostream>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -30,19 +29,13 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-std::string shape_of(const torch::Tensor& t) {
-  std::ostringstream s;
-  s << t.sizes();
-  return s.str();
-}
-
 int inspect(const std::string& path) {
   const auto format = tk::weights_format(path);
   const tk::NamedTensors weights = tk::read_weights(path);
   std::cout << path << ": " << tk::to_string(format) << ", " << weights.size() << " tensors\n";
   std::int64_t elements = 0, bytes = 0;
   for (const auto& [name, t] : weights) {
-    std::cout << "  " << name << "  " << c10::toString(t.scalar_type()) << " " << shape_of(t) << "\n";
+    std::cout << "  " << name << "  " << c10::toString(t.scalar_type()) << " " << tk::detail::shape_string(t.sizes()) << "\n";
     elements += t.numel();
     bytes += static_cast<std::int64_t>(t.nbytes());
   }

@@ -205,9 +205,7 @@ inline WeightsReport load_weights(torch::nn::Module& model, const std::string& p
   auto take = [&](const std::string& name, torch::Tensor target) {
     const auto it = file.find(name);
     if (it == file.end() || it->second.sizes() != target.sizes()) {
-      std::ostringstream why;
-      if (it != file.end()) why << " (shape " << it->second.sizes() << " in the file)";
-      r.not_loaded.push_back(name + why.str());
+      r.not_loaded.push_back(it == file.end() ? name : name + " (shape " + detail::shape_string(it->second.sizes()) + " in the file)");
       if (it != file.end()) used.insert(name);  // it had a place: the mismatch says so
       return;
     }

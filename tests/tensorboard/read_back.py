@@ -23,6 +23,9 @@ import sys
 
 import numpy
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from packages import import_or_install  # noqa: E402
+
 
 def fail(message):
     print("FAIL: " + message)
@@ -30,13 +33,7 @@ def fail(message):
 
 
 def import_tensorboard():
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        print("tensorboard is not installed in %s: installing it" % sys.prefix)
-        status = subprocess.call([sys.executable, "-m", "pip", "install", "-q", "tensorboard"])
-        if status != 0:
-            fail("pip install tensorboard failed (status %d): cannot read the files back" % status)
+    import_or_install("tensorboard", "tensorboard")
     from tensorboard.backend.event_processing import event_accumulator, event_file_loader
     from tensorboard.util import tensor_util
     return event_accumulator, event_file_loader, tensor_util

@@ -121,6 +121,14 @@ nlohmann::json result_line(const std::string& out) {
   return nlohmann::json::parse(result);
 }
 
+// Waits (up to 240 s) until the launch's first checkpoint is written; rank 0's words if never.
+void wait_for_first_checkpoint(const std::string& path, const Child& rank0) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
+  while (!testing::file_exists(path) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE_MESSAGE(testing::file_exists(path), "no first checkpoint; rank 0 said:\n" << slurp(rank0.err));
+}
+
 }  // namespace
 
 TEST_CASE("the main job: 2 ranks x micro-batch B train as 1 process x 2B (FP32, accumulation 2)") {
@@ -169,11 +177,7 @@ TEST_CASE("the main job: a SIGKILLed rank stops the other within DIST_TIMEOUT, a
   run_to_end(vlbert_args("pretrain", dir / "whole", sets), 2, dir / "whole");
 
   const auto ranks = launch(vlbert_args("pretrain", dir / "cut", sets), 2, dir / "cut");
-  const std::string first = dir / "cut/vl-bert_base_pretrain-0000.ckpt";
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
-  while (!testing::file_exists(first) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  REQUIRE_MESSAGE(testing::file_exists(first), "no first checkpoint; rank 0 said:\n" << slurp(ranks[0].err));
+  wait_for_first_checkpoint(dir / "cut/vl-bert_base_pretrain-0000.ckpt", ranks[0]);
   ::kill(ranks[1].pid, SIGKILL);
   const auto killed = std::chrono::steady_clock::now();
   CHECK(wait_exit(ranks[1], 30) == 128 + SIGKILL);
@@ -203,11 +207,7 @@ TEST_CASE("the main job: SIGTERM to one rank stops both at the same log window; 
   run_to_end(vlbert_args("pretrain", dir / "whole", sets), 2, dir / "whole");
 
   const auto ranks = launch(vlbert_args("pretrain", dir / "cut", sets), 2, dir / "cut");
-  const std::string first = dir / "cut/vl-bert_base_pretrain-0000.ckpt";
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(240);
-  while (!testing::file_exists(first) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  REQUIRE_MESSAGE(testing::file_exists(first), "no first checkpoint; rank 0 said:\n" << slurp(ranks[0].err));
+  wait_for_first_checkpoint(dir / "cut/vl-bert_base_pretrain-0000.ckpt", ranks[0]);
   ::kill(ranks[1].pid, SIGTERM);  // rank 1 only: rank 0 learns it at the next log window
   const int status0 = wait_exit(ranks[0], 120), status1 = wait_exit(ranks[1], 120);
   const std::string said0 = slurp(ranks[0].err), said1 = slurp(ranks[1].err);

@@ -21,6 +21,9 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+from packages import import_or_install  # noqa: E402
+
 
 def fail(message):
     print("FAIL: " + message)
@@ -28,12 +31,7 @@ def fail(message):
 
 
 def import_safetensors():
-    try:
-        import safetensors.torch  # noqa: F401
-    except ImportError:
-        print("safetensors is not installed in %s: installing it" % sys.prefix)
-        if subprocess.call([sys.executable, "-m", "pip", "install", "-q", "safetensors"]) != 0:
-            fail("pip install safetensors failed: cannot check the files")
+    import_or_install("safetensors", "safetensors")
     import safetensors.torch
     return safetensors.torch
 

@@ -184,16 +184,28 @@ struct PickleValue {
   bool is_tuple = false;  // a PickleList that was a tuple
 };
 
-/// The storage types torch.save names (torch.FloatStorage, ...), by dtype.
+/// The storage types torch.save names (torch.FloatStorage, ...) and their dtypes: read by the
+/// unpickler, written by the pickler below.
+struct StorageType {
+  const char* name;
+  c10::ScalarType type;
+};
+inline constexpr StorageType kStorageTypes[] = {
+    {"DoubleStorage", c10::ScalarType::Double}, {"FloatStorage", c10::ScalarType::Float},
+    {"HalfStorage", c10::ScalarType::Half},     {"BFloat16Storage", c10::ScalarType::BFloat16},
+    {"LongStorage", c10::ScalarType::Long},     {"IntStorage", c10::ScalarType::Int},
+    {"ShortStorage", c10::ScalarType::Short},   {"CharStorage", c10::ScalarType::Char},
+    {"ByteStorage", c10::ScalarType::Byte},     {"BoolStorage", c10::ScalarType::Bool}};
+
 inline c10::ScalarType storage_dtype(const std::string& name) {
-  static const std::map<std::string, c10::ScalarType> types = {
-      {"DoubleStorage", c10::ScalarType::Double}, {"FloatStorage", c10::ScalarType::Float},
-      {"HalfStorage", c10::ScalarType::Half},     {"BFloat16Storage", c10::ScalarType::BFloat16},
-      {"LongStorage", c10::ScalarType::Long},     {"IntStorage", c10::ScalarType::Int},
-      {"ShortStorage", c10::ScalarType::Short},   {"CharStorage", c10::ScalarType::Char},
-      {"ByteStorage", c10::ScalarType::Byte},     {"BoolStorage", c10::ScalarType::Bool}};
-  const auto it = types.find(name);
-  return it == types.end() ? c10::ScalarType::Undefined : it->second;
+  for (const auto& t : kStorageTypes)
+    if (name == t.name) return t.type;
+  return c10::ScalarType::Undefined;
+}
+inline const char* storage_name(c10::ScalarType type) {
+  for (const auto& t : kStorageTypes)
+    if (type == t.type) return t.name;
+  return nullptr;
 }
 
 /// Runs the pickle program of a torch.save'd state_dict. Knows protocol 2-5's opcodes that
@@ -568,14 +580,8 @@ class StateDictPickler {
   }
   void global(const char* module, const std::string& name) { out_ += std::string("c") + module + "\n" + name + "\n"; }
   void tensor(const torch::Tensor& t, std::vector<torch::Tensor>& storages) {
-    static const std::map<c10::ScalarType, const char*> names = {
-        {c10::ScalarType::Double, "DoubleStorage"}, {c10::ScalarType::Float, "FloatStorage"},
-        {c10::ScalarType::Half, "HalfStorage"},     {c10::ScalarType::BFloat16, "BFloat16Storage"},
-        {c10::ScalarType::Long, "LongStorage"},     {c10::ScalarType::Int, "IntStorage"},
-        {c10::ScalarType::Short, "ShortStorage"},   {c10::ScalarType::Char, "CharStorage"},
-        {c10::ScalarType::Byte, "ByteStorage"},     {c10::ScalarType::Bool, "BoolStorage"}};
-    const auto it = names.find(t.scalar_type());
-    if (it == names.end())
+    const char* storage = storage_name(t.scalar_type());
+    if (storage == nullptr)
       throw std::invalid_argument(std::string("cannot write a ") + c10::toString(t.scalar_type()) + " tensor to a state_dict file");
     const std::string key = std::to_string(storages.size());
     storages.push_back(t);
@@ -583,7 +589,7 @@ class StateDictPickler {
     out_ += '(';  // the arguments: storage, offset, size, stride, requires_grad, backward_hooks
     out_ += '(';  // the persistent id: ('storage', type, key, location, numel)
     text("storage");
-    global("torch", it->second);
+    global("torch", storage);
     text(key);
     text("cpu");
     integer(t.numel());
