@@ -1,0 +1,11 @@
+# Runs PROGRAM in DIR, emptied first (a README or guide example: test readme.example, docs.<page>),
+# so that every run starts afresh (the fit loop would otherwise resume an earlier run's checkpoints).
+# Fails when the program exits nonzero. (Emptying it here keeps std::filesystem::remove_all out of
+# the examples: libtorch.so exports its own std::filesystem symbols, and remove_all through them
+# crashes with LibTorch 2.11; see tests/unit/helpers.hpp.)
+file(REMOVE_RECURSE "${DIR}")
+file(MAKE_DIRECTORY "${DIR}")
+execute_process(COMMAND "${PROGRAM}" WORKING_DIRECTORY "${DIR}" RESULT_VARIABLE status)
+if(NOT status EQUAL 0)
+  message(FATAL_ERROR "${PROGRAM} exited with ${status}")
+endif()
