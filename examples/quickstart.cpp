@@ -50,14 +50,26 @@ int train(const char* label) {
   return 0;
 }
 
+constexpr const char* kUsage =
+    "usage: quickstart [fp32|bf16|fp16]\n"
+    "Trains a small MLP on a synthetic regression task for 5 epochs and prints each epoch's loss.\n"
+    "  fp32        FP32 (the default)\n"
+    "  bf16        BF16 autocast\n"
+    "  fp16        FP16 with a dynamic loss scale\n"
+    "  -h, --help  this text\n";
+
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "fp32";
+  if (mode == "-h" || mode == "--help") {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
   using Acc = tk::AccumulationPolicy<4>;
   using Clip = tk::ClipPolicy<tk::ClipNorm>;
   if (mode == "fp32") return train<tk::Trainer<tk::PrecisionPolicy<tk::FP32>, Acc, Clip>>("fp32");
   if (mode == "bf16") return train<tk::Trainer<tk::PrecisionPolicy<tk::BF16>, Acc, Clip>>("bf16");
   if (mode == "fp16")
     return train<tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, Acc, Clip>>("fp16");
-  std::fprintf(stderr, "usage: quickstart [fp32|bf16|fp16]\n");
+  std::fprintf(stderr, "quickstart: unknown mode '%s'\n%s", mode.c_str(), kUsage);
   return 2;
 }
