@@ -34,7 +34,7 @@ static std::string rank_of_launch() {
 
 int main(int argc, char** argv) {
   const std::string usage =
-      "usage: vlbert pretrain|vqa --cfg FILE [--set SECTION.KEY=VALUE]... [--model-dir DIR] [--resume]\n";
+      "usage: vlbert pretrain|vqa --cfg FILE [--set SECTION.KEY=VALUE]... [--model-dir DIR] [--resume] [--eval WEIGHTS]\n";
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
     std::cout << usage << R"(
 VL-BERT pre-training (pretrain) and VQA fine-tuning (vqa) on embedded synthetic scenes.
@@ -43,6 +43,8 @@ VL-BERT pre-training (pretrain) and VQA fine-tuning (vqa) on embedded synthetic 
   --set K=V         override one key (repeatable), e.g. --set TRAIN.END_EPOCH=1 --set TRAIN.FP16=true
   --model-dir DIR   where checkpoints and logs go (OUTPUT_PATH); a run there resumes by itself
   --resume          resume from BEGIN_EPOCH's checkpoint (TRAIN.RESUME)
+  --eval WEIGHTS    no training: evaluate WEIGHTS (a checkpoint, .safetensors or PyTorch state_dict
+                    holding every weight of the model) on the validation split, as VL-BERT's test.py
 
 Several processes: torchrun --no-python --nproc-per-node N vlbert pretrain --cfg ... (GPUS picks the
 devices). The checks of a configuration without training: trainkit-config check FILE.
@@ -60,7 +62,20 @@ stopped with a checkpoint, 2 a configuration or command-line error, 1 any other 
   // machine and far faster on a busy one (idle OpenMP workers spin). OMP_NUM_THREADS overrides.
   if (std::getenv("OMP_NUM_THREADS") == nullptr) torch::set_num_threads(1);
   try {
-    const auto cl = tk::CommandLine::parse(argc - 1, argv + 1);
+    auto cl = tk::CommandLine::parse(argc - 1, argv + 1);
+    std::string eval;  // --eval WEIGHTS
+    for (auto it = cl.rest.begin(); it != cl.rest.end();) {
+      if (*it != "--eval") {
+        ++it;
+        continue;
+      }
+      if (it + 1 == cl.rest.end() || !eval.empty()) {
+        std::cerr << "error: --eval takes one weights file\n" << usage;
+        return 2;
+      }
+      eval = *(it + 1);
+      it = cl.rest.erase(it, it + 2);
+    }
     if (cl.cfg.empty() || !cl.rest.empty()) {
       std::cerr << (cl.rest.empty() ? "error: --cfg FILE is required\n" : "error: unknown argument " + cl.rest[0] + "\n") << usage;
       return 2;
@@ -79,7 +94,7 @@ stopped with a checkpoint, 2 a configuration or command-line error, 1 any other 
     const auto module = config.get<std::string>("MODULE");
     if (!module.empty() && module != expected)
       throw tk::ConfigError("MODULE", "is \"" + module + "\", but `vlbert " + task + "` trains " + expected);
-    const auto result = task == "pretrain" ? vlbert::pretrain(config, launch) : vlbert::finetune(config, launch);
+    const auto result = task == "pretrain" ? vlbert::pretrain(config, launch, eval) : vlbert::finetune(config, launch, eval);
     if (!launch.is_main()) return 0;  // the main rank reports the run
     if (task == "vqa" && !result.val.empty()) {
       const double acc = result.val.back().at("Acc");

@@ -7,8 +7,10 @@
 #include "scenes.hpp"
 
 #include <trainkit/config.hpp>
+#include <trainkit/evaluate.hpp>
 #include <trainkit/fit.hpp>
 #include <trainkit/launch.hpp>
+#include <trainkit/loss_loggers.hpp>
 #include <trainkit/registry.hpp>
 #include <trainkit/sampler.hpp>
 #include <trainkit/weights.hpp>
@@ -232,6 +234,7 @@ struct RunResult {
   double chance = 0, question_prior = 0, majority = 0;  // VQA reference points
   PartialLoad partial;
   std::string checkpoint;  // the last one written (or resumed from)
+  std::string evaluated;   // --eval: the weights evaluated (nothing was trained)
 };
 
 /// Runs `f` in the trainer's precision region (autocast for BF16/FP16), as training runs.
@@ -246,10 +249,11 @@ inline std::vector<std::int64_t> validation_batches(std::int64_t batches, const 
 
 /// Trains `model` (already on launch.device()) with the trainer the configuration asks for
 /// (tk::make_trainer; data-parallel over the launch's ranks) on the task `make_task(in_precision)`
-/// builds, through tk::fit (resume, validation, checkpoints, logs, progress line).
+/// builds, through tk::fit (resume, validation, checkpoints, logs, progress line). With `eval`
+/// (--eval FILE): the weights in that file, validated in the configured precision, no training.
 template <class Model, class MakeTask>
 RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const tk::Launch& launch, Model& model,
-                  const std::string& name, MakeTask&& make_task) {
+                  const std::string& name, const std::string& eval, MakeTask&& make_task) {
   const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(config, model, launch.world_size());
   tk::AnyTrainer& trainer = *made;
   launch.attach(trainer);  // data parallel: rank 0's weights to every rank, one all-reduce per window
@@ -283,6 +287,11 @@ RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const
     return m;
   };
   task.items = [](const Batch& b) { return b.size(); };
+  if (!eval.empty()) {  // VL-BERT's test.py: every weight from the file, strictly
+    r.evaluated = eval;
+    tk::evaluate(*model, task, eval);  // (task.validate above records the metrics in r.val)
+    return r;
+  }
   tk::Callbacks callbacks;
   callbacks.epoch_end = [&](tk::EpochEnd& e) {
     r.epoch_loss.push_back(e.train.count("Loss") ? e.train.at("Loss") : 0.0);
@@ -301,7 +310,7 @@ RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const
 
 /// Pre-training: MLM + MVRC on captioned scenes; validation: MLM and MVRC accuracy (over every
 /// rank's share of the validation split).
-inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch) {
+inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, const std::string& eval = {}) {
   const tk::FitOptions options = tk::fit_options(config, launch);
   const SyntheticData data(data_options(config, options.seed()));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
@@ -309,18 +318,19 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch) {
   model->to(launch.device());
   const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
+  const auto loggers = tk::LossLoggers::from(config).require({"mlm_loss", "mvrc_loss"});  // TRAIN.LOSS_LOGGERS
   // Each rank its shard of every epoch's order; W ranks x batch B see, window for window, the
   // samples of one process with batch W x B.
   const tk::DistributedSampler sampler(data.samples(false, false), bs, launch.rank(), launch.world_size(),
                                        static_cast<std::uint64_t>(options.seed()), config.get<bool>("TRAIN.SHUFFLE"));
   const torch::Device device = launch.device();
-  return run_fit(config, options, launch, model, "pretrain", [&](const InPrecision& in_precision) {
+  return run_fit(config, options, launch, model, "pretrain", eval, [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
     task.batches_per_epoch = [&](std::int64_t) { return sampler.batches_per_epoch(); };
     task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch_of(false, false, e, sampler.batch(e, i)).to(device); };
     task.loss = [&](const Batch& b, tk::Metrics& m) {
       const auto out = model->forward(b, with_mlm, with_mvrc);
-      m.add("MLM-Loss", out.mlm.loss), m.add("MVRC-Loss", out.mvrc.loss);
+      loggers.add(m, {{"mlm_loss", out.mlm.loss}, {"mvrc_loss", out.mvrc.loss}}, static_cast<double>(b.size()));
       return out.loss;
     };
     task.validate = [&, in_precision](std::int64_t) {
@@ -346,7 +356,7 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch) {
 
 /// VQA fine-tuning: the answer classifier over the [MASK] token, from PARTIAL_PRETRAIN's weights;
 /// validation: accuracy, overall and per question type (over every rank's share).
-inline RunResult finetune(const tk::Config& config, const tk::Launch& launch) {
+inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, const std::string& eval = {}) {
   const tk::FitOptions options = tk::fit_options(config, launch);
   const SyntheticData data(data_options(config, options.seed()));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
@@ -355,7 +365,7 @@ inline RunResult finetune(const tk::Config& config, const tk::Launch& launch) {
                      n["CLASSIFIER_HIDDEN_SIZE"].get<std::int64_t>(), n["CLASSIFIER_DROPOUT"].get<double>());
   PartialLoad partial;
   const auto pretrained = n["PARTIAL_PRETRAIN"].get<std::string>();
-  if (!pretrained.empty()) {  // on the CPU, before the move (every rank reads the same file)
+  if (!pretrained.empty() && eval.empty()) {  // on the CPU, before the move (every rank reads the same file)
     partial = load_partial(*model, pretrained, n["PARTIAL_PRETRAIN_PREFIX_CHANGES"].get<std::vector<std::string>>());
     if (launch.is_main()) print_partial_load(partial, pretrained);
   }
@@ -364,14 +374,17 @@ inline RunResult finetune(const tk::Config& config, const tk::Launch& launch) {
   const tk::DistributedSampler sampler(data.samples(true, false), bs, launch.rank(), launch.world_size(),
                                        static_cast<std::uint64_t>(options.seed()), config.get<bool>("TRAIN.SHUFFLE"));
   const torch::Device device = launch.device();
-  RunResult r = run_fit(config, options, launch, model, "vqa", [&](const InPrecision& in_precision) {
+  const auto loggers = tk::LossLoggers::from(config).require({"ans_loss"});  // TRAIN.LOSS_LOGGERS
+  RunResult r = run_fit(config, options, launch, model, "vqa", eval, [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
     task.batches_per_epoch = [&](std::int64_t) { return sampler.batches_per_epoch(); };
     task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch_of(true, false, e, sampler.batch(e, i)).to(device); };
     task.loss = [&](const Batch& b, tk::Metrics& m) {
       const auto logits = model->forward(b).to(torch::kFloat);
       m.add("Acc", logits.argmax(1).eq(b.answers).to(torch::kFloat).mean(), static_cast<double>(b.size()));
-      return torch::nn::functional::cross_entropy(logits, b.answers);
+      auto loss = torch::nn::functional::cross_entropy(logits, b.answers);
+      loggers.add(m, {{"ans_loss", loss}}, static_cast<double>(b.size()));
+      return loss;
     };
     task.validate = [&, in_precision](std::int64_t) {
       torch::NoGradGuard no_grad;
@@ -435,6 +448,7 @@ inline std::string result_json(const RunResult& r) {
   j["world_size"] = r.world_size;
   j["device"] = r.device;
   j["checkpoint"] = r.checkpoint;
+  if (!r.evaluated.empty()) j["evaluated"] = r.evaluated;
   if (r.task == "vqa") {
     j["chance"] = r.chance;
     j["majority_answer"] = r.majority;

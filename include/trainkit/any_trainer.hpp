@@ -73,6 +73,8 @@ class AnyTrainer {
   virtual std::string type_name() const = 0;
   /// Whether the loss is multiplied by a loss scale (FP16 modes).
   virtual bool uses_loss_scale() const = 0;
+  /// The optimizer's LR before the schedule's factor (a group's is this times its LR_MULT).
+  virtual double base_lr() const = 0;
   /// Micro-batches per window.
   virtual std::int64_t window_length() const = 0;
   /// The autocast dtype of the forward (bf16, fp16); std::nullopt for FP32.

@@ -25,13 +25,23 @@
 ///      Train-<metric>, LR/Group_<i>, grad-para/Total-Norm, loss-scale, skipped-steps,
 ///      samples-per-second (log/scalars.hpp's tags; step = optimizer windows, applied + skipped)
 ///      to <OUTPUT_PATH>/tensorboard/ (TensorBoard events) and <OUTPUT_PATH>/<prefix>-scalars.jsonl,
-///      and update the progress line (log/progress.hpp) on stderr. A run that resumes at
+///      and Initial-LR/Group_<i>, and write a line to the run's text log (<OUTPUT_PATH>/<prefix>-log.txt,
+///      log/text_log.hpp, which also has the run's start, resume, validations, checkpoints,
+///      warnings and end). The progress line (log/progress.hpp) on stderr follows every window
+///      on a terminal (bar, elapsed, the whole run's ETA), else prints at log windows. A run that resumes at
 ///      optimizer step S drops the JSON lines past S (what the stopped run logged after its
 ///      checkpoint; said once) and opens its TensorBoard file with a session start at S + 1, which
 ///      hides those points in TensorBoard: each (step, tag) is in the logs once.
 ///   4. End of an epoch: validation every VAL_FREQUENT epochs (and after the last), Val-<metric>
 ///      logged, the plateau schedule told, the epoch_end callback, a checkpoint every
-///      CHECKPOINT_FREQUENT epochs (and after the last, at a new best, on request).
+///      CHECKPOINT_FREQUENT epochs (and after the last, at a new best, on request). A callback
+///      that finishes the run (EpochEnd::request_finish, e.g. EarlyStopping in callbacks.hpp)
+///      gets a checkpoint marked finished: fit returns with FitResult::finished, and a run of the
+///      same command in that directory trains no further (it says why).
+///   Callbacks' own state (Callbacks::state) goes into every checkpoint and comes back on resume.
+///   With FitOptions::workers (NUM_WORKERS_PER_GPU) > 0, the next micro-batches of the epoch are
+///   made on that many threads while the step runs (task.batch must then be thread-safe and
+///   draw no numbers from torch's global generator: it is a pure function of its position).
 ///   5. SIGINT/SIGTERM: the loop finishes the current window, writes a checkpoint and returns
 ///      with FitResult::stopped, printing how to resume; a second signal exits at once.
 ///
@@ -58,6 +68,7 @@
 #include <trainkit/log/progress.hpp>
 #include <trainkit/log/scalars.hpp>
 #include <trainkit/log/tensorboard.hpp>
+#include <trainkit/log/text_log.hpp>
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/metrics.hpp>
 #include <trainkit/optim.hpp>
@@ -66,12 +77,16 @@
 #include <torch/arg.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <functional>
+#include <future>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -80,6 +95,8 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 namespace trainkit {
 
@@ -90,7 +107,8 @@ template <class Batch>
 struct Task {
   /// Micro-batches in `epoch` (on this rank).
   std::function<std::int64_t(std::int64_t epoch)> batches_per_epoch;
-  /// Micro-batch `index` of `epoch`.
+  /// Micro-batch `index` of `epoch`. With FitOptions::workers > 0 it runs on worker threads,
+  /// several at once, ahead of the step: it must be thread-safe and use its own generator.
   std::function<Batch(std::int64_t epoch, std::int64_t index)> batch;
   /// Forward: the loss as a scalar tensor. May record more scalars, averaged over the epoch by
   /// the loop: metrics.add("MLM-Acc", accuracy, count). Runs inside the precision region.
@@ -120,13 +138,28 @@ struct EpochEnd {
   std::map<std::string, double> train;       ///< the epoch's means: "Loss" and the task's metrics
   std::map<std::string, double> validation;  ///< empty when this epoch did not validate
   bool request_checkpoint = false;
-  bool request_stop = false;
+  bool request_stop = false;   ///< stop now, continue when run again (as a signal does)
+  /// Training is done (early stopping): the checkpoint is marked finished, and a run of the
+  /// same command in this directory trains no further. finish_reason says why (it is printed).
+  bool request_finish = false;
+  std::string finish_reason;
+};
+/// State a callback keeps across a resume (an EMA of the weights, early stopping's counters):
+/// `save` writes it into every checkpoint the loop writes (as "fit.callback.<name>"), `load`
+/// reads it back when the loop resumes from one. A checkpoint without it (written before the
+/// callback existed) is said once, and `load` is not called. Data parallel: the main rank's
+/// state is saved, and every rank loads it.
+struct CallbackState {
+  std::string name;
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> load;
 };
 struct Callbacks {
   std::function<void(BatchEnd&)> batch_end;
   std::function<void(EpochEnd&)> epoch_end;
   /// Every scalar the loop logs, as it logs it (besides the files): tag, value, step.
   std::function<void(const std::string& tag, double value, std::int64_t step)> scalar;
+  std::vector<CallbackState> state;
 };
 
 /// What fit() did.
@@ -140,6 +173,7 @@ struct FitResult {
   std::string resumed_from;                    ///< the checkpoint loaded ("" = none)
   std::string best_checkpoint;                 ///< "" when no best metric
   bool stopped = false;                        ///< by a signal or a callback, before END_EPOCH
+  bool finished = false;                       ///< a callback ended training (EpochEnd::request_finish), now or in the run resumed
   int signal = 0;                              ///< the signal that stopped it (0: none)
   std::string message;                         ///< the stop message (how to resume), or why nothing was trained
 };
@@ -156,6 +190,52 @@ inline std::string short_number(double v) {
   std::snprintf(buf, sizeof buf, "%.6g", v);
   return buf;
 }
+
+/// Micro-batches made ahead on worker threads (FitOptions::workers): while the step runs, up to
+/// `workers` of the epoch's next positions are being made. next(epoch, index) returns that
+/// position's batch, made on this thread when it was not ahead (an epoch's first, a resume's);
+/// an exception of task.batch surfaces there, for its own position. Batches in flight when the
+/// loop ends are waited for and dropped.
+template <class Batch>
+class Prefetcher {
+ public:
+  using Make = std::function<Batch(std::int64_t, std::int64_t)>;
+  Prefetcher(const Make& make, std::int64_t workers) : make_(make), workers_(static_cast<std::size_t>(workers)) {}
+  Prefetcher(const Prefetcher&) = delete;
+  Prefetcher& operator=(const Prefetcher&) = delete;
+  ~Prefetcher() { drop(); }
+
+  Batch next(std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    if (workers_ == 0) return make_(epoch, index);
+    if (!ahead_.empty() && (ahead_.front().epoch != epoch || ahead_.front().index != index)) drop();
+    if (ahead_.empty()) {
+      top_up(epoch, index + 1, batches);
+      return make_(epoch, index);
+    }
+    std::future<Batch> batch = std::move(ahead_.front().batch);
+    ahead_.pop_front();
+    top_up(epoch, index + 1, batches);
+    return batch.get();
+  }
+
+ private:
+  struct Ahead {
+    std::int64_t epoch, index;
+    std::future<Batch> batch;
+  };
+  void top_up(std::int64_t epoch, std::int64_t from, std::int64_t batches) {
+    std::int64_t index = ahead_.empty() ? from : ahead_.back().index + 1;
+    for (; ahead_.size() < workers_ && index < batches; ++index)
+      ahead_.push_back({epoch, index, std::async(std::launch::async, [this, epoch, index] { return make_(epoch, index); })});
+  }
+  void drop() {
+    for (auto& a : ahead_) a.batch.wait();  // their errors are not this position's
+    ahead_.clear();
+  }
+  const Make& make_;
+  std::size_t workers_;
+  std::deque<Ahead> ahead_;
+};
 
 /// One run of the loop; fit() below builds it and calls run(). Compiled once per Batch type,
 /// whatever the trainer's configuration (it sees the trainer as AnyTrainer).
@@ -174,6 +254,8 @@ class FitLoop {
     if (writes()) {
       checkpoints_.create_directory();
       lock_ = std::make_unique<DirectoryLock>(options_.output_path());  // one job per directory
+      if (options_.text_log())
+        text_log_ = std::make_unique<TextLog>(options_.output_path() + "/" + options_.prefix() + "-log.txt");
       if (options_.progress()) {
         ProgressOptions p;
         p.every_steps = options_.log_frequent();
@@ -183,7 +265,20 @@ class FitLoop {
     state_.seed = options_.seed();
     state_.best_metric = task_.best_metric;
     state_.higher_is_better = task_.higher_is_better;
+    if (text_log_)
+      text_log_->line("start: " + trainer_.type_name() + " on " + trainer_.device().str() +
+                      (trainer_.replicas().world_size() > 1 ? " x " + std::to_string(trainer_.replicas().world_size()) + " ranks" : "") +
+                      ", epochs until " + std::to_string(options_.end_epoch()) + ", seed " + std::to_string(options_.seed()) +
+                      ", pid " + std::to_string(::getpid()));
     const FitPosition start = resume();
+    if (!finished_.empty()) {  // a callback ended the run (early stopping): nothing more to do
+      result_.finished = true;
+      result_.message = "trainkit: nothing to train: the run in '" + options_.output_path() + "' finished at epoch " +
+                        std::to_string(start.epoch) + " (" + finished_ + "; '" + result_.resumed_from +
+                        "' is marked finished); start afresh in another directory (--model-dir)";
+      say(result_.message);
+      return finish();
+    }
     if (!result_.resumed_from.empty() && start.epoch >= options_.end_epoch()) {  // a finished job run again
       result_.message = "trainkit: nothing to train: '" + result_.resumed_from + "' is at epoch " +
                         std::to_string(start.epoch) + " and TRAIN.END_EPOCH is " + std::to_string(options_.end_epoch()) +
@@ -195,6 +290,10 @@ class FitLoop {
     window_at_log_ = trainer_.windows();
     state_.config_json = options_.config_json();
     clock_ = Clock::now();
+    const std::int64_t n = trainer_.window_length();  // the run's optimizer windows, for the progress line's ETA
+    for (std::int64_t epoch = start.epoch; epoch < options_.end_epoch(); ++epoch)
+      run_total_ += (task_.batches_per_epoch(epoch) + n - 1) / n - (epoch == start.epoch ? start.index / n : 0);
+    Prefetcher<Batch> prefetch(task_.batch, options_.workers());
 
     for (std::int64_t epoch = start.epoch; epoch < options_.end_epoch(); ++epoch) {
       const std::int64_t batches = task_.batches_per_epoch(epoch);
@@ -214,7 +313,7 @@ class FitLoop {
                                                     static_cast<std::uint64_t>(trainer_.replicas().rank()),
                                                     static_cast<std::uint64_t>(epoch), static_cast<std::uint64_t>(index)}),
                                   trainer_.device());
-        const Batch batch = task_.batch(epoch, index);
+        const Batch batch = prefetch.next(epoch, index, batches);
         const MicroStepResult r = micro_step(batch, epoch, index, batches);
         stop_requested |= signals.received() != 0;
         Requests agreed;  // data parallel: what every rank does at this window
@@ -243,6 +342,7 @@ class FitLoop {
         }
       }
       if (auto report = flush(epoch, batches)) window_closed(*report, epoch, batches, batches);
+      if (progress_) progress_->update(progress_state(epoch, batches, batches));  // the epoch's line ends complete
       stop_requested = any_rank(stop_requested || signals.received() != 0);
       if (stop_requested) {  // every micro-batch ran; the epoch's end runs after resuming
         state_.position = {epoch, batches};
@@ -255,7 +355,9 @@ class FitLoop {
       }
 
       // End of the epoch: means, validation, best checkpoint, schedule, callback, checkpoint.
-      EpochEnd end{epoch, epoch_means(), {}};
+      EpochEnd end;
+      end.epoch = epoch;
+      end.train = epoch_means();
       result_.train = end.train;
       const bool last = epoch + 1 == options_.end_epoch();
       bool new_best = false;
@@ -269,12 +371,23 @@ class FitLoop {
           log_scalar(scalar_tags::validation(name), value, trainer_.windows());
           shown += " " + name + " " + short_number(value);
         }
-        if (progress_) progress_->message(shown);
+        report(shown);
         new_best = observe_best(epoch, end.validation);
       }
       if (callbacks_.epoch_end) callbacks_.epoch_end(end);
-      stop_requested = any_rank(stop_requested || end.request_stop || signals.received() != 0);
+      stop_requested = stop_requested || end.request_stop || signals.received() != 0;
+      bool finish_requested = end.request_finish;
+      any_rank(stop_requested, finish_requested);  // one collective for both
       state_.position = {epoch + 1, 0};
+      if (finish_requested) {  // data parallel: any rank's request, the main rank's reason
+        finished_ = end.finish_reason.empty() ? "a callback finished training" : end.finish_reason;
+        write_checkpoint(/*epoch_end*/ true);
+        result_.finished = true;
+        result_.message = "trainkit: finished after epoch " + std::to_string(epoch) + ": " + finished_ +
+                          "; the checkpoint is marked finished, so running this again trains no further";
+        say(result_.message);
+        return finish();
+      }
       if ((epoch + 1) % options_.checkpoint_frequent() == 0 || last || new_best || end.request_checkpoint ||
           checkpoint_requested || stop_requested)
         write_checkpoint(/*epoch_end*/ true);
@@ -298,6 +411,12 @@ class FitLoop {
     std::vector<double> v{flag ? 1.0 : 0.0};
     trainer_.replicas().average(v);
     return v[0] > 0;
+  }
+  void any_rank(bool& a, bool& b) {
+    if (trainer_.replicas().world_size() == 1) return;
+    std::vector<double> v{a ? 1.0 : 0.0, b ? 1.0 : 0.0};
+    trainer_.replicas().average(v);
+    a = v[0] > 0, b = v[1] > 0;
   }
   void average_over_ranks(std::map<std::string, double>& values) {
     if (trainer_.replicas().world_size() == 1) return;
@@ -413,7 +532,11 @@ class FitLoop {
   // checkpoint requests; returns those of any rank (none between log windows).
   Requests window_closed(const StepReport& report, std::int64_t epoch, std::int64_t done, std::int64_t batches,
                          Requests requests = {}) {
-    if (report.window() % options_.log_frequent() != 0) return {};
+    ++run_windows_;
+    if (report.window() % options_.log_frequent() != 0) {  // no sync: the terminal's line moves, nothing else
+      if (progress_ && progress_->is_terminal()) progress_->update(progress_state(epoch, done, batches));
+      return {};
+    }
     const auto step = report.window();
     Metrics::Totals totals = metrics_.totals();  // one sync with the report's below
     const Requests agreed = total_over_ranks(totals, requests);
@@ -441,18 +564,24 @@ class FitLoop {
     for (const auto& [name, value] : interval)
       if (name != "Loss") log_scalar("Train-" + name, value, step);
     const auto& groups = trainer_.groups();
-    for (size_t g = 0; g < groups.size(); ++g)
+    for (size_t g = 0; g < groups.size(); ++g) {
+      log_scalar(scalar_tags::initial_lr_group(g), trainer_.base_lr() * groups[g].lr_mult, step);
       log_scalar(scalar_tags::lr_group(g), report.lr() * groups[g].lr_mult, step);
+    }
     log_scalar(scalar_tags::grad_norm, report.grad_norm(), step);
     log_scalar(scalar_tags::loss_scale, report.loss_scale(), step);
     log_scalar(scalar_tags::skipped_steps, static_cast<double>(report.skipped_steps()), step);
     log_scalar(scalar_tags::samples_per_second, speed, step);
-    if (progress_) {
-      ProgressState p = progress_state(epoch, done, batches);
-      p.loss = loss;
-      p.lr = report.lr();
-      if (trainer_.uses_loss_scale()) p.loss_scale = report.loss_scale();
-      progress_->update(p);
+    last_loss_ = loss;
+    last_lr_ = report.lr();
+    if (trainer_.uses_loss_scale()) last_scale_ = report.loss_scale();
+    if (progress_) progress_->update(progress_state(epoch, done, batches));
+    if (text_log_) {
+      std::string line = position_text(epoch, done - 1, batches) + ", optimizer step " + std::to_string(step) + ": loss " +
+                         short_number(loss) + ", lr " + short_number(report.lr()) + ", grad norm " + short_number(report.grad_norm());
+      if (trainer_.uses_loss_scale()) line += ", loss scale " + short_number(report.loss_scale());
+      line += ", skipped " + std::to_string(report.skipped_steps()) + ", " + short_number(speed) + " samples/s";
+      text_log_->line(line);
     }
     return agreed;
   }
@@ -504,22 +633,38 @@ class FitLoop {
     if (callbacks_.scalar) callbacks_.scalar(tag, value, step);
   }
 
-  // The progress line counts optimizer windows inside the epoch.
+  // The progress line counts optimizer windows inside the epoch, and in the whole run; the
+  // loss, LR and scale are the last log window's.
   ProgressState progress_state(std::int64_t epoch, std::int64_t done, std::int64_t batches) const {
     const std::int64_t n = trainer_.window_length();
     ProgressState p;
     p.epoch = epoch;
+    p.epochs = options_.end_epoch();
     p.step = (done + n - 1) / n;
     p.total = (batches + n - 1) / n;
+    p.run_step = run_windows_;
+    p.run_total = std::max(run_total_, run_windows_);
     p.samples = samples_in_epoch_;
+    p.loss = last_loss_;
+    p.lr = last_lr_;
+    p.loss_scale = last_scale_;
     return p;
   }
 
-  // A line for the user (rank 0 only), below the progress line when there is one.
+  // A line for the user (rank 0 only), below the progress line when there is one, and in the
+  // text log.
   void say(const std::string& text) {
     if (!writes()) return;
     if (progress_) progress_->message(text);
     else std::cerr << text << std::endl;
+    if (text_log_) text_log_->line(text);
+  }
+  // A line of the run's record (a validation, a checkpoint): below the progress line when there
+  // is one (not on stderr without one), and in the text log.
+  void report(const std::string& text) {
+    if (!writes()) return;
+    if (progress_) progress_->message(text);
+    if (text_log_) text_log_->line(text);
   }
 
   // 4. A better validation metric: the epoch's checkpoint becomes the best; the plateau
@@ -546,7 +691,7 @@ class FitLoop {
       const auto path = checkpoints_.save(trainer_, state_, epoch_end,
                                           [&](torch::serialize::OutputArchive& a) { save_loop_extra(a); });
       result_.checkpoints.push_back(path);
-      if (progress_) progress_->message("checkpoint '" + path + "' written");
+      report("checkpoint '" + path + "' written");
     } catch (const CheckpointError& e) {
       throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + ", micro-batch " +
                             std::to_string(state_.position.index) + " (optimizer step " +
@@ -556,6 +701,12 @@ class FitLoop {
 
   // The loop's running sums, so that a resumed epoch's means and logs equal the straight run's.
   void save_loop_extra(torch::serialize::OutputArchive& a) const {
+    a.write("fit.finished", c10::IValue(finished_));  // "": training goes on
+    for (const auto& s : callbacks_.state) {
+      torch::serialize::OutputArchive nested;
+      s.save(nested);
+      a.write("fit.callback." + s.name, nested);
+    }
     // Data parallel, inside an epoch: the mean over the ranks of their running sums, which the
     // log window this checkpoint follows has just computed (logged_). Every rank resumes with
     // it, and every later mean over the ranks is then the uninterrupted run's.
@@ -576,7 +727,13 @@ class FitLoop {
   }
   void load_loop_extra(torch::serialize::InputArchive& a) {
     check_resume_changes(detail::read_value(a, "fit.config").toStringRef());  // before anything changes
-    metrics_.load(a, "fit.metrics");
+    c10::IValue finished;
+    finished_ = a.try_read("fit.finished", finished) ? finished.toStringRef() : std::string();
+    for (const auto& s : callbacks_.state) {
+      torch::serialize::InputArchive nested;
+      if (a.try_read("fit.callback." + s.name, nested)) s.load(nested);
+      else say("trainkit: the checkpoint has no state for the callback '" + s.name + "' (written without it): it starts afresh");
+    }    metrics_.load(a, "fit.metrics");
     c10::IValue names, sums, weights;
     a.read("fit.logged.names", names);
     a.read("fit.logged.sums", sums);
@@ -623,6 +780,9 @@ class FitLoop {
 
   FitResult finish() {
     if (progress_) progress_->finish();
+    if (text_log_)
+      text_log_->line("end: at epoch " + std::to_string(state_.position.epoch) + ", micro-batch " +
+                      std::to_string(state_.position.index) + ", optimizer step " + std::to_string(trainer_.windows()));
     if (log_) log_->close();  // errors of the last writes surface here, as exceptions
     FitResult r = result_;
     r.position = state_.position;
@@ -644,6 +804,11 @@ class FitLoop {
   bool skip_warned_ = false, scale_warned_ = false;
   std::unique_ptr<ScalarFanout> log_;   // TensorBoard events and JSON lines
   std::unique_ptr<ProgressLine> progress_;
+  std::unique_ptr<TextLog> text_log_;   // <output_path>/<prefix>-log.txt
+  std::int64_t run_windows_ = 0, run_total_ = 0;  // this run's optimizer windows: done, all (progress ETA)
+  std::optional<double> last_loss_;     // the last log window's, for the progress line
+  double last_lr_ = std::numeric_limits<double>::quiet_NaN(), last_scale_ = std::numeric_limits<double>::quiet_NaN();
+  std::string finished_;                // why a callback finished training ("": it goes on); in checkpoints
   LoopState state_;
   FitResult result_;
   Metrics metrics_;           // the epoch's running sums: "Loss" and the task's metrics

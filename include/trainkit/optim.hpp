@@ -100,6 +100,9 @@ struct ParamGroup {
   torch::Tensor params;  ///< 1-D view into the flat parameter storage
   torch::Tensor grads;   ///< 1-D view into the flat gradient storage, same extent
   double lr_mult = 1.0;
+  bool decay = true;     ///< false: no weight decay (TrainerOptions::no_decay)
+  /// The optimizer's weight decay for this group.
+  double weight_decay(double optimizer_decay) const { return decay ? optimizer_decay : 0.0; }
 };
 
 class UpdateRule {
@@ -160,12 +163,12 @@ class FusedAdam final : public UpdateRule {
       if constexpr (Decoupled)
         at::_fused_adamw_({groups[g].params}, {groups[g].grads}, {exp_avg_[g]}, {exp_avg_sq_[g]},
                           {}, {step_}, lr, options_.beta1(), options_.beta2(),
-                          options_.weight_decay(), options_.eps(), /*amsgrad=*/false,
+                          groups[g].weight_decay(options_.weight_decay()), options_.eps(), /*amsgrad=*/false,
                           /*maximize=*/false, divisor, found_inf);
       else
         at::_fused_adam_({groups[g].params}, {groups[g].grads}, {exp_avg_[g]}, {exp_avg_sq_[g]},
                          {}, {step_}, lr, options_.beta1(), options_.beta2(),
-                         options_.weight_decay(), options_.eps(), /*amsgrad=*/false,
+                         groups[g].weight_decay(options_.weight_decay()), options_.eps(), /*amsgrad=*/false,
                          /*maximize=*/false, divisor, found_inf);
     }
   }
@@ -212,7 +215,7 @@ class FusedSGD final : public UpdateRule {
       // step", without the host needing to know which step was the first applied one.
       const auto buffers = momentum_.empty() ? std::vector<torch::Tensor>{}
                                              : std::vector<torch::Tensor>{momentum_[g]};
-      at::_fused_sgd_({groups[g].params}, {groups[g].grads}, buffers, options_.weight_decay(),
+      at::_fused_sgd_({groups[g].params}, {groups[g].grads}, buffers, groups[g].weight_decay(options_.weight_decay()),
                       options_.momentum(), lrs[g], /*dampening=*/0.0, options_.nesterov(),
                       /*maximize=*/false, /*is_first_step=*/false, divisor, found_inf);
     }
@@ -291,7 +294,10 @@ inline std::unique_ptr<UpdateRule> make_rule(const AdamW& o, const std::vector<P
   return std::make_unique<FusedAdam<AdamW, true>>(o, g);
 }
 template <class O, class = std::enable_if_t<std::is_base_of_v<torch::optim::Optimizer, O>>>
-std::unique_ptr<UpdateRule> make_rule(std::shared_ptr<O> o, const std::vector<ParamGroup>&) {
+std::unique_ptr<UpdateRule> make_rule(std::shared_ptr<O> o, const std::vector<ParamGroup>& groups) {
+  for (const auto& g : groups)
+    TORCH_CHECK(g.decay, "Trainer: TrainerOptions::no_decay (TRAIN.NO_DECAY) applies to trainkit's optimizers; a "
+                "torch::optim optimizer keeps its own parameter groups: give it a group with weight_decay 0 instead");
   return std::make_unique<TorchOptimizer>(std::move(o));
 }
 

@@ -52,6 +52,12 @@ struct TrainerOptions {
   /// multiplier (VL-BERT's LR_MULT); unmatched parameters have multiplier 1.
   using LrMult = std::vector<std::pair<std::string, double>>;
   TORCH_ARG(LrMult, lr_mult) = {};
+  /// Parameters without weight decay: those whose name contains one of these substrings (BERT's
+  /// rule is {"bias", "LayerNorm.weight"}; TRAIN.NO_DECAY). They form parameter groups of their
+  /// own with decay 0 and the same LR multipliers. A substring that matches no parameter is an
+  /// error at construction (a misspelt name would otherwise decay what it meant to spare).
+  using NoDecay = std::vector<std::string>;
+  TORCH_ARG(NoDecay, no_decay) = {};
   /// Human-readable configuration of the run (the resolved config as JSON), stored in checkpoints.
   TORCH_ARG(std::string, config_json) = {};
 
@@ -87,6 +93,8 @@ struct TrainerOptions {
     for (const auto& [name, mult] : lr_mult_)
       if (!(mult >= 0) || !std::isfinite(mult))
         fail("lr_mult[\"" + name + "\"] must be finite and >= 0, got " + std::to_string(mult));
+    for (const auto& name : no_decay_)
+      if (name.empty()) fail("no_decay has an empty name (it would match every parameter)");
   }
 };
 

@@ -47,6 +47,7 @@ inline TrainerOptions trainer_options(const Config& config) {
   std::vector<std::pair<std::string, double>> groups;  // TrainerOptions::lr_mult
   for (const auto& pair : t["LR_MULT"]) groups.emplace_back(pair[0].get<std::string>(), pair[1].get<double>());
   o.lr_mult(std::move(groups));
+  o.no_decay(t["NO_DECAY"].get<std::vector<std::string>>());
   // keep_norm_fp32 keeps its default (on, as Apex O2's keep_batchnorm_fp32).
   o.config_json(config.dump(-1));
   return o;
@@ -79,6 +80,12 @@ struct FitOptions {
   TORCH_ARG(bool, write_files) = true;
   /// Progress lines on stderr.
   TORCH_ARG(bool, progress) = true;
+  /// The run's text log, <output_path>/<prefix>-log.txt (log/text_log.hpp).
+  TORCH_ARG(bool, text_log) = true;
+  /// Micro-batches made ahead of the step on this many threads (NUM_WORKERS_PER_GPU); 0: made
+  /// when needed, on the training thread. With workers, task.batch runs on those threads,
+  /// concurrently with the step and with itself (see Task::batch).
+  TORCH_ARG(std::int64_t, workers) = 0;
 
  public:
   /// Throws std::invalid_argument naming the first option out of range.
@@ -93,6 +100,7 @@ struct FitOptions {
     if (checkpoint_frequent_ < 1) fail("checkpoint_frequent must be >= 1 (CHECKPOINT_FREQUENT)");
     if (checkpoint_keep_ < 1) fail("checkpoint_keep must be >= 1 (TRAIN.CHECKPOINT_KEEP)");
     if (nonfinite_patience_ < 1) fail("nonfinite_patience must be >= 1 (TRAIN.NONFINITE_PATIENCE)");
+    if (workers_ < 0 || workers_ > 64) fail("workers must be in [0, 64] (NUM_WORKERS_PER_GPU), got " + std::to_string(workers_));
     if (output_path_.empty()) fail("output_path is empty (OUTPUT_PATH / --model-dir)");
   }
 };
@@ -117,6 +125,7 @@ inline FitOptions fit_options(const Config& config, std::optional<std::int64_t> 
       .allow_resume_changes(train["RESUME_CHANGES"].get<std::string>() == "allow")
       .resume(train["RESUME"].get<bool>())
       .auto_resume(train["AUTO_RESUME"].get<bool>())
+      .workers(t["NUM_WORKERS_PER_GPU"].get<std::int64_t>())
       .config_json(config.dump(-1));
   std::int64_t seed = t["RNG_SEED"].get<std::int64_t>();
   if (seed < 0 && seed_drawn) {

@@ -225,6 +225,7 @@ class Trainer final : public AnyTrainer {
   // --- AnyTrainer: what the loop asks of any configuration --------------------------------
   std::string type_name() const override { return name(); }
   bool uses_loss_scale() const override { return Precision::scales_loss; }
+  double base_lr() const override { return rule_->base_lr(); }
   std::int64_t window_length() const override { return accumulation_.window(); }
   std::optional<at::ScalarType> autocast_dtype() const override {
     return detail::autocast_dtype_of<precision_mode>();
@@ -414,14 +415,17 @@ class Trainer final : public AnyTrainer {
         "Trainer: the model has no trainable parameters (none has requires_grad=true)");
   }
 
-  // Moves every trainable parameter into one flat fp32 buffer (grouped by LR multiplier) and
+  // Moves every trainable parameter into one flat fp32 buffer (grouped by LR multiplier and
+  // weight decay) and
   // points its .grad at a slice of a flat gradient buffer.
   void flatten_parameters() {
     struct Entry {
       std::string name;
       torch::Tensor param;
       double mult;
+      bool decay;
     };
+    std::vector<bool> no_decay_used(options_.no_decay().size(), false);
     std::vector<Entry> entries;
     for (const auto& p : module_->named_parameters(true)) {
       if (!p.value().requires_grad()) continue;
@@ -442,16 +446,23 @@ class Trainer final : public AnyTrainer {
           mult = m;
           break;
         }
-      entries.push_back({p.key(), t, mult});
+      bool decay = true;
+      for (size_t k = 0; k < options_.no_decay().size(); ++k)
+        if (p.key().find(options_.no_decay()[k]) != std::string::npos) decay = false, no_decay_used[k] = true;
+      entries.push_back({p.key(), t, mult, decay});
     }
-    // Groups in order of first appearance; a stable sort keeps the model's order inside each.
-    std::vector<double> order;
+    for (size_t k = 0; k < no_decay_used.size(); ++k)
+      TORCH_CHECK(no_decay_used[k], "Trainer: no_decay (TRAIN.NO_DECAY) '", options_.no_decay()[k],
+                  "' is in no trainable parameter's name (they look like '",
+                  entries.empty() ? std::string() : entries.front().name, "')");
+    // Groups (LR multiplier, decay) in order of first appearance; a stable sort keeps the
+    // model's order inside each.
+    using Key = std::pair<double, bool>;
+    std::vector<Key> order;
     for (const auto& e : entries)
-      if (std::find(order.begin(), order.end(), e.mult) == order.end()) order.push_back(e.mult);
-    std::stable_sort(entries.begin(), entries.end(), [&](const Entry& a, const Entry& b) {
-      return std::find(order.begin(), order.end(), a.mult) <
-             std::find(order.begin(), order.end(), b.mult);
-    });
+      if (std::find(order.begin(), order.end(), Key{e.mult, e.decay}) == order.end()) order.push_back({e.mult, e.decay});
+    const auto rank = [&](const Entry& e) { return std::find(order.begin(), order.end(), Key{e.mult, e.decay}); };
+    std::stable_sort(entries.begin(), entries.end(), [&](const Entry& a, const Entry& b) { return rank(a) < rank(b); });
 
     std::int64_t total = 0;
     for (const auto& e : entries) total += e.param.numel();
@@ -490,14 +501,14 @@ class Trainer final : public AnyTrainer {
       }
       grad_views_.push_back({e.param, e.param.grad().data_ptr(), e.param.data_ptr(), e.name});
       offset += n;
-      const bool group_ends = i + 1 == entries.size() || entries[i + 1].mult != e.mult;
+      const bool group_ends = i + 1 == entries.size() || entries[i + 1].mult != e.mult || entries[i + 1].decay != e.decay;
       if (group_ends) {
         // (Master weights: the group's gradient is bound in each optimizer phase.)
         groups_.push_back({flat_params_.narrow(0, group_begin, offset - group_begin),
                            Precision::master_weights
                                ? torch::Tensor()
                                : flat_grad_.narrow(0, group_begin, offset - group_begin),
-                           e.mult});
+                           e.mult, e.decay});
         group_begin = offset;
       }
     }

@@ -20,3 +20,5 @@
 #include <trainkit/metrics.hpp>
 #include <trainkit/checkpoint.hpp>
 #include <trainkit/fit.hpp>
+#include <trainkit/callbacks.hpp>
+#include <trainkit/loss_loggers.hpp>

@@ -57,7 +57,8 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 44);  // VL-BERT's 28 TRAIN keys and trainkit's 16
+  CHECK(t.size() == 45);  // VL-BERT's 28 TRAIN keys and trainkit's 17
+  CHECK(t["NO_DECAY"] == json::array());
   CHECK(t["RESUME_CHANGES"] == "refuse");
   CHECK(t["NONFINITE_PATIENCE"] == 20);
   CHECK(c.tree()["DIST_TIMEOUT"] == 1800.0);

@@ -3,8 +3,11 @@
 // callbacks, best checkpoint; non-finite diagnostics; fit_options from a Config.
 #include "helpers.hpp"
 
+#include <trainkit/callbacks.hpp>
 #include <trainkit/fit.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -347,6 +350,170 @@ TEST_CASE("fit_options reads the run keys of a Config (--model-dir and --resume 
   CHECK(o.checkpoint_frequent() == 1);
   CHECK(o.checkpoint_keep() == 5);
   CHECK(o.seed() == 4);
+  CHECK(o.workers() == 4);  // NUM_WORKERS_PER_GPU's default
   CHECK(nlohmann::json::parse(o.config_json())["TRAIN"]["END_EPOCH"] == 7);
   CHECK_THROWS_WITH(tk::FitOptions().validate(), doctest::Contains("END_EPOCH"));
+}
+
+TEST_CASE("fit: batches made ahead on worker threads change nothing, also across a stop and resume") {
+  TempDir plain_dir, ahead_dir;
+  torch::manual_seed(21);
+  RegressionTask plain(testing::make_mlp(21, 8, 16, 3, 0.2));
+  T a(plain.model, tk::AdamW{1e-2}, trainer_options());
+  const auto ra = tk::fit(a, plain.task, fit_options(plain_dir.path, 3));
+
+  torch::manual_seed(21);
+  RegressionTask ahead(testing::make_mlp(21, 8, 16, 3, 0.2));
+  std::atomic<int> made{0};
+  const auto batch = ahead.task.batch;
+  ahead.task.batch = [&, batch](std::int64_t e, std::int64_t i) {
+    ++made;
+    return batch(e, i);
+  };
+  T b(ahead.model, tk::AdamW{1e-2}, trainer_options());
+  tk::Callbacks stop_once;
+  stop_once.batch_end = [](tk::BatchEnd& e) { e.request_stop = e.epoch == 1 && e.index == 2; };
+  const auto rb = tk::fit(b, ahead.task, fit_options(ahead_dir.path, 3).workers(3), stop_once);
+  CHECK(rb.stopped);
+  CHECK(rb.position == tk::FitPosition{1, 4});
+  CHECK(made.load() >= 7 + 4);  // and batches in flight when it stopped, dropped
+  T c(ahead.model, tk::AdamW{1e-2}, trainer_options());
+  const auto rc = tk::fit(c, ahead.task, fit_options(ahead_dir.path, 3).workers(3));
+  CHECK(rc.resumed_from == ahead_dir / "model-0001-000004.ckpt");
+  check_same_state(a, plain.model, c, ahead.model);
+  CHECK(ra.train == rc.train);
+
+  // An error of task.batch on a worker surfaces for its own position.
+  TempDir err_dir;
+  ahead.task.batch = [&, batch](std::int64_t e, std::int64_t i) {
+    if (e == 0 && i == 5) throw std::runtime_error("no batch 5");
+    return batch(e, i);
+  };
+  T d(ahead.model, tk::AdamW{1e-2}, trainer_options());
+  std::int64_t last = -1;
+  tk::Callbacks seen;
+  seen.batch_end = [&](tk::BatchEnd& e) { last = e.index; };
+  CHECK_THROWS_WITH(tk::fit(d, ahead.task, fit_options(err_dir.path, 1).workers(2), seen), "no batch 5");
+  CHECK(last == 4);
+}
+
+TEST_CASE("fit: early stopping finishes the run, counts on across a resume, and a re-run trains no further") {
+  // Val-M improves at epochs 0 and 1, then not: patience 2 finishes after epoch 3.
+  const std::vector<double> values{1.0, 2.0, 1.5, 1.9, 5.0, 6.0};
+  auto run = [&](const std::string& dir, std::int64_t end, std::int64_t stop_after) {
+    torch::manual_seed(22);
+    auto t = std::make_unique<RegressionTask>(testing::make_mlp(22, 8, 16, 3, 0.2));
+    t->task.validate = [&](std::int64_t epoch) { return std::map<std::string, double>{{"M", values.at(epoch)}}; };
+    t->task.best_metric = "M";
+    t->task.higher_is_better = true;
+    T trainer(t->model, tk::AdamW{1e-2}, trainer_options());
+    tk::EarlyStopping early("M", 2);
+    tk::Callbacks callbacks;
+    callbacks.epoch_end = [&](tk::EpochEnd& e) { e.request_stop = e.epoch == stop_after; };
+    early.attach(callbacks);
+    const auto r = tk::fit(trainer, t->task, fit_options(dir, end), callbacks);
+    return std::make_pair(r, early.bad_validations());
+  };
+  TempDir straight, split;
+  const auto [r, bad] = run(straight.path, 6, -1);
+  CHECK(r.finished);
+  CHECK_FALSE(r.stopped);
+  CHECK(r.position == tk::FitPosition{4, 0});
+  CHECK(bad == 2);
+  CHECK(r.message.find("finished after epoch 3: early stopping: Val-M has not improved on 2 for 2 validations") != std::string::npos);
+  CHECK(r.checkpoints.back() == straight / "model-0003.ckpt");
+
+  const auto [stopped, bad_at_stop] = run(split.path, 6, 2);  // stopped after epoch 2: one bad validation
+  CHECK(stopped.stopped);
+  CHECK(bad_at_stop == 1);
+  const auto [resumed, bad_resumed] = run(split.path, 6, -1);  // the counter comes back from the checkpoint
+  CHECK(resumed.finished);
+  CHECK(resumed.position == tk::FitPosition{4, 0});
+  CHECK(bad_resumed == 2);
+  CHECK(resumed.windows == r.windows);
+
+  const auto [again, bad_again] = run(straight.path, 8, -1);  // even with a later END_EPOCH
+  CHECK(again.finished);
+  CHECK(again.windows == r.windows);
+  CHECK(again.checkpoints.empty());
+  CHECK(again.message.find("nothing to train: the run in '" + straight.path + "' finished at epoch 4 (early stopping") !=
+        std::string::npos);
+  CHECK_THROWS_AS(tk::EarlyStopping("M", 0), std::invalid_argument);
+}
+
+TEST_CASE("fit: callbacks' own state is in the checkpoints; a checkpoint without it is said and loads nothing") {
+  TempDir dir;
+  torch::manual_seed(23);
+  RegressionTask t(testing::make_mlp(23, 8, 16, 3, 0.2));
+  double seen = 0;  // e.g. an EMA; here a sum of epoch losses
+  auto with_state = [&](tk::Callbacks& callbacks) {
+    callbacks.epoch_end = [&](tk::EpochEnd& e) { seen += e.train.at("Loss"); };
+    callbacks.state.push_back({"sum",
+                               [&](torch::serialize::OutputArchive& a) { a.write("value", c10::IValue(seen)); },
+                               [&](torch::serialize::InputArchive& a) {
+                                 c10::IValue v;
+                                 a.read("value", v);
+                                 seen = v.toDouble();
+                               }});
+  };
+  {
+    T a(t.model, tk::AdamW{1e-2}, trainer_options());
+    tk::fit(a, t.task, fit_options(dir.path, 1));  // no callback state in this checkpoint
+  }
+  tk::Callbacks callbacks;
+  with_state(callbacks);
+  seen = 123;
+  {
+    T b(t.model, tk::AdamW{1e-2}, trainer_options());
+    tk::fit(b, t.task, fit_options(dir.path, 2), callbacks);
+  }
+  CHECK(seen > 123);  // it started from where it was: the checkpoint had nothing for it
+  const double after_two = seen;
+  seen = -1;  // a new process
+  T c(t.model, tk::AdamW{1e-2}, trainer_options());
+  const auto r = tk::fit(c, t.task, fit_options(dir.path, 3), callbacks);
+  CHECK(r.resumed_from == dir / "model-0001.ckpt");
+  CHECK(seen == doctest::Approx(after_two + r.train.at("Loss")));
+  std::ifstream text(dir / "model-log.txt");
+  const std::string log((std::istreambuf_iterator<char>(text)), std::istreambuf_iterator<char>());
+  CHECK(log.find("has no state for the callback 'sum'") != std::string::npos);
+}
+
+TEST_CASE("fit: the run's text log has its start, resume, log windows, validations, checkpoints and end; Initial-LR is logged") {
+  TempDir dir;
+  torch::manual_seed(24);
+  RegressionTask t(testing::make_mlp(24, 8, 16, 3, 0.2));
+  {
+    T a(t.model, tk::AdamW{1e-2}, trainer_options());
+    tk::fit(a, t.task, fit_options(dir.path, 1));
+  }
+  {
+    T b(t.model, tk::AdamW{1e-2}, trainer_options());
+    tk::fit(b, t.task, fit_options(dir.path, 2));
+  }
+  TempDir groups_dir;
+  T g(t.model, tk::AdamW{1e-2}, trainer_options().lr_mult({{"fc1", 0.5}}));
+  std::map<std::string, double> initial;
+  tk::Callbacks callbacks;
+  callbacks.scalar = [&](const std::string& tag, double value, std::int64_t) {
+    if (tag.rfind("Initial-LR/", 0) == 0) initial[tag] = value;
+  };
+  tk::fit(g, t.task, fit_options(groups_dir.path, 1), callbacks);
+  CHECK(initial.size() == 2);
+  CHECK(initial["Initial-LR/Group_0"] == doctest::Approx(0.5e-2));  // fc1's group comes first
+  CHECK(initial["Initial-LR/Group_1"] == doctest::Approx(1e-2));
+  std::ifstream text(dir / "model-log.txt");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(text, line);) lines.push_back(line.substr(21));  // past the time stamp
+  REQUIRE(lines.size() > 8);
+  CHECK(lines.front().rfind("start: Trainer<", 0) == 0);
+  auto has = [&](const std::string& part) {
+    return std::any_of(lines.begin(), lines.end(), [&](const std::string& l) { return l.find(part) != std::string::npos; });
+  };
+  CHECK(has("epoch 0, micro-batch 3 of 7, optimizer step 2: loss "));
+  CHECK(has("epoch 0 validation: MSE "));
+  CHECK(has("checkpoint '" + dir / "model-0000.ckpt" + "' written"));
+  CHECK(has("end: at epoch 1, micro-batch 0, optimizer step 4"));
+  CHECK(has("trainkit: resumed from '" + dir / "model-0000.ckpt" + "'"));
+  CHECK(lines.back().rfind("end: at epoch 2", 0) == 0);
 }

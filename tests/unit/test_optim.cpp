@@ -90,3 +90,46 @@ TEST_CASE("LR multipliers make parameter groups (VL-BERT's LR_MULT)") {
   CHECK(torch::equal(model->fc2->weight, fc2_before));        // multiplier 0: frozen
   CHECK_FALSE(torch::equal(model->fc1->weight, fc1_before));  // multiplier 1: trained
 }
+
+TEST_CASE("no_decay: parameters named so get no weight decay (BERT's rule), matching torch::optim with two groups") {
+  auto a = make_mlp(43), b = make_mlp(43);
+  const auto data = testing::regression(kSteps * 16);
+  tk::Trainer<> trainer(a, tk::AdamW{1e-2, 0.5}, tk::TrainerOptions().no_decay({"bias"}).lr_mult({{"fc2", 0.5}}));
+  // (LR multiplier, decay) groups in order of first appearance: fc1.weight, fc1.bias, fc2.weight, fc2.bias.
+  REQUIRE(trainer.groups().size() == 4);
+  CHECK(trainer.groups()[0].decay);
+  CHECK_FALSE(trainer.groups()[1].decay);
+  CHECK(trainer.groups()[2].lr_mult == 0.5);
+  CHECK_FALSE(trainer.groups()[3].decay);
+  using O = torch::optim::AdamWOptions;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{b->fc1->weight}, std::make_unique<O>(O(1e-2).weight_decay(0.5)));
+  groups.emplace_back(std::vector<torch::Tensor>{b->fc1->bias}, std::make_unique<O>(O(1e-2).weight_decay(0.0)));
+  groups.emplace_back(std::vector<torch::Tensor>{b->fc2->weight}, std::make_unique<O>(O(0.5e-2).weight_decay(0.5)));
+  groups.emplace_back(std::vector<torch::Tensor>{b->fc2->bias}, std::make_unique<O>(O(0.5e-2).weight_decay(0.0)));
+  torch::optim::AdamW reference(std::move(groups), O(1e-2));
+  for (int k = 0; k < kSteps; ++k) {
+    auto x = data.x.narrow(0, k * 16, 16), y = data.y.narrow(0, k * 16, 16);
+    trainer.micro_step([&] { return torch::mse_loss(a(x), y); });
+    reference.zero_grad();
+    torch::mse_loss(b(x), y).backward();
+    reference.step();
+  }
+  CHECK(testing::relative_error(testing::flat(*a), testing::flat(*b)) <= 1e-6);
+  // The same run with decay everywhere ends elsewhere: the rule is not vacuous.
+  auto c = make_mlp(43);
+  tk::Trainer<> everywhere(c, tk::AdamW{1e-2, 0.5}, tk::TrainerOptions().lr_mult({{"fc2", 0.5}}));
+  for (int k = 0; k < kSteps; ++k) {
+    auto x = data.x.narrow(0, k * 16, 16), y = data.y.narrow(0, k * 16, 16);
+    everywhere.micro_step([&] { return torch::mse_loss(c(x), y); });
+  }
+  CHECK(testing::relative_error(testing::flat(*c), testing::flat(*b)) > 1e-4);
+
+  auto d = make_mlp(43);
+  CHECK_THROWS_WITH(tk::Trainer<>(d, tk::AdamW{1e-2}, tk::TrainerOptions().no_decay({"LayerNorm.weight"})),
+                    doctest::Contains("no_decay (TRAIN.NO_DECAY) 'LayerNorm.weight' is in no trainable parameter's name"));
+  auto e = make_mlp(43);
+  auto sgd = std::make_shared<torch::optim::SGD>(e->parameters(), torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH(tk::Trainer<>(e, sgd, tk::TrainerOptions().no_decay({"bias"})),
+                    doctest::Contains("applies to trainkit's optimizers"));
+}

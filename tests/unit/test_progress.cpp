@@ -62,14 +62,14 @@ TEST_CASE("progress: not a terminal, a plain line every every_steps steps, smoot
       progress.update(state_at(1, step, 32 * step));
     }
     CHECK(f.out.str() ==
-          "Epoch 1 step  10/100  320.0 samples/s  ETA 0:00:09  loss 0.5  lr 0.001  scale 1024\n");
+          "Epoch 1  10%  10/100 | 0:00:01 epoch ETA 0:00:09 | 320.0 samples/s | loss 0.5 lr 0.001 scale 1024\n");
     f.out.str("");
     for (int step = 11; step <= 20; ++step) {
       f.now = 1 + 0.2 * (step - 10);  // 2 s for the next 10: averages 1.5 s per 10 steps
       progress.update(state_at(1, step, 32 * step));
     }
     CHECK(f.out.str() ==
-          "Epoch 1 step  20/100  213.3 samples/s  ETA 0:00:12  loss 0.5  lr 0.001  scale 1024\n");
+          "Epoch 1  20%  20/100 | 0:00:03 epoch ETA 0:00:12 | 213.3 samples/s | loss 0.5 lr 0.001 scale 1024\n");
     f.out.str("");
     f.now = 4;
     progress.update(state_at(1, 25, 800));  // not due
@@ -78,7 +78,7 @@ TEST_CASE("progress: not a terminal, a plain line every every_steps steps, smoot
     CHECK(f.out.str() == "checkpoint written\n");
     f.out.str("");
     progress.finish();  // prints the latest state
-    CHECK(f.out.str().find("Epoch 1 step  25/100") == 0);
+    CHECK(f.out.str().find("Epoch 1  25%  25/100 | 0:00:04") == 0);
     f.out.str("");
   }
   CHECK(f.out.str().empty());  // finished: the destructor adds nothing
@@ -100,7 +100,7 @@ TEST_CASE("progress: not a terminal, a line every every_seconds; unknown fields 
   state.step = 6;
   state.samples = 60;
   progress.update(state);
-  CHECK(f.out.str() == "Epoch 2 step 6  2.0 samples/s\n");  // no total: no ETA
+  CHECK(f.out.str() == "Epoch 2 step 6 | 0:00:30 | 2.0 samples/s\n");  // no total: no percentage, no ETA
 }
 
 TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to the width") {
@@ -112,7 +112,8 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   CHECK(progress.is_terminal());
   progress.update(state_at(0, 0, 0));  // drawn at once, no rate yet
   CHECK(f.out.str() ==
-        "\rEpoch 0 step   0/100  - samples/s  ETA -:--:--  loss 0.5  lr 0.001  scale 1024\x1b[K");
+        "\rEpoch 0 [>                   ]   0%   0/100 | 0:00:00 epoch ETA -:--:-- | - samples/s | loss 0.5 lr 0.001 "
+        "scale 1024\x1b[K");
   f.out.str("");
   f.now = 0.1;
   progress.update(state_at(0, 1, 10));  // within refresh_seconds: not drawn
@@ -120,8 +121,8 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   f.now = 0.5;
   progress.update(state_at(0, 5, 50));
   CHECK(f.out.str() ==
-        "\rEpoch 0 step   5/100  100.0 samples/s  ETA 0:00:10  loss 0.5  lr 0.001  scale 1024"
-        "\x1b[K");
+        "\rEpoch 0 [=>                  ]   5%   5/100 | 0:00:01 epoch ETA 0:00:10 | 100.0 samples/s | loss 0.5 lr 0.001 "
+        "scale 1024\x1b[K");
   f.out.str("");
   progress.message("saved");  // its own line, then the progress line again below it
   CHECK(f.out.str() == "\r\x1b[Ksaved\n\r" + progress.line() + "\x1b[K");
@@ -130,18 +131,18 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   progress.update(state_at(0, 6, 60));
   progress.finish();  // the latest state, and the line's newline
   CHECK(f.out.str() ==
-        "\rEpoch 0 step   6/100  100.0 samples/s  ETA 0:00:09  loss 0.5  lr 0.001  scale 1024"
-        "\x1b[K\n");
+        "\rEpoch 0 [=>                  ]   6%   6/100 | 0:00:01 epoch ETA 0:00:09 | 100.0 samples/s | loss 0.5 lr 0.001 "
+        "scale 1024\x1b[K\n");
 
   Fixture narrow;
   auto cut = narrow.options(true);
   cut.columns = 21;
   tk::ProgressLine line(cut);
   line.update(state_at(3, 0, 0));
-  CHECK(narrow.out.str() == "\rEpoch 3 step   0/100\x1b[K");  // 20 = columns - 1 characters
+  CHECK(narrow.out.str() == "\rEpoch 3 [>          \x1b[K");  // 20 = columns - 1 characters
 }
 
-TEST_CASE("progress: a new epoch ends the previous line and restarts the rates") {
+TEST_CASE("progress: a new epoch ends the previous line; the rates carry over, the pause between epochs does not count") {
   Fixture f;
   auto options = f.options(true);
   options.refresh_seconds = 0;
@@ -151,10 +152,14 @@ TEST_CASE("progress: a new epoch ends the previous line and restarts the rates")
   f.now = 1;
   progress.update(state_at(0, 100, 1000));  // 1000 samples/s
   f.out.str("");
-  f.now = 2;
+  f.now = 2;  // a second of validation
   progress.update(state_at(1, 0, 0));
-  CHECK(f.out.str() ==
-        "\n\rEpoch 1 step   0/100  - samples/s  ETA -:--:--  loss 0.5  lr 0.001  scale 1024\x1b[K");
+  CHECK(f.out.str() == "\n\rEpoch 1 [>                   ]   0%   0/100 | 0:00:02 epoch ETA 0:00:01 | 1000.0 samples/s | "
+                       "loss 0.5 lr 0.001 scale 1024\x1b[K");
+  f.out.str("");
+  f.now = 3;  // 100 steps in 1 s again: the epoch boundary's second is not in the rate
+  progress.update(state_at(1, 100, 1000));
+  CHECK(f.out.str().find("100% 100/100 | 0:00:03 epoch ETA 0:00:00 | 1000.0 samples/s") != std::string::npos);
 }
 
 TEST_CASE("progress: std::cout and std::cerr are asked whether they are terminals") {
@@ -178,10 +183,28 @@ TEST_CASE("progress: a non-finite loss is shown as such, not left out") {
   s.loss = std::numeric_limits<double>::quiet_NaN();
   f.now = 0.1;
   progress.update(s);
-  CHECK(f.out.str().find("  loss nan  lr 0.001") != std::string::npos);
+  CHECK(f.out.str().find(" | loss nan lr 0.001") != std::string::npos);
   f.out.str("");
   s.step = 2, s.loss = std::numeric_limits<double>::infinity();
   f.now = 0.2;
   progress.update(s);
-  CHECK(f.out.str().find("  loss inf  lr 0.001") != std::string::npos);
+  CHECK(f.out.str().find(" | loss inf lr 0.001") != std::string::npos);
+}
+
+TEST_CASE("progress: the whole run's ETA and the epoch count, when the state has them") {
+  Fixture f;
+  auto options = f.options(false);
+  options.every_steps = 10;
+  options.every_seconds = 0;
+  options.smoothing = 1;
+  tk::ProgressLine progress(options);
+  auto s = state_at(1, 0, 0);
+  s.epochs = 3;
+  s.run_total = 300;  // three epochs of 100 steps; this run started at epoch 0
+  s.run_step = 100;
+  progress.update(s);
+  f.now = 1;
+  s.step = 10, s.run_step = 110, s.samples = 320;
+  progress.update(s);
+  CHECK(f.out.str() == "Epoch 1/3  10%  10/100 | 0:00:01 ETA 0:00:19 | 320.0 samples/s | loss 0.5 lr 0.001 scale 1024\n");
 }

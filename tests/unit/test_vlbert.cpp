@@ -6,6 +6,7 @@
 #include "../../examples/vlbert/vlbert.hpp"
 
 #include <algorithm>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -91,7 +92,7 @@ bool same_batch(const Batch& a, const Batch& b) {
 }
 
 // A configuration small enough to train in seconds.
-tk::Config tiny_config(const std::string& dir, const std::string& extra_network = "") {
+tk::Config tiny_config(const std::string& dir, const std::string& extra_network = "", const std::vector<std::string>& overrides = {}) {
   tk::Config c;
   register_sections(c);
   c.load_string(R"({
@@ -105,7 +106,7 @@ tk::Config tiny_config(const std::string& dir, const std::string& extra_network 
     "TRAIN": {"BATCH_IMAGES": 32, "END_EPOCH": 3, "OPTIMIZER": "AdamW", "LR": 1e-4, "WD": 1e-4,
               "CLIP_GRAD_NORM": 1.0, "LR_SCHEDULE": "constant"},
     "VAL": {"BATCH_IMAGES": 100}})",
-                tk::Config::Format::json, {}, "tiny.json");
+                tk::Config::Format::json, overrides, "tiny.json");
   return c;
 }
 
@@ -183,7 +184,7 @@ TEST_CASE("a short pre-training and fine-tuning run learns, and fine-tuning load
     ~OneThread() { torch::set_num_threads(before); }
   } one_thread;
   testing::TempDir dir;
-  const tk::Config pre = tiny_config(dir / "pretrain");
+  const tk::Config pre = tiny_config(dir / "pretrain", "", {R"(TRAIN.LOSS_LOGGERS=["mlm_loss,MLMLoss"])"});
   const RunResult p = pretrain(pre);
   REQUIRE(p.epoch_loss.size() == 3);
   INFO("pretrain epoch losses " << p.epoch_loss[0] << " -> " << p.epoch_loss[2]);
@@ -192,6 +193,22 @@ TEST_CASE("a short pre-training and fine-tuning run learns, and fine-tuning load
   CHECK(p.val.back().at("MLM-Acc") > 0.3);  // 1/vocabulary is chance; masked region classes
                                             // are not learnt in so short a run
   REQUIRE(testing::file_exists(p.checkpoint));
+  {  // TRAIN.LOSS_LOGGERS: the outputs it names, under their display names, and only those
+    std::ifstream log(dir / "pretrain/tiny-scalars.jsonl");
+    const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    CHECK(text.find("\"Train-MLMLoss\"") != std::string::npos);
+    CHECK(text.find("Train-MVRC") == std::string::npos);
+    CHECK(text.find("\"Initial-LR/Group_0\"") != std::string::npos);
+  }
+  // --eval: the last checkpoint's weights give the last validation again, with no training.
+  const RunResult e = pretrain(pre, tk::Launch::single(), p.checkpoint);
+  CHECK(e.evaluated == p.checkpoint);
+  CHECK(e.steps == 0);
+  REQUIRE(e.val.size() == 1);
+  CHECK(e.val[0] == p.val.back());
+  const tk::Config unknown = tiny_config(dir / "unknown", "", {R"(TRAIN.LOSS_LOGGERS=["mlm,MLM"])"});
+  CHECK_THROWS_WITH_AS(pretrain(unknown), doctest::Contains("TRAIN.LOSS_LOGGERS[0]: no output 'mlm' to log; this task's outputs are: mlm_loss, mvrc_loss"),
+                       tk::ConfigError);
 
   const tk::Config vqa = tiny_config(dir / "vqa", R"("PARTIAL_PRETRAIN": ")" + p.checkpoint + R"(", )");
   const RunResult f = finetune(vqa);

@@ -74,11 +74,14 @@ inline Schema train_schema() {
   s.boolean("AUTO_RESUME", true).doc("resume from the newest complete checkpoint, if any");
   s.integer("BEGIN_EPOCH", 0).min(0).doc("first epoch");
   s.integer("END_EPOCH", 0).min(0).doc("end epoch (exclusive); must be > BEGIN_EPOCH to train");
-  s.string("OPTIMIZER", "SGD").one_of({"SGD", "Adam", "AdamW"});
+  s.string("OPTIMIZER", "SGD").one_of({"SGD", "Adam", "AdamW"})
+      .doc("SGD (MOMENTUM, WD as L2), Adam (WD as L2) or AdamW (decoupled WD; betas 0.9, 0.999, eps 1e-6 as VL-BERT)");
   s.number("CLIP_GRAD_NORM", -1.0).doc("> 0: clip the global gradient norm to this (ClipNorm)");
   s.integer("GRAD_ACCUMULATE_STEPS", 1).min(1).max(kMaxAccumulateSteps).doc("micro-batches per optimizer step");
   s.number("LR", 0.1).min_exclusive(0).doc("per-sample learning rate (LR_SCALING per_sample)");
-  s.string("LR_SCHEDULE", "step").one_of({"step", "triangle", "plateau", "cosine", "constant"});
+  s.string("LR_SCHEDULE", "step").one_of({"step", "triangle", "plateau", "cosine", "constant"})
+      .doc("the LR's factor over optimizer steps (schedule.hpp): step (x LR_FACTOR at LR_STEP epochs), triangle "
+           "(linear to 0 at the last optimizer step), plateau (x LR_FACTOR when the validation metric stalls), cosine, constant");
   s.number("LR_FACTOR", 0.1).min_exclusive(0).doc("decay factor of step and plateau");
   s.add("LR_STEP", Field::either({Field::list(Field::number(0).min(0)),
                                   Field::string("").transform(parse_epoch_list),
@@ -88,8 +91,9 @@ inline Schema train_schema() {
                                  nlohmann::json::array())
                        .check(check_increasing))
       .doc("decay epochs of step: \"14,18\" or [14, 18]");
-  s.boolean("WARMUP", false);
-  s.string("WARMUP_METHOD", "linear").one_of({"linear", "constant"});
+  s.boolean("WARMUP", false).doc("warm the LR up over WARMUP_STEPS optimizer steps first");
+  s.string("WARMUP_METHOD", "linear").one_of({"linear", "constant"})
+      .doc("linear: from WARMUP_FACTOR to 1; constant: WARMUP_FACTOR throughout the warmup");
   s.number("WARMUP_FACTOR", 1.0 / 3).min(0).doc("starting LR factor of warmup");
   s.integer("WARMUP_STEPS", 1000).min(0).doc("warmup length in optimizer steps");
   s.number("WD", 1e-4).min(0).doc("weight decay");
@@ -104,21 +108,27 @@ inline Schema train_schema() {
      if (comma != std::string::npos && comma > 0 && comma + 1 < t.size() && t.find(',', comma + 1) == std::string::npos)
        return {};
      return "expected \"output_key,DisplayName\" (one comma), got " + dump_text(v);
-   })).doc("extra losses to log, as \"output_key,DisplayName\"");
+   })).doc("the task's named losses to log, as \"output_key,DisplayName\" (Train-DisplayName; tk::LossLoggers)");
   // --- trainkit's additions ---------------------------------------------------------------
   s.boolean("BF16", false).doc("BF16 mixed precision (exclusive with FP16)");
   s.number("FP16_INIT_SCALE", 65536.0).min_exclusive(0).doc("initial dynamic loss scale");
-  s.number("FP16_GROWTH_FACTOR", 2.0).min_exclusive(1);
-  s.number("FP16_BACKOFF_FACTOR", 0.5).min_exclusive(0).max_exclusive(1);
-  s.integer("FP16_GROWTH_INTERVAL", 2000).min(1);
+  s.number("FP16_GROWTH_FACTOR", 2.0).min_exclusive(1).doc("the dynamic scale's growth after FP16_GROWTH_INTERVAL clean steps");
+  s.number("FP16_BACKOFF_FACTOR", 0.5).min_exclusive(0).max_exclusive(1).doc("the dynamic scale's cut on an overflow");
+  s.integer("FP16_GROWTH_INTERVAL", 2000).min(1).doc("clean optimizer steps in a row before the dynamic scale grows");
   s.integer("FP16_HYSTERESIS", 1).min(1).doc("overflows in a row before the scale is cut");
-  s.number("FP16_MIN_LOSS_SCALE", 1.0).min(0);
-  s.number("FP16_MAX_LOSS_SCALE", 16777216.0).min_exclusive(0).allow_infinity();
+  s.number("FP16_MIN_LOSS_SCALE", 1.0).min(0).doc("the dynamic scale's floor (0: none)");
+  s.number("FP16_MAX_LOSS_SCALE", 16777216.0).min_exclusive(0).allow_infinity().doc("the dynamic scale's ceiling (infinite: none)");
+  s.list("NO_DECAY", Field::string("").check([](const nlohmann::json& v) -> std::string {
+     return v.get<std::string>().empty() ? "expected a part of a parameter's name, got an empty string" : "";
+   })).doc("parameters without weight decay: those whose name contains one of these (BERT: [bias, LayerNorm.weight])");
   s.number("CLIP_GRAD_VALUE", -1.0).doc("> 0: clamp every gradient to [-v, v] (ClipValue)");
   s.string("LR_SCALING", "per_sample").one_of({"per_sample", "none"})
       .doc("per_sample: base LR = LR x total batch (VL-BERT); none: LR is the base LR");
-  s.string("PARTIAL_WINDOW", "flush").one_of({"flush", "span", "drop"});
-  s.string("NONFINITE", "skip").one_of({"skip", "abort"});
+  s.string("PARTIAL_WINDOW", "flush").one_of({"flush", "span", "drop"})
+      .doc("an epoch's last window with fewer than GRAD_ACCUMULATE_STEPS micro-batches: flush (step on what it has, "
+           "weighted right), span (carry it into the next epoch), drop (discard it)");
+  s.string("NONFINITE", "skip").one_of({"skip", "abort"})
+      .doc("a non-finite gradient: skip the step (GradScaler's rule) or abort with the epoch, micro-batch and step");
   s.string("RESUME_CHANGES", "refuse").one_of({"refuse", "allow"}).doc(
       "a resume whose configuration changes the training trajectory (LR, optimizer, batch, data...): refuse (with the "
       "differences) or allow (said once)");
@@ -186,7 +196,7 @@ inline Schema root_schema() {
   s.integer("LOG_FREQUENT", 50).min(1).doc("log every N optimizer steps");
   s.integer("VAL_FREQUENT", 1).min(1).doc("validate every N epochs");
   s.integer("CHECKPOINT_FREQUENT", 1).min(1).doc("checkpoint every N epochs");
-  s.integer("NUM_WORKERS_PER_GPU", 4).min(0).doc("data-loading workers");
+  s.integer("NUM_WORKERS_PER_GPU", 4).min(0).max(64).doc("threads that make micro-batches ahead of the step (tk::FitOptions::workers); 0: none");
   s.string("MODULE", "").doc("the application's model name");
   s.list("SCALES", Field::any()).doc("application-defined (image scales in VL-BERT)");
   s.section("TRAIN", train_schema());

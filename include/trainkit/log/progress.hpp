@@ -1,5 +1,6 @@
 #pragma once
-/// The training progress line: epoch, step/total, samples/s, ETA, loss, LR and loss scale.
+/// The training progress line: epoch, a bar, percentage and step/total, elapsed time, the whole
+/// run's ETA, samples/s, loss, LR and loss scale.
 ///
 /// Contract:
 ///   ProgressLine(options)  output stream, terminal or not, clock: injectable (tests)
@@ -14,9 +15,14 @@
 /// `refresh_seconds`, cut to the terminal's width so that it never wraps. Elsewhere (a file, a
 /// pipe, a cluster's log): a plain line every `every_steps` steps and/or every `every_seconds`.
 /// Rates are exponential moving averages over the intervals between drawn lines (weight
-/// `smoothing` on the newest), so a slow first batch or a checkpoint pause fades out; the ETA
-/// is the epoch's: (total - step) at the averaged time per step, as h:mm:ss. Not thread-safe.
+/// `smoothing` on the newest), so a slow first batch fades out; they carry over from one epoch
+/// to the next, but the pause between two epochs (validation, checkpoints) is not counted. The
+/// ETA is the whole run's when the state has run_total ((run_total - run_step) at the averaged
+/// time per step), else the epoch's; elapsed time counts from the first update. Durations are
+/// h:mm:ss. A terminal's line has a bar of the epoch's progress; the plain lines do not.
+/// Not thread-safe.
 /// This header does not include LibTorch.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -58,8 +64,11 @@ struct ProgressOptions {
 /// a loss, when given, is shown even when it is NaN or inf.
 struct ProgressState {
   std::int64_t epoch = 0;
+  std::int64_t epochs = 0;   ///< the run's end epoch (shown as "Epoch e/epochs"); 0: unknown
   std::int64_t step = 0;     ///< steps done in this epoch
-  std::int64_t total = 0;    ///< steps in this epoch; 0: unknown (no ETA)
+  std::int64_t total = 0;    ///< steps in this epoch; 0: unknown (no ETA, no percentage)
+  std::int64_t run_step = 0;   ///< steps done in this run (every epoch's)
+  std::int64_t run_total = 0;  ///< steps in the whole run; 0: unknown (the ETA is the epoch's)
   std::int64_t samples = 0;  ///< samples done in this epoch
   std::optional<double> loss;  ///< shown as it is, NaN and inf included
   double lr = std::numeric_limits<double>::quiet_NaN();
@@ -106,9 +115,10 @@ class ProgressLine {
 
   /// Shows `state` if it is time to: on a terminal every `refresh_seconds`, elsewhere every
   /// `every_steps` steps or `every_seconds` seconds. A new epoch (or a step going back) ends
-  /// the previous epoch's line and restarts the rates.
+  /// the previous epoch's line; its rates start from the new epoch's first update.
   void update(const ProgressState& state) {
     const double now = options_.clock();
+    if (!started_) started_ = now;
     if (has_state_ && (state.epoch != state_.epoch || state.step < state_.step)) finish();
     state_ = state;
     if (!has_state_) {  // the epoch's first point: rates start here; a terminal shows it
@@ -142,8 +152,7 @@ class ProgressLine {
     if (state_.step != drawn_.step || !line_shown_) draw(options_.clock());
     if (terminal_) *options_.out << '\n' << std::flush;
     has_state_ = false;
-    line_shown_ = false;
-    rate_.reset();
+    line_shown_ = false;  // the rates carry over; the pause until the next epoch's start does not count
   }
 
   /// The text of the last line drawn (without terminal control characters).
@@ -182,39 +191,48 @@ class ProgressLine {
   }
 
   std::string format() const {
-    char buf[64];
-    std::string text = "Epoch " + std::to_string(state_.epoch) + " step ";
+    char buf[96];
+    std::string text = "Epoch " + std::to_string(state_.epoch);
+    if (state_.epochs > 0) text += "/" + std::to_string(state_.epochs);
     if (state_.total > 0) {
+      const std::int64_t step = std::clamp<std::int64_t>(state_.step, 0, state_.total);  // floors: 100% when done
+      if (terminal_) {
+        constexpr std::int64_t kBar = 20;
+        const auto full = static_cast<std::size_t>(step * kBar / state_.total);
+        text += " [" + std::string(full, '=') + (full < kBar ? ">" + std::string(kBar - full - 1, ' ') : "") + "]";
+      }
       const int width = static_cast<int>(std::to_string(state_.total).size());
-      std::snprintf(buf, sizeof buf, "%*lld/%lld", width, static_cast<long long>(state_.step),
-                    static_cast<long long>(state_.total));
+      std::snprintf(buf, sizeof buf, " %3d%% %*lld/%lld", static_cast<int>(step * 100 / state_.total), width,
+                    static_cast<long long>(state_.step), static_cast<long long>(state_.total));
     } else {
-      std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(state_.step));
+      std::snprintf(buf, sizeof buf, " step %lld", static_cast<long long>(state_.step));
     }
     text += buf;
+    text += " | " + detail::format_hms(drawn_.time - started_.value_or(drawn_.time));
     const bool has_rate = rate_ && rate_->seconds > 0;
+    const double per_step = has_rate && rate_->steps > 0 ? rate_->seconds / rate_->steps
+                                                         : std::numeric_limits<double>::quiet_NaN();
+    if (state_.run_total > 0) {
+      text += " ETA " + detail::format_hms(double(state_.run_total - state_.run_step) * per_step);
+    } else if (state_.total > 0) {
+      text += " epoch ETA " + detail::format_hms(double(state_.total - state_.step) * per_step);
+    }
     if (has_rate) {
-      std::snprintf(buf, sizeof buf, "  %.1f samples/s", rate_->samples / rate_->seconds);
+      std::snprintf(buf, sizeof buf, " | %.1f samples/s", rate_->samples / rate_->seconds);
     } else {
-      std::snprintf(buf, sizeof buf, "  - samples/s");
+      std::snprintf(buf, sizeof buf, " | - samples/s");
     }
     text += buf;
-    if (state_.total > 0) {
-      const double eta = has_rate && rate_->steps > 0
-                             ? double(state_.total - state_.step) * rate_->seconds / rate_->steps
-                             : std::numeric_limits<double>::quiet_NaN();
-      text += "  ETA " + detail::format_hms(eta);
-    }
     if (state_.loss) {
-      std::snprintf(buf, sizeof buf, "  loss %.4g", *state_.loss);
+      std::snprintf(buf, sizeof buf, " | loss %.4g", *state_.loss);
       text += buf;
     }
     if (!std::isnan(state_.lr)) {
-      std::snprintf(buf, sizeof buf, "  lr %.3g", state_.lr);
+      std::snprintf(buf, sizeof buf, " lr %.3g", state_.lr);
       text += buf;
     }
     if (!std::isnan(state_.loss_scale)) {
-      std::snprintf(buf, sizeof buf, "  scale %.6g", state_.loss_scale);
+      std::snprintf(buf, sizeof buf, " scale %.6g", state_.loss_scale);
       text += buf;
     }
     return text;
@@ -234,6 +252,7 @@ class ProgressLine {
   bool terminal_ = false;
   bool has_state_ = false;   // an epoch's line is in progress
   bool line_shown_ = false;  // its line has been drawn
+  std::optional<double> started_;  // the clock at the first update (elapsed time)
   ProgressState state_;
   Point drawn_{};  // the last drawn point (or the epoch's first)
   std::optional<Rates> rate_;

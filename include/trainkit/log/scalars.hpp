@@ -45,6 +45,8 @@ namespace scalar_tags {
 inline constexpr const char* train_loss = "Train-Loss";
 /// Learning rate of parameter group `i`: LR/Group_0, LR/Group_1, ...
 inline std::string lr_group(std::size_t i) { return "LR/Group_" + std::to_string(i); }
+/// The LR group `i` starts from (the base LR times its LR_MULT), VL-BERT's Initial-LR/Group_i.
+inline std::string initial_lr_group(std::size_t i) { return "Initial-LR/Group_" + std::to_string(i); }
 /// Global L2 norm of the true (unscaled) gradient, before clipping.
 inline constexpr const char* grad_norm = "grad-para/Total-Norm";
 /// A validation metric: Val-Acc, Val-Loss, ...
