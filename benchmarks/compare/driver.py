@@ -9,6 +9,9 @@ process, then over the repetitions.
 
 Implementations: trainkit (the compiled Trainer), branching (the same step with run-time policy
 switches), libtorch (the hand-written LibTorch loop), python (loop.py on the same torch wheel).
+Optional (--impls ...,NAME): python-fused, python-compile (torch.compile(model) + fused AdamW) and
+fwdbwd (the windows' forward + backward alone, from which, with the optimizer phase's floor, the
+limit of a window follows).
 Needs only the Python standard library; loop.py runs under --python (the project's venv).
 """
 import argparse
@@ -16,15 +19,22 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 IMPLS = ["trainkit", "branching", "libtorch", "python"]
 # Optional (--impls ...,python-fused): the Python loop with torch.optim.AdamW(fused=True), the
 # opt-in fused kernel, to show how much of the difference is the update kernel alone.
-OPTIONAL = ["python-fused"]
+# python-compile: what a speed-conscious user runs, torch.compile(model) (default mode) with
+# torch.optim.AdamW(fused=True). fwdbwd: the windows' micro-steps alone (compare --impl fwdbwd),
+# for the limit of a window: forward + backward + the optimizer phase's floor.
+OPTIONAL = ["python-fused", "python-compile", "fwdbwd"]
+# Only for the time tables (not the memory sweep, not the operator counts).
+TIMING_ONLY = ["branching", "python-fused", "python-compile", "fwdbwd"]
 # Per process: micro-steps to time (ceil(budget / N) windows) and warm-up windows. The MLP's
 # windows are short and noisy, so it gets many.
 BUDGET = {"mlp": (40, 3), "bert-tiny": (8, 1), "bert-8x512": (4, 1)}
@@ -35,6 +45,11 @@ BUDGET = {"mlp": (40, 3), "bert-tiny": (8, 1), "bert-8x512": (4, 1)}
 FP16_CPU_BATCH = {"bert-tiny": (1, 16), "bert-8x512": (1, 8)}
 # ... and time 2 micro-steps' worth of windows per process (those products run at ~3 GFLOP/s).
 FP16_CPU_BUDGET = 2
+# python-compile: warm-up windows per process. The first compiles; while other compilations ran
+# on this 2-core VM, the windows after it were seen at ~300 ms (MLP) for a few seconds, eager
+# ATen calls in them included, so a few more windows pass before timing (cheap for the MLP).
+# Their times are reported apart (loop.py's warmup_ms), never in the medians.
+COMPILE_WARMUP = {"mlp": 30, "bert-tiny": 4, "bert-8x512": 3}
 
 
 def load():
@@ -60,6 +75,11 @@ class Runner:
         self.args = args
         self.raw = open(args.raw, "w") if args.raw else None
         self.failures = []
+        # torch.compile's on-disk caches (Inductor's FX graph and kernel caches, AOTAutograd's)
+        # start empty in every driver run, so the first python-compile process of a (model,
+        # precision) compiles from nothing and the later ones find its kernels: both are reported.
+        self.inductor_cache = tempfile.mkdtemp(prefix="trainkit-inductor-")
+        self.compiled = set()
 
     def run(self, impl, model, precision, accum, micro_batch=0, windows=None, warmup=None, extra=()):
         budget, u = BUDGET[model]
@@ -67,6 +87,8 @@ class Runner:
         if slow_fp16:
             budget = FP16_CPU_BUDGET
         w = windows if windows is not None else max(1, round(-(-budget // accum) * self.args.scale))
+        if impl == "python-compile" and warmup is None:
+            u = COMPILE_WARMUP[model]
         u = warmup if warmup is not None else u
         common = ["--model", model, "--precision", precision, "--accum", str(accum),
                   "--windows", str(w), "--warmup", str(u), "--threads", str(self.args.threads)]
@@ -78,14 +100,19 @@ class Runner:
         if seq:
             common += ["--seq", str(seq)]
         common += list(extra)
-        if impl in ("python", "python-fused"):
+        env = None
+        if impl in ("python", "python-fused", "python-compile"):
             cmd = [self.args.python, os.path.join(self.args.here, "loop.py")] + common
             if impl == "python-fused":
                 cmd.append("--fused")
+            if impl == "python-compile":
+                cmd += ["--compile", "--fused"]
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=self.inductor_cache)
         else:
             cmd = [self.args.compare, "--impl", impl] + common
+        cold = impl == "python-compile" and (model, precision) not in self.compiled
         try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.args.timeout)
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.args.timeout, env=env)
             if p.returncode != 0:
                 raise RuntimeError(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}")
             rec = json.loads(p.stdout.strip().splitlines()[-1])
@@ -93,10 +120,16 @@ class Runner:
             self.failures.append(f"{' '.join(cmd)}: {e}")
             print(f"[driver] FAILED {impl} {model} {precision} N={accum}: {e}", file=sys.stderr)
             return None
+        if impl == "python-compile":
+            self.compiled.add((model, precision))
+            rec["cold_cache"] = cold
         if self.raw:
             self.raw.write(json.dumps(rec) + "\n")
             self.raw.flush()
         return rec
+
+    def close(self):
+        shutil.rmtree(self.inductor_cache, ignore_errors=True)
 
 
 def med(values):
@@ -177,7 +210,7 @@ def main():
             ap.error(f"--sweep {args.sweep}: the effective batch must be a multiple of 8 (N = 1, 2, 4, 8)")
         for n in (1, 2, 4, 8):
             row = {}
-            for impl in [i for i in impls if i not in ("branching", "python-fused")]:
+            for impl in [i for i in impls if i not in TIMING_ONLY]:
                 row[impl] = runner.run(impl, sm, "fp32", n, micro_batch=eff // n, windows=2, warmup=1)
             sweep.append((n, eff // n, row))
 
@@ -196,6 +229,27 @@ def main():
         """trainkit's phase over the floor measured in the same process, median over processes."""
         return med([statistics.median(r["phase_ms"]) / r["floor_ms"]
                     for r in records.get(key + ("trainkit",), []) if r["phase_ms"] and r["floor_ms"] > 0])
+
+    def per_rep(key, value):
+        """Median over the repetitions of value(records of this repetition, by implementation)."""
+        reps = {}
+        for (m, p, n, i), rs in records.items():
+            if (m, p, n) == key:
+                for r in rs:
+                    reps.setdefault(r["_rep"], {})[i] = r
+        return med([value(rs) for rs in reps.values()])
+
+    def over_limit(key, step="floor_ms"):
+        """trainkit's window over fwdbwd's window + the optimizer phase's floor (the floor from
+        the trainkit process, as in trainkit / floor), or + fwdbwd's fused AdamW step
+        (step="adamw_ms"), each repetition's own processes."""
+        def value(rs):
+            tk, fb = rs.get("trainkit"), rs.get("fwdbwd")
+            if not tk or not fb or not tk["window_ms"] or not fb["window_ms"]:
+                return None
+            extra = (tk if step == "floor_ms" else fb).get(step, 0.0)
+            return statistics.median(tk["window_ms"]) / (statistics.median(fb["window_ms"]) + extra) if extra else None
+        return per_rep(key, value)
 
     def hwm(key):
         return med([r["vmhwm_kib"] / 1024 for r in records.get(key, [])])
@@ -267,6 +321,67 @@ def main():
                        + (f" {fmt(t['python-fused'], 3)} | {fmt(paired((m, p, n), 'python-fused', 'phase_ms'))}x |" if fused else ""))
         out.append("")
 
+        if "python-compile" in impls or "fwdbwd" in impls:
+            out.append("### What a speed-conscious user runs, and the limit of a window, ms, median")
+            out.append("")
+            out.append("torch.compile: `torch.compile(model)` (default mode) and `torch.optim.AdamW(fused=True)` "
+                       "(`loop.py --compile --fused`), the loss, scaler and optimizer eager; its warm-up windows "
+                       "(compilation) are not in the median (next table). Limit: the windows' forward + backward "
+                       "alone (`compare --impl fwdbwd`: the same micro-batches, autocast, loss / N and backward "
+                       "into existing gradients, no optimizer phase) plus the optimizer phase's floor (32 bytes "
+                       "per parameter over the copy bandwidth, as above, from the trainkit process). fused AdamW: "
+                       "one at::_fused_adamw_ step and zeroing over the same parameter count in one flat tensor "
+                       "(the fwdbwd process), the update as its kernel does it. Ratios: each repetition's own "
+                       "processes, median over the repetitions.")
+            out.append("")
+            out.append("| model | precision | N | trainkit | torch.compile + fused AdamW | its / trainkit | fwd+bwd | "
+                       "floor | limit (fwd+bwd + floor) | trainkit / limit | fused AdamW step | trainkit / (fwd+bwd + fused AdamW) |")
+            out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+            for m, p, n in configs:
+                key = (m, p, n)
+                tk_w = fig(key + ("trainkit",), "window_ms")
+                fb = fig(key + ("fwdbwd",), "window_ms")
+                fl = med([r["floor_ms"] for r in records.get(key + ("trainkit",), []) if r["floor_ms"] > 0])
+                aw = med([r.get("adamw_ms", 0) for r in records.get(key + ("fwdbwd",), []) if r.get("adamw_ms", 0) > 0])
+                out.append(f"| {m} | {p} | {n} | {fmt(tk_w)} | {fmt(fig(key + ('python-compile',), 'window_ms'))} | "
+                           f"{fmt(paired(key, 'python-compile', 'window_ms'))}x | {fmt(fb)} | {fmt(fl, 3)} | "
+                           f"{fmt(fb + fl if fb is not None and fl is not None else None)} | "
+                           f"{fmt(over_limit(key), 3)}x | {fmt(aw, 3)} | {fmt(over_limit(key, 'adamw_ms'), 3)}x |")
+            out.append("")
+
+        compiled = [r for (m, p, n, i), rs in records.items() if i == "python-compile" for r in rs]
+        if compiled:
+            info = compiled[0]
+            out.append("### torch.compile: backend and compilation")
+            out.append("")
+            out.append(f"Backend {info.get('compile_backend')}, CPU code generator `{info.get('cpu_backend')}` "
+                       f"(C++ with OpenMP, compiled by `{info.get('cxx')}`), cpp_wrapper {info.get('cpp_wrapper')}, "
+                       f"{info.get('inductor_threads')} OpenMP threads in its kernels; graphs compiled per process: "
+                       + "/".join(str(v) for v in sorted({r.get('frames_compiled') for r in compiled})) +
+                       ". First window: the one that compiles (Dynamo traces, AOTAutograd makes the backward, "
+                       "Inductor generates C++ and calls the compiler), with an empty cache (the run's first "
+                       "process of that model and precision) and with the cache the first one filled (the "
+                       "other processes; median). Compilation: the first window minus that process's median "
+                       "window. Later warm-up windows: the slowest of the others before timing began.")
+            out.append("")
+            out.append("| model | precision | first window, empty cache, s | compilation, empty cache, s | "
+                       "first window, filled cache, s | compilation, filled cache, s | later warm-up windows, slowest, ms |")
+            out.append("|---|---|---|---|---|---|---|")
+            for m in models:
+                for p in precisions:
+                    rs = [r for r in compiled if r["model"] == m and r["precision"] == p and r.get("warmup_ms")]
+                    if not rs:
+                        continue
+                    cold = [r for r in rs if r.get("cold_cache")]
+                    warm = [r for r in rs if not r.get("cold_cache")]
+                    first = lambda group: med([r["warmup_ms"][0] / 1e3 for r in group])
+                    comp = lambda group: med([(r["warmup_ms"][0] - statistics.median(r["window_ms"])) / 1e3
+                                              for r in group if r["window_ms"]])
+                    later = max([w for r in rs for w in r["warmup_ms"][1:]], default=None)
+                    out.append(f"| {m} | {p} | {fmt(first(cold), 1)} | {fmt(comp(cold), 1)} | {fmt(first(warm), 1)} | "
+                               f"{fmt(comp(warm), 1)} | {fmt(later, 1)} |")
+            out.append("")
+
         out.append("### Peak resident memory (VmHWM), MiB, median (one process per configuration)")
         out.append("")
         out.append("| model | precision | N | " + " | ".join(shown) + " |")
@@ -294,7 +409,7 @@ def main():
         out.append(f"### Peak resident memory at a fixed effective batch ({args.sweep.split(':')[1]} sequences, "
                    f"{args.sweep.split(':')[0]}, fp32), MiB")
         out.append("")
-        names = [i for i in impls if i not in ("branching", "python-fused")]
+        names = [i for i in impls if i not in TIMING_ONLY]
         out.append("| N | micro-batch | " + " | ".join(names) + " |")
         out.append("|---|---|" + "---|" * len(names))
         for n, mb, row in sweep:
@@ -342,6 +457,17 @@ def main():
             rows.append((f"{m}: window never slower than LibTorch or Python",
                          None not in (w_lt[0], w_py[0]) and min(w_lt[0], w_py[0]) >= 1.0,
                          f"vs LibTorch {fmt(w_lt[0])}x .. {fmt(w_lt[1])}x, vs Python {fmt(w_py[0])}x .. {fmt(w_py[1])}x"))
+            if "fwdbwd" in impls:
+                lim = span([over_limit(c) for c in cfg])
+                rows.append((f"{m}: window <= 1.05x the limit (fwd+bwd + the optimizer phase's floor)"
+                             + ("" if m != "mlp" else " (reported; no target)"),
+                             lim[1] is not None and lim[1] <= 1.05,
+                             f"trainkit / limit {fmt(lim[0], 3)}x .. {fmt(lim[1], 3)}x"))
+            if "python-compile" in impls:
+                w_pc = span([paired(c, "python-compile", "window_ms") for c in cfg])
+                rows.append((f"{m}: window not slower than torch.compile + fused AdamW",
+                             w_pc[0] is not None and w_pc[0] >= 1.0,
+                             f"speed-up {fmt(w_pc[0])}x .. {fmt(w_pc[1])}x"))
         if sweep:
             tk = [row.get("trainkit") for _, _, row in sweep]
             if all(tk):
@@ -358,6 +484,7 @@ def main():
         out.extend(f"- `{f}`" for f in runner.failures)
         out.append("")
     print("\n".join(out))
+    runner.close()
     return 1 if runner.failures else 0
 
 

@@ -21,7 +21,7 @@
 namespace bench {
 
 struct Settings {
-  std::string impl = "trainkit";  ///< trainkit | branching | libtorch
+  std::string impl = "trainkit";  ///< trainkit | branching | libtorch | fwdbwd
   std::string model = "bert-tiny";
   std::string precision = "fp32";  ///< fp32 | bf16 | fp16 (FP16 with dynamic loss scaling)
   int64_t accum = 1;
@@ -163,6 +163,13 @@ constexpr double kFloorBytesPerParameter = 32.0;
 Result run_trainkit(const Settings& s, Task& task);
 Result run_branching(const Settings& s, Task& task);
 Result run_libtorch(const Settings& s, Task& task);
+/// The window's micro-steps alone (forward, loss / N, backward; no optimizer phase): with the
+/// floor, the limit a window can reach.
+Result run_fwdbwd(const Settings& s, Task& task);
+/// One at::_fused_adamw_ step over n fp32 parameters in one flat tensor, plus zeroing the
+/// gradient, ms, median of `reps`: the update and zeroing as the kernel does them, next to the
+/// floor (kFloorBytesPerParameter over the copy bandwidth).
+double fused_adamw_ms(int64_t n, torch::Device device, int reps = 11);
 
 inline std::string json_list(const std::vector<double>& v, int digits = 4) {
   std::string out = "[";

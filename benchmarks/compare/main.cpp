@@ -1,7 +1,7 @@
 // compare: one implementation on one configuration, one JSON line on stdout (driver.py runs
 // the processes, interleaved, and prints the tables; loop.py is the Python side).
 //
-//   build/benchmarks/compare/compare --impl trainkit|branching|libtorch --model bert-tiny
+//   build/benchmarks/compare/compare --impl trainkit|branching|libtorch|fwdbwd --model bert-tiny
 //       --precision fp32|bf16|fp16 --accum 4 [--micro-batch B] [--seq S] [--windows 5] [--warmup 2]
 //       [--threads 2] [--bandwidth 0|1] [--count-ops 0|1]
 //
@@ -10,6 +10,8 @@
 // memory (VmHWM, read before the bandwidth test allocates), and the copy bandwidth over as many
 // floats as the model has parameters, from which the optimizer phase's floor follows. With
 // --count-ops 1 (a separate run: counting costs time), the ATen operator calls of each phase.
+// --impl fwdbwd times the windows' micro-steps alone (no optimizer phase) and, after the
+// bandwidth test, one at::_fused_adamw_ step + zeroing over the model's parameter count.
 #include "harness.hpp"
 
 #include <cstdlib>
@@ -58,18 +60,21 @@ int main(int argc, char** argv) try {
   if (s.impl == "trainkit") r = bench::run_trainkit(s, task);
   else if (s.impl == "branching") r = bench::run_branching(s, task);
   else if (s.impl == "libtorch") r = bench::run_libtorch(s, task);
-  else throw std::invalid_argument("unknown --impl " + s.impl + " (trainkit, branching, libtorch)");
+  else if (s.impl == "fwdbwd") r = bench::run_fwdbwd(s, task);
+  else throw std::invalid_argument("unknown --impl " + s.impl + " (trainkit, branching, libtorch, fwdbwd)");
   const auto hwm = bench::status_kib("VmHWM");
 
   std::vector<double> losses;
   for (auto& l : r.losses) losses.push_back(l());
   const double gbs = bandwidth ? bench::copy_bandwidth_gbs(params, s.device) : 0.0;
   const double floor_ms = gbs > 0 ? bench::kFloorBytesPerParameter * params / (gbs * 1e6) : 0.0;
+  const double adamw_ms = bandwidth && s.impl == "fwdbwd" ? bench::fused_adamw_ms(params, s.device) : 0.0;
   std::printf(
       "{\"impl\": \"%s\", \"model\": \"%s\", \"precision\": \"%s\", \"accum\": %lld, "
       "\"micro_batch\": %lld, \"seq\": %lld, \"threads\": %d, \"params\": %lld, \"tensors\": %zu, "
       "\"window_ms\": %s, \"phase_ms\": %s, \"phase_ops\": %s, \"losses\": %s, \"skipped\": %lld, "
-      "\"vmhwm_kib\": %lld, \"rss_start_kib\": %lld, \"copy_gbs\": %.3f, \"floor_ms\": %.4f}\n",
+      "\"vmhwm_kib\": %lld, \"rss_start_kib\": %lld, \"copy_gbs\": %.3f, \"floor_ms\": %.4f, "
+      "\"adamw_ms\": %.4f}\n",
       s.impl.c_str(), s.model.c_str(), s.precision.c_str(), static_cast<long long>(s.accum),
       static_cast<long long>(task.pool.front().first.size(0)), static_cast<long long>(task.seq),
       torch::get_num_threads(),
@@ -77,7 +82,7 @@ int main(int argc, char** argv) try {
       bench::json_list(r.phase_ms).c_str(), bench::json_list(r.phase_ops, 0).c_str(),
       bench::json_list(losses, 7).c_str(),
       static_cast<long long>(r.skipped), static_cast<long long>(hwm),
-      static_cast<long long>(rss_start), gbs, floor_ms);
+      static_cast<long long>(rss_start), gbs, floor_ms, adamw_ms);
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "compare: " << e.what() << "\n";

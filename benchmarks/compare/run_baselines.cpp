@@ -1,5 +1,6 @@
-// (b) the hand-written LibTorch loop a C++ user writes without trainkit, and the branching
-// variant of trainkit's step (runtime_trainer.hpp).
+// (b) the hand-written LibTorch loop a C++ user writes without trainkit, the branching variant
+// of trainkit's step (runtime_trainer.hpp), and the forward + backward alone (the limit of a
+// window, with the optimizer phase's floor).
 #include "harness.hpp"
 #include "runtime_trainer.hpp"
 
@@ -126,6 +127,55 @@ Result run_branching(const Settings& s, Task& task) {
   });
   r.skipped = trainer.skipped_steps().item<int64_t>();
   return r;
+}
+
+Result run_fwdbwd(const Settings& s, Task& task) {
+  // The micro-steps of a window and nothing else: the same batches, autocast region, loss / N
+  // and backward as every implementation, no optimizer phase. The gradients are never zeroed
+  // (nor reset to undefined), so every backward accumulates into an existing gradient in place,
+  // as into trainkit's flat gradient storage; zeroing belongs to the optimizer phase's floor.
+  // The values grow over the windows, which changes nothing in the time of an add. FP16 runs
+  // without a loss scale (the products cost the same; an overflow would change no timing).
+  const auto dtype = autocast_dtype(s.precision);
+  Settings timed = s;
+  timed.time_phase = false;  // there is no optimizer phase
+  int64_t k = 0;
+  return measure(timed, [&](PhaseStart&) -> std::function<double()> {
+    auto window_loss = torch::zeros({}, torch::dtype(torch::kFloat).device(s.device));
+    for (int64_t i = 0; i < s.accum; ++i) {
+      torch::Tensor loss;
+      {
+        Autocast autocast(s.device.type(), dtype);
+        loss = task.loss(k++);
+      }
+      loss = loss / static_cast<double>(s.accum);
+      window_loss += loss.detach();
+      loss.backward();
+    }
+    return [window_loss] { return window_loss.item<double>(); };
+  });
+}
+
+double fused_adamw_ms(int64_t n, torch::Device device, int reps) {
+  // One flat fp32 tensor each for p, g, m, v (as trainkit stores them), with the divisor and
+  // found_inf device scalars trainkit hands the kernel, then zeroing g: the phase's update and
+  // zeroing with nothing else (no norm, no bookkeeping).
+  const auto f32 = torch::dtype(torch::kFloat).device(device);
+  auto p = torch::randn({n}, f32), g = torch::randn({n}, f32) * 1e-3;
+  auto m = torch::zeros({n}, f32), v = torch::zeros({n}, f32);
+  auto step = torch::zeros({}, f32), lr = torch::full({}, 1e-4, f32);
+  auto divisor = torch::ones({}, f32), found_inf = torch::zeros({}, f32);
+  std::vector<double> ms;
+  for (int i = 0; i < reps + 2; ++i) {
+    synchronize(device);
+    const double t0 = now_ms();
+    at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {step}, lr, 0.9, 0.999, 1e-2, 1e-8, /*amsgrad=*/false,
+                      /*maximize=*/false, divisor, found_inf);
+    g.zero_();
+    synchronize(device);
+    if (i >= 2) ms.push_back(now_ms() - t0);
+  }
+  return median(ms);
 }
 
 }  // namespace bench
