@@ -15,6 +15,7 @@ limit of a window follows).
 Needs only the Python standard library; loop.py runs under --python (the project's venv).
 """
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -79,6 +80,7 @@ class Runner:
         # start empty in every driver run, so the first python-compile process of a (model,
         # precision) compiles from nothing and the later ones find its kernels: both are reported.
         self.inductor_cache = tempfile.mkdtemp(prefix="trainkit-inductor-")
+        atexit.register(shutil.rmtree, self.inductor_cache, True)
         self.compiled = set()
 
     def run(self, impl, model, precision, accum, micro_batch=0, windows=None, warmup=None, extra=()):
@@ -127,9 +129,6 @@ class Runner:
             self.raw.write(json.dumps(rec) + "\n")
             self.raw.flush()
         return rec
-
-    def close(self):
-        shutil.rmtree(self.inductor_cache, ignore_errors=True)
 
 
 def med(values):
@@ -484,7 +483,6 @@ def main():
         out.extend(f"- `{f}`" for f in runner.failures)
         out.append("")
     print("\n".join(out))
-    runner.close()
     return 1 if runner.failures else 0
 
 
