@@ -36,6 +36,12 @@ struct Settings {
   /// Called inside each timed window, after its start and before its end is synchronised
   /// (true at the start, false at the end): what the window itself does lies in between.
   std::function<void(bool)> on_window;
+  /// Called after each window, outside its timing (true once the warm-up is over).
+  std::function<void(bool)> after_window;
+  /// trainkit: after each window, time one window's forward + backward alone in the same
+  /// process (Result::fwdbwd_ms), then zero the gradients again: the limit measured in
+  /// alternation with the windows it bounds, so that a change of load hits both alike.
+  bool interleave_fwdbwd = false;
 };
 
 inline double now_ms() {
@@ -86,6 +92,7 @@ struct PhaseStart {
 /// inside it would add a sync to implementations that do not need one).
 struct Result {
   std::vector<double> window_ms, phase_ms, phase_ops;
+  std::vector<double> fwdbwd_ms;  ///< with Settings::interleave_fwdbwd: one per timed window
   std::vector<std::function<double()>> losses;
   int64_t skipped = 0;  ///< skipped (overflowing) optimizer steps, counted at the end
 };
@@ -120,6 +127,7 @@ Result measure(const Settings& s, Window&& window) {
     const double t1 = now_ms();
     const int64_t ops = top_level_ops;
     r.losses.push_back(std::move(loss));
+    if (s.after_window) s.after_window(w >= s.warmup);
     if (w < s.warmup) continue;
     r.window_ms.push_back(t1 - t0);
     if (s.time_phase) {
@@ -166,6 +174,8 @@ Result run_libtorch(const Settings& s, Task& task);
 /// The window's micro-steps alone (forward, loss / N, backward; no optimizer phase): with the
 /// floor, the limit a window can reach.
 Result run_fwdbwd(const Settings& s, Task& task);
+/// One window of run_fwdbwd (micro-batches k, k + 1, ...; k advances); returns the window's loss.
+torch::Tensor fwdbwd_window(const Settings& s, Task& task, int64_t& k);
 /// One at::_fused_adamw_ step over n fp32 parameters in one flat tensor, plus zeroing the
 /// gradient, ms, median of `reps`: the update and zeroing as the kernel does them, next to the
 /// floor (kFloorBytesPerParameter over the copy bandwidth).

@@ -3,7 +3,7 @@
 //
 //   build/benchmarks/compare/compare --impl trainkit|branching|libtorch|fwdbwd --model bert-tiny
 //       --precision fp32|bf16|fp16 --accum 4 [--micro-batch B] [--seq S] [--windows 5] [--warmup 2]
-//       [--threads 2] [--bandwidth 0|1] [--count-ops 0|1]
+//       [--threads 2] [--bandwidth 0|1] [--count-ops 0|1] [--interleave-fwdbwd 0|1]
 //
 // Figures: the time of each window (its N micro-steps and the optimizer phase), the optimizer
 // phase alone (from the end of the window's last backward to the end of zeroing), peak resident
@@ -12,6 +12,8 @@
 // --count-ops 1 (a separate run: counting costs time), the ATen operator calls of each phase.
 // --impl fwdbwd times the windows' micro-steps alone (no optimizer phase) and, after the
 // bandwidth test, one at::_fused_adamw_ step + zeroing over the model's parameter count.
+// --interleave-fwdbwd 1 (trainkit): after each window, its forward + backward alone, timed in
+// the same process (fwdbwd_ms), so that window / (fwdbwd + floor) pairs neighbouring windows.
 #include "harness.hpp"
 
 #include <cstdlib>
@@ -39,6 +41,7 @@ bench::Settings parse(int argc, char** argv, bool& bandwidth, bool& count_ops) {
     else if (key == "--threads") s.threads = std::stoi(value);
     else if (key == "--bandwidth") bandwidth = value != "0";
     else if (key == "--count-ops") count_ops = value != "0";
+    else if (key == "--interleave-fwdbwd") s.interleave_fwdbwd = value != "0";
     else throw std::invalid_argument("unknown option " + key);
   }
   return s;
@@ -74,7 +77,7 @@ int main(int argc, char** argv) try {
       "\"micro_batch\": %lld, \"seq\": %lld, \"threads\": %d, \"params\": %lld, \"tensors\": %zu, "
       "\"window_ms\": %s, \"phase_ms\": %s, \"phase_ops\": %s, \"losses\": %s, \"skipped\": %lld, "
       "\"vmhwm_kib\": %lld, \"rss_start_kib\": %lld, \"copy_gbs\": %.3f, \"floor_ms\": %.4f, "
-      "\"adamw_ms\": %.4f}\n",
+      "\"adamw_ms\": %.4f, \"fwdbwd_ms\": %s}\n",
       s.impl.c_str(), s.model.c_str(), s.precision.c_str(), static_cast<long long>(s.accum),
       static_cast<long long>(task.pool.front().first.size(0)), static_cast<long long>(task.seq),
       torch::get_num_threads(),
@@ -82,7 +85,7 @@ int main(int argc, char** argv) try {
       bench::json_list(r.phase_ms).c_str(), bench::json_list(r.phase_ops, 0).c_str(),
       bench::json_list(losses, 7).c_str(),
       static_cast<long long>(r.skipped), static_cast<long long>(hwm),
-      static_cast<long long>(rss_start), gbs, floor_ms, adamw_ms);
+      static_cast<long long>(rss_start), gbs, floor_ms, adamw_ms, bench::json_list(r.fwdbwd_ms).c_str());
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "compare: " << e.what() << "\n";

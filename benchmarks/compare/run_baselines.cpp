@@ -136,24 +136,28 @@ Result run_fwdbwd(const Settings& s, Task& task) {
   // as into trainkit's flat gradient storage; zeroing belongs to the optimizer phase's floor.
   // The values grow over the windows, which changes nothing in the time of an add. FP16 runs
   // without a loss scale (the products cost the same; an overflow would change no timing).
-  const auto dtype = autocast_dtype(s.precision);
   Settings timed = s;
   timed.time_phase = false;  // there is no optimizer phase
   int64_t k = 0;
   return measure(timed, [&](PhaseStart&) -> std::function<double()> {
-    auto window_loss = torch::zeros({}, torch::dtype(torch::kFloat).device(s.device));
-    for (int64_t i = 0; i < s.accum; ++i) {
-      torch::Tensor loss;
-      {
-        Autocast autocast(s.device.type(), dtype);
-        loss = task.loss(k++);
-      }
-      loss = loss / static_cast<double>(s.accum);
-      window_loss += loss.detach();
-      loss.backward();
-    }
-    return [window_loss] { return window_loss.item<double>(); };
+    return [window_loss = fwdbwd_window(s, task, k)] { return window_loss.item<double>(); };
   });
+}
+
+torch::Tensor fwdbwd_window(const Settings& s, Task& task, int64_t& k) {
+  const auto dtype = autocast_dtype(s.precision);
+  auto window_loss = torch::zeros({}, torch::dtype(torch::kFloat).device(s.device));
+  for (int64_t i = 0; i < s.accum; ++i) {
+    torch::Tensor loss;
+    {
+      Autocast autocast(s.device.type(), dtype);
+      loss = task.loss(k++);
+    }
+    loss = loss / static_cast<double>(s.accum);
+    window_loss += loss.detach();
+    loss.backward();
+  }
+  return window_loss;
 }
 
 double fused_adamw_ms(int64_t n, torch::Device device, int reps) {

@@ -18,7 +18,23 @@ Result run_compiled(const Settings& s, Task& task) {
   Trainer trainer(task.module, tk::AdamW{s.lr, s.weight_decay},
                   tk::TrainerOptions().max_grad_norm(s.max_norm).accumulation_steps(s.accum));
   int64_t k = 0;
-  Result r = measure(s, [&](PhaseStart& phase) -> std::function<double()> {
+  // --interleave-fwdbwd: the forward + backward alone after each window, into the trainer's
+  // gradients (which the window's phase left zeroed), zeroed again before the next window.
+  std::vector<double> fwdbwd_ms;
+  Settings timed = s;
+  int64_t k_fwdbwd = 0;
+  if (s.interleave_fwdbwd)
+    timed.after_window = [&](bool counted) {
+      synchronize(s.device);
+      const double t0 = now_ms();
+      fwdbwd_window(s, task, k_fwdbwd);
+      synchronize(s.device);
+      if (counted) fwdbwd_ms.push_back(now_ms() - t0);
+      torch::NoGradGuard no_grad;
+      for (auto& p : task.module->parameters())
+        if (p.grad().defined()) p.grad().zero_();
+    };
+  Result r = measure(timed, [&](PhaseStart& phase) -> std::function<double()> {
     for (;;) {
       auto step = trainer.micro_step([&] {
         auto loss = task.loss(k++);
@@ -28,6 +44,7 @@ Result run_compiled(const Settings& s, Task& task) {
     }
   });
   r.skipped = trainer.skipped_steps().template item<int64_t>();
+  r.fwdbwd_ms = std::move(fwdbwd_ms);
   return r;
 }
 
