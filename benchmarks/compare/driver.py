@@ -342,15 +342,12 @@ def main():
                        "per parameter over the copy bandwidth, as above, from the trainkit process). fused AdamW: "
                        "one at::_fused_adamw_ step and zeroing over the same parameter count in one flat tensor "
                        "(the fwdbwd process), the update as its kernel does it. Ratios: each repetition's own "
-                       "processes, median over the repetitions. Same process: trainkit-limit, each trainkit "
-                       "window over the forward + backward timed right after it in the same process "
-                       "(`compare --impl trainkit --interleave-fwdbwd 1`) + that process's floor, median over "
-                       "the windows, then over the repetitions.")
+                       "processes, median over the repetitions.")
             out.append("")
             out.append("| model | precision | N | trainkit | torch.compile + fused AdamW | its / trainkit | fwd+bwd | "
-                       "floor | limit (fwd+bwd + floor) | trainkit / limit | trainkit / limit, same process | "
+                       "floor | limit (fwd+bwd + floor) | trainkit / limit | "
                        "fused AdamW step | trainkit / (fwd+bwd + fused AdamW) |")
-            out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
             for m, p, n in configs:
                 key = (m, p, n)
                 tk_w = fig(key + ("trainkit",), "window_ms")
@@ -360,7 +357,31 @@ def main():
                 out.append(f"| {m} | {p} | {n} | {fmt(tk_w)} | {fmt(fig(key + ('python-compile',), 'window_ms'))} | "
                            f"{fmt(paired(key, 'python-compile', 'window_ms'))}x | {fmt(fb)} | {fmt(fl, 3)} | "
                            f"{fmt(fb + fl if fb is not None and fl is not None else None)} | "
-                           f"{fmt(over_limit(key), 3)}x | {fmt(over_limit_paired(key), 3)}x | {fmt(aw, 3)} | {fmt(over_limit(key, 'adamw_ms'), 3)}x |")
+                           f"{fmt(over_limit(key), 3)}x | {fmt(aw, 3)} | {fmt(over_limit(key, 'adamw_ms'), 3)}x |")
+            out.append("")
+
+        if "trainkit-limit" in impls:
+            out.append("### The limit of a window, measured in the same process, ms, median")
+            out.append("")
+            out.append("trainkit's windows alternating with the windows' forward + backward alone in the same process "
+                       "(`compare --impl trainkit --interleave-fwdbwd 1`: after each window, the same micro-batches' "
+                       "forward + backward into the trainer's zeroed gradients, timed, then zeroed again), so that "
+                       "each window is compared with its neighbour. trainkit / limit: each window over (the "
+                       "forward + backward after it + the process's floor), median over the windows, then over the "
+                       "repetitions.")
+            out.append("")
+            out.append("| model | precision | N | windows per process | trainkit window | fwd+bwd | floor | "
+                       "optimizer phase | phase / floor | trainkit / limit |")
+            out.append("|---|---|---|---|---|---|---|---|---|---|")
+            for m, p, n in configs:
+                key = (m, p, n)
+                rs = [r for r in records.get(key + ("trainkit-limit",), []) if r.get("fwdbwd_ms")]
+                out.append(f"| {m} | {p} | {n} | {len(rs[0]['window_ms']) if rs else 0} | "
+                           f"{fmt(fig(key + ('trainkit-limit',), 'window_ms'))} | "
+                           f"{fmt(med([statistics.median(r['fwdbwd_ms']) for r in rs]))} | "
+                           f"{fmt(med([r['floor_ms'] for r in rs]), 3)} | {fmt(fig(key + ('trainkit-limit',), 'phase_ms'), 3)} | "
+                           f"{fmt(med([statistics.median(r['phase_ms']) / r['floor_ms'] for r in rs if r['floor_ms'] > 0]))}x | "
+                           f"{fmt(over_limit_paired(key), 3)}x |")
             out.append("")
 
         compiled = [r for (m, p, n, i), rs in records.items() if i == "python-compile" for r in rs]
