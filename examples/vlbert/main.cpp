@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <iostream>
 #include <string>
 
@@ -78,6 +79,10 @@ stopped with a checkpoint, 2 a configuration or command-line error, 1 any other 
     }
     if (cl.cfg.empty() || !cl.rest.empty()) {
       std::cerr << (cl.rest.empty() ? "error: --cfg FILE is required\n" : "error: unknown argument " + cl.rest[0] + "\n") << usage;
+      return 2;
+    }
+    if (!eval.empty() && !std::ifstream(eval).good()) {  // before the data and the model are built
+      std::cerr << "error: --eval: cannot open '" << eval << "'\n";
       return 2;
     }
     tk::Config config;
