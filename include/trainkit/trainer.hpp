@@ -317,6 +317,7 @@ class Trainer final : public AnyTrainer {
     if (acc.position > 0) {
       if constexpr (Precision::master_weights) {
         detail::write_tensor(archive, "window.gradient_half", half_.grad());
+        if (half_.summed().defined()) detail::write_tensor(archive, "window.gradient_sum", half_.summed());
         if (half_.kept_grad().defined())
           detail::write_tensor(archive, "window.gradient_kept", half_.kept_grad());
       } else {
@@ -382,6 +383,15 @@ class Trainer final : public AnyTrainer {
     if (acc.position > 0) {
       if constexpr (Precision::master_weights) {
         detail::read_into(archive, "window.gradient_half", half_.grad());
+        torch::Tensor sum;  // the fp32 sum of the window's earlier micro-batches, when it has some
+        if (archive.try_read("window.gradient_sum", sum)) {
+          torch::Tensor& into = half_.summed_for_load();
+          TORCH_CHECK(sum.sizes() == into.sizes(), "Trainer::load: window.gradient_sum has shape ", sum.sizes(),
+                      ", this trainer's gradient ", into.sizes());
+          into.copy_(sum);
+        } else {
+          half_.drop_sum();
+        }
         if (half_.kept_grad().defined())
           detail::read_into(archive, "window.gradient_kept", half_.kept_grad());
       } else {
@@ -558,11 +568,15 @@ class Trainer final : public AnyTrainer {
     auto objective = loss.reshape({}).to(torch::kFloat) * weight;
     window_loss_.add_(objective.detach());
     // 3. FP16: times the loss scale. Backward; gradients accumulate in fp32, in place, into
-    //    the flat gradient storage.
+    //    the flat gradient storage. (Master weights: into the half .grad, added to an fp32 sum
+    //    after each micro-batch but the window's last: detail::HalfStorage.)
     if constexpr (Precision::scales_loss) objective = objective * precision_.scale().reshape({});
     objective.backward();
     // 4. Data parallel: no communication inside the window.
-    if (!accumulation_.closes()) return {};
+    const bool closes = accumulation_.closes();
+    if constexpr (Precision::master_weights)
+      if (!closes) half_.accumulate();
+    if (!closes) return {};
     return {true, optimizer_phase()};
   }
 

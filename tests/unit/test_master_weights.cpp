@@ -296,3 +296,40 @@ TEST_CASE("the trainer's name says MasterWeights, and the policy is a precision 
   static_assert(!tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>::scales_loss);
   static_assert(!tk::PrecisionPolicy<tk::FP16Dynamic>::master_weights);
 }
+
+TEST_CASE_TEMPLATE("master weights sum a window's micro-batch gradients in fp32, not in half precision (N = 16)", Mode,
+                   tk::BF16, tk::FP16Static) {
+  constexpr int N = 16;
+  constexpr double scale = std::is_same_v<Mode, tk::BF16> ? 1.0 : 256.0;
+  using M = tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<Mode>>, tk::AccumulationPolicy<N>>;
+  auto model = make_mlp(60, 8, 32, 4);  // Linear layers only: every parameter is half
+  const auto data = testing::clusters(N * 16, 8, 4, 9);
+  // SGD with LR 1: the masters move by the window's (unscaled) gradient.
+  M trainer(model, tk::SGD{1.0}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions().static_scale(scale)));
+  const auto before = trainer.parameters().clone();
+  std::vector<torch::Tensor> params = model->parameters();
+  torch::Tensor fp32_sum, half_sum;  // the references: each micro-batch's half gradient, summed both ways
+  for (int i = 0; i < N; ++i) {
+    auto x = data.x.narrow(0, 16 * i, 16), y = data.y.narrow(0, 16 * i, 16);
+    auto loss_of = [&] { return torch::cross_entropy_loss(model(x), y); };
+    torch::Tensor loss;
+    {
+      [[maybe_unused]] const auto region = trainer.precision_policy().region();
+      loss = loss_of();
+    }
+    const auto objective = loss.reshape({}).to(torch::kFloat) * (1.0 / N) * scale;
+    std::vector<torch::Tensor> flat;
+    for (const auto& g : torch::autograd::grad({objective}, params)) flat.push_back(g.reshape({-1}));
+    const auto g = torch::cat(flat);  // half, in the masters' order (one group)
+    fp32_sum = i == 0 ? g.to(torch::kFloat) : fp32_sum + g.to(torch::kFloat);
+    half_sum = i == 0 ? g.clone() : half_sum + g;
+    const auto r = trainer.micro_step(loss_of);
+    CHECK(r.window_closed == (i == N - 1));
+  }
+  const auto moved = (before - trainer.parameters()) * scale;
+  const double fp32_error = testing::relative_error(moved, fp32_sum);
+  const double half_error = testing::relative_error(half_sum.to(torch::kFloat), fp32_sum);
+  INFO("update vs fp32 sum: " << fp32_error << "; half sum vs fp32 sum: " << half_error);
+  CHECK(fp32_error < 1e-5);
+  CHECK(half_error > 20 * fp32_error);  // what summing in half would have cost: the check can tell
+}

@@ -52,9 +52,15 @@ inline void store_untrained_in(torch::nn::Module& model, at::ScalarType dtype, b
 /// The model's half parameters and gradients: two flat buffers laid out exactly as the
 /// trainer's fp32 master storage (same offsets). Parameters kept in fp32 leave their slices here
 /// unused; they are views into the masters, and their gradients live in a small compact fp32
-/// buffer (`kept`). The fp32 gradient of the whole model exists only during the optimizer
-/// phase (gather()), so between windows the model costs 4 (master) + 2 + 2 bytes per parameter
-/// plus the optimizer's state: the forward and backward peak is FP32's less the activations saved.
+/// buffer (`kept`).
+///
+/// A window's gradients are summed in fp32 (step.md §3), not in the half .grad: after each
+/// micro-batch but the window's last, accumulate() adds the half gradient into an fp32 buffer
+/// and zeroes it; gather() adds the last one. Summing N half gradients in half precision would
+/// round at every addition (bf16 keeps 8 significant bits: over 16 micro-batches the sum is off
+/// by about 1%; trainkit's test measures it). With one micro-batch per window the fp32 gradient
+/// exists only during the optimizer phase, so between windows the model costs 4 (master) + 2 +
+/// 2 bytes per parameter plus the optimizer's state; with several, the fp32 sum stays: + 4.
 class HalfStorage {
  public:
   void allocate(std::int64_t numel, std::int64_t kept_numel, at::ScalarType dtype, torch::Device device) {
@@ -78,12 +84,32 @@ class HalfStorage {
     kept_positions_.clear();
   }
 
-  /// The window's fp32 gradient, in master layout: one pass that casts the half gradient into a
-  /// fresh fp32 buffer, plus one scatter of the kept parameters' fp32 gradients.
-  torch::Tensor gather() const {
-    auto flat = grad_.to(torch::kFloat);
+  /// After a micro-batch that does not close its window: the half gradient into the fp32 sum
+  /// (a copy for the window's first, else an add), and the half gradient to 0. No host sync.
+  void accumulate() {
+    if (!sum_.defined()) sum_ = torch::empty({grad_.numel()}, grad_.options().dtype(torch::kFloat));
+    if (summed_) sum_.add_(grad_);
+    else sum_.copy_(grad_);
+    summed_ = true;
+    grad_.zero_();
+  }
+  /// The window's fp32 gradient, in master layout: the half gradient cast into a fresh fp32
+  /// buffer (one micro-batch), or added to the fp32 sum (several; the sum is returned), plus one
+  /// scatter of the kept parameters' fp32 gradients. The phase may change it in place.
+  torch::Tensor gather() {
+    auto flat = summed_ ? sum_.add_(grad_) : grad_.to(torch::kFloat);
     if (kept_index_.defined()) flat.index_copy_(0, kept_index_, kept_grad_);
     return flat;
+  }
+  /// The fp32 sum of the window's micro-batches before the current half gradient; undefined
+  /// when there is none (at a window's start, or one micro-batch per window). Checkpoints.
+  torch::Tensor summed() const { return summed_ ? sum_ : torch::Tensor(); }
+  void drop_sum() { summed_ = false; }
+  /// A checkpoint's fp32 sum, to be read into (allocated on first use).
+  torch::Tensor& summed_for_load() {
+    if (!sum_.defined()) sum_ = torch::empty({grad_.numel()}, grad_.options().dtype(torch::kFloat));
+    summed_ = true;
+    return sum_;
   }
   /// The model's parameters from the masters: one copy (a cast, rounding to nearest).
   void write_back(const torch::Tensor& masters) {
@@ -93,6 +119,7 @@ class HalfStorage {
   void zero_grad() {
     grad_.zero_();
     if (kept_grad_.defined()) kept_grad_.zero_();
+    summed_ = false;  // the next window's first accumulate() copies
   }
 
   const torch::Tensor& params() const { return params_; }
@@ -102,6 +129,8 @@ class HalfStorage {
 
  private:
   torch::Tensor params_, grad_, kept_grad_, kept_index_;
+  torch::Tensor sum_;    // fp32 sum of the window's earlier micro-batches (accumulate())
+  bool summed_ = false;  // sum_ holds this window's micro-batches
   std::int64_t kept_used_ = 0;
   std::vector<torch::Tensor> kept_positions_;
 };
