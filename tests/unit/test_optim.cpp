@@ -8,20 +8,27 @@ namespace {
 
 constexpr int kSteps = 20;
 
+// kSteps micro-steps on the same batches: `trainer` on model a, and `reference` (when given) on b.
+template <class Trainer>
+void train_both(Trainer& trainer, testing::TinyMlp& a, torch::optim::Optimizer* reference, testing::TinyMlp& b) {
+  const auto data = testing::regression(kSteps * 16);
+  for (int k = 0; k < kSteps; ++k) {
+    auto x = data.x.narrow(0, k * 16, 16), y = data.y.narrow(0, k * 16, 16);
+    trainer.micro_step([&] { return torch::mse_loss(a(x), y); });
+    if (reference == nullptr) continue;
+    reference->zero_grad();
+    torch::mse_loss(b(x), y).backward();
+    reference->step();
+  }
+}
+
 // Trains model `a` with a trainkit trainer and `b` with torch::optim on the same batches.
 template <class Spec, class TorchOptimizer, class TorchOptions>
 double compare(const Spec& spec, const TorchOptions& torch_options) {
   auto a = make_mlp(40), b = make_mlp(40);
-  const auto data = testing::regression(kSteps * 16);
   tk::Trainer<> trainer(a, spec);
   TorchOptimizer reference(b->parameters(), torch_options);
-  for (int k = 0; k < kSteps; ++k) {
-    auto x = data.x.narrow(0, k * 16, 16), y = data.y.narrow(0, k * 16, 16);
-    trainer.micro_step([&] { return torch::mse_loss(a(x), y); });
-    reference.zero_grad();
-    torch::mse_loss(b(x), y).backward();
-    reference.step();
-  }
+  train_both(trainer, a, &reference, b);
   const auto moved = testing::relative_error(testing::flat(*make_mlp(40)), testing::flat(*b));
   REQUIRE(moved > 1e-3);  // the comparison is not vacuous
   return testing::relative_error(testing::flat(*a), testing::flat(*b));
@@ -93,7 +100,6 @@ TEST_CASE("LR multipliers make parameter groups (VL-BERT's LR_MULT)") {
 
 TEST_CASE("no_decay: parameters named so get no weight decay (BERT's rule), matching torch::optim with two groups") {
   auto a = make_mlp(43), b = make_mlp(43);
-  const auto data = testing::regression(kSteps * 16);
   tk::Trainer<> trainer(a, tk::AdamW{1e-2, 0.5}, tk::TrainerOptions().no_decay({"bias"}).lr_mult({{"fc2", 0.5}}));
   // (LR multiplier, decay) groups in order of first appearance: fc1.weight, fc1.bias, fc2.weight, fc2.bias.
   REQUIRE(trainer.groups().size() == 4);
@@ -108,21 +114,12 @@ TEST_CASE("no_decay: parameters named so get no weight decay (BERT's rule), matc
   groups.emplace_back(std::vector<torch::Tensor>{b->fc2->weight}, std::make_unique<O>(O(0.5e-2).weight_decay(0.5)));
   groups.emplace_back(std::vector<torch::Tensor>{b->fc2->bias}, std::make_unique<O>(O(0.5e-2).weight_decay(0.0)));
   torch::optim::AdamW reference(std::move(groups), O(1e-2));
-  for (int k = 0; k < kSteps; ++k) {
-    auto x = data.x.narrow(0, k * 16, 16), y = data.y.narrow(0, k * 16, 16);
-    trainer.micro_step([&] { return torch::mse_loss(a(x), y); });
-    reference.zero_grad();
-    torch::mse_loss(b(x), y).backward();
-    reference.step();
-  }
+  train_both(trainer, a, &reference, b);
   CHECK(testing::relative_error(testing::flat(*a), testing::flat(*b)) <= 1e-6);
   // The same run with decay everywhere ends elsewhere: the rule is not vacuous.
   auto c = make_mlp(43);
   tk::Trainer<> everywhere(c, tk::AdamW{1e-2, 0.5}, tk::TrainerOptions().lr_mult({{"fc2", 0.5}}));
-  for (int k = 0; k < kSteps; ++k) {
-    auto x = data.x.narrow(0, k * 16, 16), y = data.y.narrow(0, k * 16, 16);
-    everywhere.micro_step([&] { return torch::mse_loss(c(x), y); });
-  }
+  train_both(everywhere, c, nullptr, c);
   CHECK(testing::relative_error(testing::flat(*c), testing::flat(*b)) > 1e-4);
 
   auto d = make_mlp(43);
