@@ -16,6 +16,8 @@
 /// final_mlp.1.weight), so that partial loading (NETWORK.PARTIAL_PRETRAIN) matches by name.
 #include "scenes.hpp"
 
+#include <trainkit/recompute.hpp>
+
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -43,6 +45,7 @@ struct VLBertConfig {
   // start as plain BERT input, the whole image's feature fading in as training finds it useful.
   double visual_scale_text_init = 0.0, visual_scale_object_init = 1.0;
   double initializer_range = 0.02;  // standard deviation of the initial weights (BERT's)
+  bool recompute = false;  // NETWORK.RECOMPUTE: each layer's activations made again in backward
 };
 
 /// BERT's layer, post-LN: x = LN(x + Attention(x)); x = LN(x + W2 GELU(W1 x)).
@@ -137,7 +140,14 @@ struct VLBertImpl : torch::nn::Module {
 
     const auto keep = torch::cat({text.ne(Vocabulary::PAD).to(x.dtype()), regions.to(x.dtype()), torch::ones({text.size(0), 1}, x.options())}, 1);
     const auto bias = ((1.0 - keep) * -10000.0).view({keep.size(0), 1, 1, keep.size(1)});
-    for (const auto& layer : *layers) x = layer->as<Layer>()->forward(x, bias);
+    for (const auto& layer : *layers) {
+      LayerImpl* l = layer->as<Layer>();
+      // NETWORK.RECOMPUTE: keep only each layer's input; its activations are made again in
+      // backward (the same dropout masks), for one more forward per layer.
+      x = config.recompute ? trainkit::recompute([l](const torch::Tensor& in, const torch::Tensor& mask) { return l->forward(in, mask); },
+                                                 x, bias)
+                           : l->forward(x, bias);
+    }
     return x;
   }
 

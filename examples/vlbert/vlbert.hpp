@@ -61,6 +61,9 @@ inline tk::Schema network_schema() {
       .doc("weights to initialise from (a trainkit checkpoint, .safetensors, or a PyTorch state_dict): every weight "
            "whose name and shape match");
   n.list("PARTIAL_PRETRAIN_PREFIX_CHANGES", tk::Field::string("")).doc("renames 'old->new' applied to the file's names");
+  n.boolean("RECOMPUTE", false)
+      .doc("recompute each encoder layer's activations in backward (tk::recompute): memory for one layer's "
+           "activations instead of all, for one more forward per layer");
   n.boolean("WITH_MLM_LOSS", true);
   n.boolean("WITH_MVRC_LOSS", true);
   n.string("CLASSIFIER_TYPE", "2fc").one_of({"2fc"});
@@ -168,6 +171,7 @@ inline VLBertConfig model_config(const tk::Config& config) {
   c.visual_scale_text_init = v["visual_scale_text_init"].get<double>();
   c.visual_scale_object_init = v["visual_scale_object_init"].get<double>();
   c.geometry_frequencies = v["geometry_frequencies"].get<std::int64_t>();
+  c.recompute = config.tree()["NETWORK"]["RECOMPUTE"].get<bool>();
   const auto words = Vocabulary().size();
   if (c.vocab_size < words)
     throw tk::ConfigError("NETWORK.VLBERT.vocab_size", "must be >= " + std::to_string(words) + ", the words the data set uses; got " +

@@ -22,3 +22,4 @@
 #include <trainkit/fit.hpp>
 #include <trainkit/callbacks.hpp>
 #include <trainkit/loss_loggers.hpp>
+#include <trainkit/recompute.hpp>

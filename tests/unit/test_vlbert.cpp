@@ -260,3 +260,26 @@ TEST_CASE("a data set too large to hold in memory is a ConfigError naming DATASE
   CHECK_THROWS_WITH_AS(c.set("DATASET.TRAIN_SCENES=100000001"),
                        doctest::Contains("DATASET.TRAIN_SCENES: must be <= "), tk::ConfigError);
 }
+
+TEST_CASE("NETWORK.RECOMPUTE: recomputing the encoder layers in backward trains exactly as keeping their activations") {
+  struct OneThread {
+    int before = torch::get_num_threads();
+    OneThread() { torch::set_num_threads(1); }
+    ~OneThread() { torch::set_num_threads(before); }
+  } one_thread;
+  testing::TempDir dir;
+  // Dropout on: the recomputed forward must draw the same masks.
+  const std::vector<std::string> common{"TRAIN.END_EPOCH=1", "DATASET.TRAIN_SCENES=200",
+                                        "NETWORK.VLBERT.hidden_dropout_prob=0.1",
+                                        "NETWORK.VLBERT.attention_probs_dropout_prob=0.1"};
+  auto with = [&](const std::string& name, bool recompute) {
+    auto overrides = common;
+    overrides.push_back(std::string("NETWORK.RECOMPUTE=") + (recompute ? "true" : "false"));
+    return pretrain(tiny_config(dir / name, "", overrides));
+  };
+  const RunResult kept = with("kept", false), recomputed = with("recomputed", true);
+  REQUIRE(kept.epoch_loss.size() == 1);
+  REQUIRE(recomputed.epoch_loss.size() == 1);
+  CHECK(recomputed.epoch_loss[0] == kept.epoch_loss[0]);
+  CHECK(recomputed.val.back() == kept.val.back());
+}
