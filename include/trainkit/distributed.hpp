@@ -27,7 +27,11 @@
 /// Failures: every collective runs under the group's timeout (Gloo's own timeout; NCCL's
 /// watchdog). A collective that fails throws tk::DistributedError on the surviving ranks,
 /// naming what was being done and the ranks that did not answer a short roll call through the
-/// store (the dead or hung ones), or saying that the store's host itself is gone.
+/// store (the dead or hung ones), or saying that the store's host itself is gone. A heartbeat
+/// through the store (DistributedOptions::heartbeat_seconds, 15 s by default) names a rank
+/// that died or hangs within that time, on stderr; with NCCL, whose wait() does not fail on a
+/// dead peer, it also aborts the communicator so that the survivors stop then, not at the
+/// timeout.
 ///
 /// Build: PyTorch's wheel ships c10d's headers but not Gloo's, which ProcessGroupGloo.hpp
 /// includes; any Gloo headers do (only declarations are used, the code is LibTorch's):
@@ -41,6 +45,7 @@
 #error "trainkit/distributed.hpp: this LibTorch was built without Gloo (USE_C10D_GLOO is not defined by its CMake package); link the target `torch` from a distributed build"
 #endif
 
+#include <trainkit/detail/heartbeat.hpp>
 #include <trainkit/replicas.hpp>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -65,6 +70,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <map>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -100,6 +106,11 @@ struct DistributedOptions {
   TORCH_ARG(double, timeout_seconds) = 1800.0;
   /// "" (by device: Gloo for the CPU, NCCL for CUDA), "gloo" or "nccl".
   TORCH_ARG(std::string, backend) = "";
+  /// Seconds without a heartbeat (a thread per rank beats through the store) after which a
+  /// rank counts as dead or hung: every other rank says which, and with NCCL aborts its
+  /// communicator so that it stops at once rather than at the timeout. 0, or not below
+  /// timeout_seconds: no heartbeat.
+  TORCH_ARG(double, heartbeat_seconds) = 15.0;
 
  public:
   void validate() const {
@@ -114,6 +125,8 @@ struct DistributedOptions {
       fail("master_port must be in [0, 65535], got " + std::to_string(master_port_));
     if (!(timeout_seconds_ > 0) || !std::isfinite(timeout_seconds_))
       fail("timeout_seconds must be finite and > 0, got " + std::to_string(timeout_seconds_));
+    if (!(heartbeat_seconds_ >= 0) || !std::isfinite(heartbeat_seconds_))
+      fail("heartbeat_seconds must be finite and >= 0 (0: off), got " + std::to_string(heartbeat_seconds_));
     if (!backend_.empty() && backend_ != "gloo" && backend_ != "nccl")
       fail("backend must be \"\", \"gloo\" or \"nccl\", got \"" + backend_ + "\"");
   }
@@ -265,7 +278,27 @@ class ProcessGroup {
                              std::to_string(full.world_size) + " could not create the " + backend +
                              " process group: " + detail::message_of(e));
     }
-    return ProcessGroup(store, pg, full, timeout, cuda ? device : torch::Device(torch::kCPU));
+    ProcessGroup group(store, pg, full, timeout, cuda ? device : torch::Device(torch::kCPU));
+    if (full.world_size > 1 && options.heartbeat_seconds() > 0 && options.heartbeat_seconds() < options.timeout_seconds())
+      group.start_heartbeat(std::chrono::milliseconds(std::llround(options.heartbeat_seconds() * 1000.0)));
+    return group;
+  }
+
+  /// Starts this rank's heartbeat (detail/heartbeat.hpp; create() does, by
+  /// DistributedOptions::heartbeat_seconds): a rank silent for `silence` is named on stderr
+  /// and in the errors of later collectives, and NCCL's communicator is aborted.
+  void start_heartbeat(std::chrono::milliseconds silence) {
+    const bool nccl = state_->backend->getBackendName() == "nccl";
+    const std::string who = "trainkit: rank " + std::to_string(rank()) + " of " + std::to_string(world_size());
+    const std::string then = nccl ? "; aborting the NCCL communicator so that this rank stops now"
+                                  : "; this rank stops when its collective fails or times out (" +
+                                        detail::seconds_text(state_->timeout.count() / 1000.0) + " s)";
+    state_->heartbeat.reset();
+    state_->heartbeat = std::make_unique<detail::Heartbeat>(
+        state_->store, rank(), world_size(), silence, [backend = state_->backend, who, then, nccl](const std::string& m) {
+          std::cerr << who << ": " << m << then << std::endl;
+          if (nccl) backend->abort();  // pending and later collectives fail: fail() says why
+        });
   }
 
   /// From parts: a store, a backend built over it (e.g. a wrapper around another group's
@@ -273,7 +306,7 @@ class ProcessGroup {
   ProcessGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
                RankInfo info, std::chrono::milliseconds timeout, torch::Device device)
       : state_(std::make_shared<State>(
-            State{std::move(store), std::move(backend), std::move(info), timeout, device})) {
+            State{std::move(store), std::move(backend), std::move(info), timeout, device, nullptr})) {
     TORCH_CHECK(state_->backend->getRank() == state_->info.rank &&
                     state_->backend->getSize() == state_->info.world_size,
                 "ProcessGroup: the backend is rank ", state_->backend->getRank(), " of ",
@@ -413,6 +446,8 @@ class ProcessGroup {
       msg << "; the store at " << state_->info.store << " does not answer either (" << detail::message_of(e)
           << "): its host is gone";
     }
+    if (state_->heartbeat)
+      if (const auto heard = state_->heartbeat->failure(); !heard.empty()) msg << "; heartbeat: " << heard;
     msg << " (timeout " << state_->timeout.count() / 1000.0 << " s). " << state_->backend->getBackendName()
         << " said: " << error;
     throw DistributedError(msg.str());
@@ -425,6 +460,7 @@ class ProcessGroup {
     RankInfo info;
     std::chrono::milliseconds timeout;
     torch::Device device;
+    std::unique_ptr<detail::Heartbeat> heartbeat;  // last: stopped before the rest goes
   };
   std::shared_ptr<State> state_;
 };
@@ -501,14 +537,19 @@ class DataParallel final : public Replicas {
       items = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
     }
     const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
-    const auto n = buckets(flat_grad.numel(), static_cast<std::int64_t>(flat_grad.element_size()));
-    const std::int64_t per = n == 0 ? 0 : (flat_grad.numel() + n - 1) / n;
+    // Equal buckets, each starting 64-byte aligned as the parameters in the flat storage do.
+    const auto element_size = static_cast<std::int64_t>(flat_grad.element_size());
+    const auto numel = flat_grad.numel();
+    const auto align = 64 / element_size;
+    auto n = buckets(numel, element_size);
+    const std::int64_t per = n == 0 ? 0 : ((numel + n - 1) / n + align - 1) / align * align;
+    if (n > 0) n = (numel + per - 1) / per;
     works_.clear();
     try {
       for (std::int64_t b = 0; b < n; ++b) {
         const auto begin = b * per;
         works_.push_back(group_.start_all_reduce(
-            flat_grad.narrow(0, begin, std::min(per, flat_grad.numel() - begin)), op));
+            flat_grad.narrow(0, begin, std::min(per, numel - begin)), op));
       }
       if (items.defined()) works_.push_back(group_.start_all_reduce(items));
     } catch (const std::exception& e) {

@@ -3,7 +3,7 @@
 // parameters and a summary. Launched without launcher variables it is one process.
 //
 //   trainkit_dist_driver --out PREFIX [--steps K] [--batch B] [--accum N] [--precision fp32|fp16]
-//       [--model mlp|affine] [--bucket-bytes X] [--timeout S] [--sleep-ms M] [--samples M]
+//       [--model mlp|affine] [--bucket-bytes X] [--timeout S] [--heartbeat S] [--sleep-ms M] [--samples M]
 //       [--overflow-rank R --overflow-window W]   inject an inf loss on rank R in window W (1-based)
 //       [--items 1]                                 item-weighted windows (uneven counts per rank)
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
@@ -38,7 +38,7 @@ struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0;
-  double timeout = 60;
+  double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
 };
 
 Args parse(int argc, char** argv) {
@@ -62,6 +62,7 @@ Args parse(int argc, char** argv) {
   take("accum", a.accum), take("samples", a.samples), take("bucket-bytes", a.bucket_bytes);
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
   take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
+  take("heartbeat", a.heartbeat);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -89,7 +90,9 @@ TORCH_MODULE(Mlp);
 
 template <class Trainer>
 int run(const Args& a) {
-  auto base = tk::ProcessGroup::create(tk::DistributedOptions().timeout_seconds(a.timeout));
+  auto options = tk::DistributedOptions().timeout_seconds(a.timeout);
+  if (a.heartbeat >= 0) options.heartbeat_seconds(a.heartbeat);
+  auto base = tk::ProcessGroup::create(options);
   auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(base.backend());
   tk::ProcessGroup group(base.store(), counter, base.info(), base.timeout(), base.device());
   const int rank = group.rank(), world = group.world_size();

@@ -36,6 +36,9 @@ void run_two(const std::string& out, const std::vector<std::string>& extra, doub
                            {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}},
                           out + ".log" + std::to_string(r)));
   for (auto& c : ranks) expect_success(c, wait_exit(c, seconds));
+  // Every rank beats (the default heartbeat, 15 s, is below the default timeout): a normal
+  // run, its end included, must not report a silent rank.
+  for (auto& c : ranks) CHECK(slurp(c.err).find("heartbeat") == std::string::npos);
 }
 
 void run_one(const std::string& out, const std::vector<std::string>& extra) {
@@ -120,14 +123,15 @@ TEST_CASE("data parallel: 2 ranks with micro-batch B equal 1 process with 2B") {
 
 TEST_CASE("data parallel: all-reduce calls per optimizer step equal the buckets, for any N") {
   testing::TempDir dir;
-  // 212 parameters (848 bytes) in 256-byte buckets: 4 buckets.
+  // 212 parameters in a flat storage of 224 elements (each parameter starts 64-byte aligned):
+  // 896 bytes in 256-byte buckets, 4 buckets.
   for (const char* n : {"1", "4"}) {
     CAPTURE(n);
     const std::string out = dir / (std::string("n") + n);
     run_two(out, {"--accum", n, "--steps", "4", "--bucket-bytes", "256"});
     for (int r = 0; r < 2; ++r) {
       const auto s = summary(out, r);
-      CHECK(s["numel"] == 212);
+      CHECK(s["numel"] == 224);
       CHECK(s["buckets"] == 4);
       CHECK(s["windows"] == 4);
       // Only the gradient buckets were all-reduced during training, once per window.
@@ -233,6 +237,40 @@ TEST_CASE("data parallel: a rank that dies or hangs stops the other within the t
     ::kill(ranks[1].pid, SIGKILL);
     wait_exit(ranks[1], 10);
   }
+}
+
+TEST_CASE("data parallel: the heartbeat names a hung rank within seconds, long before the timeout") {
+  // Gloo waits out the timeout for a hung peer (12 s here); the heartbeat (1.5 s) says which
+  // rank it is at once. (With NCCL it also aborts the communicator: that path needs a GPU.)
+  testing::TempDir dir;
+  const double timeout = 12, heartbeat = 1.5;
+  const std::string port = std::to_string(free_port());
+  const std::string out = dir / "hung";
+  std::vector<Child> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.push_back(spawn(driver_args(out, {"--steps", "100000", "--batch", "4", "--sleep-ms", "5", "--timeout",
+                                            std::to_string(timeout), "--heartbeat", std::to_string(heartbeat)}),
+                          {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                           {"MASTER_PORT", port}},
+                          out + ".log" + std::to_string(r)));
+  const auto start = std::chrono::steady_clock::now();
+  while (slurp(ranks[0].out).find("window 3\n") == std::string::npos &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  REQUIRE(slurp(ranks[0].out).find("window 3\n") != std::string::npos);
+  ::kill(ranks[1].pid, SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string said = "trainkit: rank 0 of 2: rank 1 sent no heartbeat for 1.5 s: died or hangs";
+  while (slurp(ranks[0].err).find(said) == std::string::npos &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO("rank 0's stderr: " << slurp(ranks[0].err));
+  CHECK(slurp(ranks[0].err).find(said) != std::string::npos);
+  CHECK(took < heartbeat + 3);
+  CHECK(wait_exit(ranks[0], timeout + 10) == 1);  // then Gloo's timeout ends it, with an error
+  ::kill(ranks[1].pid, SIGKILL);
+  wait_exit(ranks[1], 10);
 }
 
 #endif  // Gloo's headers
