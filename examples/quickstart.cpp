@@ -29,7 +29,7 @@ int train(const char* label) {
   Mlp model(16, 64, 4);
   Trainer trainer(model, tk::AdamW{3e-3, 1e-4}, tk::TrainerOptions().max_grad_norm(1.0));
   std::printf("%s: %s, %lld parameters\n", label, Trainer::name().c_str(),
-              static_cast<long long>(trainer.parameters().numel()));
+              static_cast<long long>(trainer.parameter_count()));
   const int micro_batch = 64;
   for (int epoch = 0; epoch < 5; ++epoch) {
     double loss_sum = 0;

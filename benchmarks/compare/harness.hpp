@@ -66,11 +66,17 @@ inline void synchronize(const torch::Device& device) {
 /// runs that count are not the runs that time).
 inline std::atomic<int64_t> top_level_ops{0};
 inline thread_local int64_t op_depth = 0;
+/// With TRAINKIT_BENCH_OP_NAMES set, each counted call's name goes to stderr too, and the
+/// phase's start is marked "-- phase --" (to list what a phase calls).
+inline const bool print_op_names = std::getenv("TRAINKIT_BENCH_OP_NAMES") != nullptr;
 inline void count_ops() {
   at::addGlobalCallback(
       at::RecordFunctionCallback(
-          [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
-            if (op_depth++ == 0) ++top_level_ops;
+          [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+            if (op_depth++ == 0) {
+              ++top_level_ops;
+              if (print_op_names) std::fprintf(stderr, "op %s\n", fn.name());
+            }
             return nullptr;
           },
           [](const at::RecordFunction&, at::ObserverContext*) { --op_depth; })
@@ -83,6 +89,7 @@ struct PhaseStart {
   double ms = 0;
   int64_t ops = 0;
   void mark() {
+    if (print_op_names) std::fprintf(stderr, "-- phase --\n");
     ms = now_ms();
     ops = top_level_ops;
   }

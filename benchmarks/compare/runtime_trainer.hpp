@@ -36,6 +36,8 @@ class RuntimeTrainer {
     applied_ = torch::zeros({1}, torch::dtype(torch::kLong).device(device_));
     skipped_ = torch::zeros({1}, torch::dtype(torch::kLong).device(device_));
     window_loss_ = torch::zeros({}, f32);
+    one_ = torch::full({}, 1.0, f32);
+    bound_tensor_ = torch::full({}, bound_, f32);
     const auto lr_dtype = device_.is_cpu() ? torch::kDouble : torch::kFloat;
     lr_table_ = torch::full({1024}, optimizer.lr(), torch::dtype(lr_dtype).device(device_));
   }
@@ -53,9 +55,14 @@ class RuntimeTrainer {
       }
       loss = closure();
     }
-    auto objective = loss.reshape({}).to(torch::kFloat) * (1.0 / static_cast<double>(accumulation_));
-    window_loss_.add_(objective.detach());
-    if (precision_ == RuntimePrecision::fp16_dynamic) objective = objective * scale_.reshape({});
+    const auto as_float = loss.scalar_type() == torch::kFloat ? loss : loss.to(torch::kFloat);
+    auto objective = (as_float.dim() == 0 ? as_float : as_float.reshape({})) * (1.0 / static_cast<double>(accumulation_));
+    {
+      torch::NoGradGuard no_grad;
+      if (position_ == 0) window_loss_ = objective.detach();
+      else window_loss_.add_(objective);
+    }
+    if (precision_ == RuntimePrecision::fp16_dynamic) objective = objective * scale_;
     objective.backward();
     if (++position_ < accumulation_) return false;
     optimizer_phase();
@@ -87,36 +94,35 @@ class RuntimeTrainer {
       p.mutable_grad() = flat_grad_.narrow(0, offset, n).view(p.sizes());
       offset += n;
     }
-    groups_.push_back({flat_params_, flat_grad_, 1.0});
+    trainkit::detail::FlatLayout layout;  // packed: this variant does not align
+    layout.add(flat_params_.numel());
+    groups_.push_back({flat_params_, flat_grad_, 1.0, true, layout});
   }
 
+  // The same phase as trainkit::Trainer's (same calls), with run-time branches.
   void optimizer_phase() {
     const auto scaled_norm = at::linalg_vector_norm(flat_grad_, 2);
-    const auto found_inf = scaled_norm.isfinite().logical_not().to(torch::kFloat);
-    torch::Tensor divisor = precision_ == RuntimePrecision::fp16_dynamic
-                                ? scale_.reshape({})
-                                : torch::full({}, 1.0, scaled_norm.options());
-    const auto true_norm = scaled_norm / divisor;
+    const auto found_inf = at::nan_to_num(scaled_norm * 0.0, 1.0);
+    const bool scaled = precision_ == RuntimePrecision::fp16_dynamic;
+    torch::Tensor divisor = scaled ? scale_ : one_;
+    const auto true_norm = scaled ? scaled_norm / divisor : scaled_norm;
     switch (clip_) {
       case RuntimeClip::none: break;
-      case RuntimeClip::norm: divisor = divisor / (bound_ / (true_norm + 1e-6)).clamp_max(1.0); break;
+      case RuntimeClip::norm: divisor = divisor / at::div(bound_tensor_, true_norm + 1e-6).clamp_max(1.0); break;
       case RuntimeClip::value:
         flat_grad_.div_(divisor).clamp_(-bound_, bound_);
         divisor = torch::ones_like(divisor);
         break;
     }
-    lrs_.assign(1, lr_table_.index_select(0, applied_).reshape({}));
-    rule_->step(groups_, divisor, found_inf, lrs_);
-    report_scale_ = precision_ == RuntimePrecision::fp16_dynamic ? scale_.clone() : scale_;
-    if (precision_ == RuntimePrecision::fp16_dynamic)
-      at::_amp_update_scale_(scale_, growth_tracker_, found_inf.reshape({1}), 2.0, 0.5, 2000);
-    const auto skipped_now = found_inf.to(torch::kLong);
-    applied_ = applied_ + 1 - skipped_now;
-    skipped_ = skipped_ + skipped_now;
+    lrs_.assign(1, lr_table_.index_select(0, applied_));
+    skipped_ = skipped_ + found_inf.to(torch::kLong);
+    applied_ = at::rsub(skipped_, ++windows_);
+    rule_->step(groups_, divisor, found_inf, lrs_, applied_);
+    report_scale_ = scaled ? scale_.clone() : scale_;
+    if (scaled) at::_amp_update_scale_(scale_, growth_tracker_, found_inf, 2.0, 0.5, 2000);
     report_norm_ = true_norm;
     flat_grad_.zero_();
     last_loss_ = window_loss_;
-    window_loss_ = torch::zeros_like(window_loss_);
     position_ = 0;
   }
 
@@ -129,7 +135,8 @@ class RuntimeTrainer {
   std::unique_ptr<trainkit::detail::UpdateRule> rule_;
   std::vector<trainkit::detail::ParamGroup> groups_;
   std::vector<torch::Tensor> lrs_;
-  torch::Tensor flat_params_, flat_grad_, scale_, growth_tracker_, applied_, skipped_;
+  torch::Tensor flat_params_, flat_grad_, scale_, growth_tracker_, applied_, skipped_, one_, bound_tensor_;
+  int64_t windows_ = 0;
   torch::Tensor window_loss_, last_loss_, lr_table_, report_scale_, report_norm_;
   int64_t position_ = 0;
 };

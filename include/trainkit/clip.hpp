@@ -41,9 +41,7 @@ class ClipPolicy<NoClip> {
  public:
   using mode = NoClip;
   explicit ClipPolicy(const TrainerOptions&) {}
-  torch::Tensor divisor(torch::Tensor&, const torch::Tensor& divisor, const torch::Tensor&) const {
-    return divisor;
-  }
+  torch::Tensor divisor(torch::Tensor&, const torch::Tensor& divisor, const torch::Tensor&) { return divisor; }
 };
 
 /// ClipNorm: gradient *= min(1, max_norm / (norm + 1e-6)), folded into the optimizer's divisor.
@@ -52,16 +50,18 @@ class ClipPolicy<ClipNorm> {
  public:
   using mode = ClipNorm;
   explicit ClipPolicy(const TrainerOptions& options) : max_norm_(options.max_grad_norm()) {}
-  torch::Tensor divisor(torch::Tensor&, const torch::Tensor& divisor,
-                        const torch::Tensor& true_norm) const {
-    // The same coefficient as torch::nn::utils::clip_grad_norm_ (eps 1e-6, capped at 1).
-    const auto coef = (max_norm_ / (true_norm + 1e-6)).clamp_max(1.0);
+  torch::Tensor divisor(torch::Tensor&, const torch::Tensor& divisor, const torch::Tensor& true_norm) {
+    // The same coefficient as torch::nn::utils::clip_grad_norm_ (eps 1e-6, capped at 1), with
+    // max_norm as a device scalar made once (a Scalar / Tensor costs two more ATen calls).
+    if (!max_norm_tensor_.defined()) max_norm_tensor_ = torch::full({}, max_norm_, true_norm.options());
+    const auto coef = at::div(max_norm_tensor_, true_norm + 1e-6).clamp_max(1.0);
     return divisor / coef;
   }
   double max_norm() const { return max_norm_; }
 
  private:
   double max_norm_;
+  torch::Tensor max_norm_tensor_;
 };
 
 /// ClipValue: clamp the true gradient to [-v, v]; needs one pass to unscale and clamp.
@@ -70,8 +70,7 @@ class ClipPolicy<ClipValue> {
  public:
   using mode = ClipValue;
   explicit ClipPolicy(const TrainerOptions& options) : value_(options.clip_value()) {}
-  torch::Tensor divisor(torch::Tensor& flat_grad, const torch::Tensor& divisor,
-                        const torch::Tensor&) const {
+  torch::Tensor divisor(torch::Tensor& flat_grad, const torch::Tensor& divisor, const torch::Tensor&) {
     flat_grad.div_(divisor).clamp_(-value_, value_);
     return torch::ones_like(divisor);
   }

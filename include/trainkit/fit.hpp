@@ -343,7 +343,8 @@ class FitLoop {
       }
       if (auto report = flush(epoch, batches)) window_closed(*report, epoch, batches, batches);
       if (progress_) progress_->update(progress_state(epoch, batches, batches));  // the epoch's line ends complete
-      stop_requested = any_rank(stop_requested || signals.received() != 0);
+      stop_requested = stop_requested || signals.received() != 0;
+      any_rank(stop_requested);
       if (stop_requested) {  // every micro-batch ran; the epoch's end runs after resuming
         state_.position = {epoch, batches};
         if (trainer_.replicas().world_size() > 1) {  // the sums over every rank (save_loop_extra)
@@ -406,17 +407,14 @@ class FitLoop {
 
   // Data parallel (replicas.hpp): what every rank must agree on goes through one small
   // collective, called by every rank at the same point; with one process these are no-ops.
-  bool any_rank(bool flag) {
-    if (trainer_.replicas().world_size() == 1) return flag;
-    std::vector<double> v{flag ? 1.0 : 0.0};
-    trainer_.replicas().average(v);
-    return v[0] > 0;
-  }
-  void any_rank(bool& a, bool& b) {
+  // Each flag set on every rank when it is set on any: one collective for all of them.
+  template <class... Flags>
+  void any_rank(Flags&... flags) {
     if (trainer_.replicas().world_size() == 1) return;
-    std::vector<double> v{a ? 1.0 : 0.0, b ? 1.0 : 0.0};
+    std::vector<double> v{(flags ? 1.0 : 0.0)...};
     trainer_.replicas().average(v);
-    a = v[0] > 0, b = v[1] > 0;
+    std::size_t i = 0;
+    ((flags = v[i++] > 0), ...);
   }
   void average_over_ranks(std::map<std::string, double>& values) {
     if (trainer_.replicas().world_size() == 1) return;
@@ -733,7 +731,8 @@ class FitLoop {
       torch::serialize::InputArchive nested;
       if (a.try_read("fit.callback." + s.name, nested)) s.load(nested);
       else say("trainkit: the checkpoint has no state for the callback '" + s.name + "' (written without it): it starts afresh");
-    }    metrics_.load(a, "fit.metrics");
+    }
+    metrics_.load(a, "fit.metrics");
     c10::IValue names, sums, weights;
     a.read("fit.logged.names", names);
     a.read("fit.logged.sums", sums);

@@ -10,10 +10,12 @@
 /// update and nothing is read back to the host.
 ///
 /// Update-rule contract (detail::UpdateRule), called by the trainer in optimizer phase 9:
-///   step(groups, divisor, found_inf, lr)  divisor, found_inf, lr: device scalars. The true
-///       gradient is grad / divisor; found_inf = 1 means: change nothing, bit for bit.
+///   step(groups, divisor, found_inf, lr, applied)  device scalars. The true gradient is
+///       grad / divisor; found_inf = 1 means: change nothing, bit for bit; applied: the count
+///       of applied steps, this one included when it applies (a step count to follow).
 ///   save / load                           state (moments, step counts) for checkpoints.
 #include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/flat_layout.hpp>
 #include <trainkit/detail/type_traits.hpp>
 
 #include <torch/arg.h>
@@ -101,6 +103,7 @@ struct ParamGroup {
   torch::Tensor grads;   ///< 1-D view into the flat gradient storage, same extent
   double lr_mult = 1.0;
   bool decay = true;     ///< false: no weight decay (TrainerOptions::no_decay)
+  FlatLayout layout;     ///< the parameters inside `params` (gaps between them are zeros)
   /// The optimizer's weight decay for this group.
   double weight_decay(double optimizer_decay) const { return decay ? optimizer_decay : 0.0; }
 };
@@ -110,7 +113,8 @@ class UpdateRule {
   virtual ~UpdateRule() = default;
   /// `lrs[g]`: learning rate of group g, a device scalar.
   virtual void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
-                    const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) = 0;
+                    const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs,
+                    const torch::Tensor& applied) = 0;
   virtual double base_lr() const = 0;
   virtual std::string name() const = 0;
   virtual bool fused() const { return true; }
@@ -122,23 +126,30 @@ inline void check_lr(double lr, const char* who) {
   TORCH_CHECK(lr > 0 && std::isfinite(lr), who, ": the learning rate must be finite and > 0, got ", lr);
 }
 
-/// State tensors of one kind (exp_avg, momentum...) for every group, saved under `prefix.g`.
+/// State tensors of one kind (exp_avg, momentum...) for every group, saved under `prefix.g`
+/// packed (without the flat layout's gaps: checkpoints do not depend on the alignment).
 inline void save_states(torch::serialize::OutputArchive& archive, const std::string& prefix,
-                        const std::vector<torch::Tensor>& states) {
+                        const std::vector<torch::Tensor>& states, const std::vector<FlatLayout>& layouts) {
   for (size_t g = 0; g < states.size(); ++g)
-    write_tensor(archive, prefix + "." + std::to_string(g), states[g]);
+    layouts[g].write(archive, prefix + "." + std::to_string(g), states[g]);
 }
 inline void load_states(torch::serialize::InputArchive& archive, const std::string& prefix,
-                        std::vector<torch::Tensor>& states) {
+                        std::vector<torch::Tensor>& states, const std::vector<FlatLayout>& layouts) {
   for (size_t g = 0; g < states.size(); ++g)
-    read_into(archive, prefix + "." + std::to_string(g), states[g]);
+    layouts[g].read_into(archive, prefix + "." + std::to_string(g), states[g]);
+}
+inline std::vector<FlatLayout> layouts_of(const std::vector<ParamGroup>& groups) {
+  std::vector<FlatLayout> out;
+  for (const auto& g : groups) out.push_back(g.layout);
+  return out;
 }
 
 /// Adam and AdamW share moments and the step count; only the decay rule differs.
 template <class Options, bool Decoupled>
 class FusedAdam final : public UpdateRule {
  public:
-  FusedAdam(const Options& options, const std::vector<ParamGroup>& groups) : options_(options) {
+  FusedAdam(const Options& options, const std::vector<ParamGroup>& groups)
+      : options_(options), layouts_(layouts_of(groups)) {
     check_lr(options.lr(), Decoupled ? "AdamW" : "Adam");
     TORCH_CHECK(options.beta1() >= 0 && options.beta1() < 1 && options.beta2() >= 0 &&
                     options.beta2() < 1,
@@ -152,12 +163,15 @@ class FusedAdam final : public UpdateRule {
     }
     // One step count for all groups (they always step together); fp32 as the kernels expect.
     step_ = torch::zeros({}, groups.front().params.options());
+    step_as_1d_ = step_.view({1});
   }
 
   void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
-            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) override {
-    // torch.optim's fused path: count the step, let the kernel skip, take the count back.
-    step_.add_(1.0).sub_(found_inf);
+            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs,
+            const torch::Tensor& applied) override {
+    // The step count is the applied count (torch.optim's fused path counts the step, lets the
+    // kernel skip and takes the count back: the same value, in one call).
+    step_as_1d_.copy_(applied);
     for (size_t g = 0; g < groups.size(); ++g) {
       const torch::Tensor& lr = lrs[g];
       if constexpr (Decoupled)
@@ -176,13 +190,13 @@ class FusedAdam final : public UpdateRule {
   std::string name() const override { return Decoupled ? "AdamW(fused)" : "Adam(fused)"; }
   void save(torch::serialize::OutputArchive& archive) const override {
     write_tensor(archive, "optim.step", step_);
-    save_states(archive, "optim.exp_avg", exp_avg_);
-    save_states(archive, "optim.exp_avg_sq", exp_avg_sq_);
+    save_states(archive, "optim.exp_avg", exp_avg_, layouts_);
+    save_states(archive, "optim.exp_avg_sq", exp_avg_sq_, layouts_);
   }
   void load(torch::serialize::InputArchive& archive) override {
     read_into(archive, "optim.step", step_);
-    load_states(archive, "optim.exp_avg", exp_avg_);
-    load_states(archive, "optim.exp_avg_sq", exp_avg_sq_);
+    load_states(archive, "optim.exp_avg", exp_avg_, layouts_);
+    load_states(archive, "optim.exp_avg_sq", exp_avg_sq_, layouts_);
   }
 
   const std::vector<torch::Tensor>& exp_avg() const { return exp_avg_; }
@@ -191,13 +205,15 @@ class FusedAdam final : public UpdateRule {
 
  private:
   Options options_;
+  std::vector<FlatLayout> layouts_;
   std::vector<torch::Tensor> exp_avg_, exp_avg_sq_;
-  torch::Tensor step_;
+  torch::Tensor step_, step_as_1d_;  // (the same storage)
 };
 
 class FusedSGD final : public UpdateRule {
  public:
-  FusedSGD(const SGD& options, const std::vector<ParamGroup>& groups) : options_(options) {
+  FusedSGD(const SGD& options, const std::vector<ParamGroup>& groups)
+      : options_(options), layouts_(layouts_of(groups)) {
     check_lr(options.lr(), "SGD");
     TORCH_CHECK(options.momentum() >= 0, "SGD: momentum must be >= 0, got ", options.momentum());
     TORCH_CHECK(!options.nesterov() || options.momentum() > 0,
@@ -209,7 +225,8 @@ class FusedSGD final : public UpdateRule {
   }
 
   void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
-            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) override {
+            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs,
+            const torch::Tensor& /*applied*/) override {
     for (size_t g = 0; g < groups.size(); ++g) {
       // A zero-initialised buffer with dampening 0 equals torch's "buffer = grad on the first
       // step", without the host needing to know which step was the first applied one.
@@ -223,15 +240,16 @@ class FusedSGD final : public UpdateRule {
   double base_lr() const override { return options_.lr(); }
   std::string name() const override { return "SGD(fused)"; }
   void save(torch::serialize::OutputArchive& archive) const override {
-    save_states(archive, "optim.momentum", momentum_);
+    save_states(archive, "optim.momentum", momentum_, layouts_);
   }
   void load(torch::serialize::InputArchive& archive) override {
-    load_states(archive, "optim.momentum", momentum_);
+    load_states(archive, "optim.momentum", momentum_, layouts_);
   }
   const std::vector<torch::Tensor>& momentum_buffers() const { return momentum_; }
 
  private:
   SGD options_;
+  std::vector<FlatLayout> layouts_;
   std::vector<torch::Tensor> momentum_;
 };
 
@@ -245,7 +263,8 @@ class TorchOptimizer final : public UpdateRule {
     for (auto& group : optimizer_->param_groups()) base_lrs_.push_back(group.options().get_lr());
   }
   void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
-            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs) override {
+            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs,
+            const torch::Tensor& /*applied*/) override {
     // The overflow flag and the LR in one read (the one host sync of this path).
     const auto host = torch::stack({found_inf.reshape({}).to(torch::kDouble), lrs.front().reshape({}).to(torch::kDouble)}).cpu();
     const double* values = host.data_ptr<double>();

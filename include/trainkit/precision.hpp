@@ -6,8 +6,8 @@
 ///   region()            micro-step phase 1: an RAII guard; the closure runs inside it
 ///   scales_loss         constexpr; when true, the loss is multiplied by scale() before backward
 ///   scale()             a device scalar (fp32), the current loss scale (1 when not scaling)
-///   update(found_inf)   optimizer phase 10, once per window, with found_inf a device scalar
-///                       (1.0 = a non-finite gradient was found); no host sync
+///   update(found_inf)   optimizer phase 10, once per window, with found_inf an fp32 device
+///                       scalar (1.0 = a non-finite gradient was found); no host sync
 ///   check(step)         the host-side checks that need a value (the collapse error); called
 ///                       by the trainer only at windows where it reads values anyway
 ///   save / load         the scaler's state, for checkpoints
@@ -221,14 +221,14 @@ class PrecisionPolicy<FP16Dynamic> {
   const torch::Tensor& overflows_in_a_row() const { return overflows_in_a_row_; }
 
   /// Phase 10: the scale update. Without extras this is ATen's own GradScaler kernel.
+  /// `found_inf`: an fp32 tensor of one element (ATen's kernel checks numel and dtype).
   void update(const torch::Tensor& found_inf) {
-    const auto inf = found_inf.reshape({1}).to(torch::kFloat);
     if (!extras_) {
-      at::_amp_update_scale_(scale_, growth_tracker_, inf, options_.growth_factor(),
+      at::_amp_update_scale_(scale_, growth_tracker_, found_inf, options_.growth_factor(),
                              options_.backoff_factor(), options_.growth_interval());
       return;
     }
-    update_with_extras(inf);
+    update_with_extras(found_inf.reshape({1}));
   }
 
   /// Host-side check of the collapse error; reads one device value.

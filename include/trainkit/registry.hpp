@@ -167,7 +167,23 @@ template <class Model>
 std::unique_ptr<AnyTrainer> make_trainer(const Config& config, Model& model,
                                          std::optional<std::int64_t> world_size = std::nullopt) {
   const Derived d = config.derived(world_size);
-  return make_trainer(d.trainer, detail::module_of(model), d.optimizer, trainer_options(config));
+  auto module = detail::module_of(model);
+  auto options = trainer_options(config);
+  // A NO_DECAY entry that names no parameter is a configuration error (the Trainer would
+  // throw too, without the key).
+  for (const auto& entry : options.no_decay()) {
+    bool used = false;
+    std::string example;
+    for (const auto& p : module->named_parameters(true))
+      if (p.value().requires_grad()) {
+        if (example.empty()) example = p.key();
+        used = used || p.key().find(entry) != std::string::npos;
+      }
+    if (!used)
+      throw ConfigError("TRAIN.NO_DECAY", "'" + entry + "' is in no trainable parameter's name (they look like '" +
+                                              example + "')");
+  }
+  return make_trainer(d.trainer, std::move(module), d.optimizer, std::move(options));
 }
 
 }  // namespace trainkit

@@ -31,6 +31,7 @@
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/clip.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/flat_layout.hpp>
 #include <trainkit/detail/master_weights.hpp>
 #include <trainkit/detail/module_of.hpp>
 #include <trainkit/detail/rng_state.hpp>
@@ -47,6 +48,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
+#include <c10/core/CachingDeviceAllocator.h>
 
 #include <algorithm>
 #include <array>
@@ -213,8 +215,13 @@ class Trainer final : public AnyTrainer {
   /// .grad are views into half_gradients(), or kept_gradients() for kept fp32 parameters).
   const torch::Tensor& gradients() const { return flat_grad_; }
   /// The flat fp32 parameter storage: the model's parameters, or with master weights the
-  /// masters.
+  /// masters. Each parameter starts 64-byte aligned; the gaps between them are zeros
+  /// (layout().pack(parameters()) gives the parameters back to back, as checkpoints hold them).
   const torch::Tensor& parameters() const { return flat_params_; }
+  /// Where each parameter lives in parameters(), gradients() and the half storage.
+  const detail::FlatLayout& layout() const { return layout_; }
+  /// Trainable parameters (elements), without the gaps.
+  std::int64_t parameter_count() const { return layout_.packed(); }
   /// Master weights: the flat half storage the model's parameters and .grad are views into
   /// (same layout as parameters()); undefined tensors otherwise.
   const torch::Tensor& half_parameters() const { return half_.params(); }
@@ -316,12 +323,12 @@ class Trainer final : public AnyTrainer {
     // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
     if (acc.position > 0) {
       if constexpr (Precision::master_weights) {
-        detail::write_tensor(archive, "window.gradient_half", half_.grad());
-        if (half_.summed().defined()) detail::write_tensor(archive, "window.gradient_sum", half_.summed());
+        layout_.write(archive, "window.gradient_half", half_.grad());
+        if (half_.summed().defined()) layout_.write(archive, "window.gradient_sum", half_.summed());
         if (half_.kept_grad().defined())
           detail::write_tensor(archive, "window.gradient_kept", half_.kept_grad());
       } else {
-        detail::write_tensor(archive, "window.gradient", flat_grad_);
+        layout_.write(archive, "window.gradient", flat_grad_);
       }
       detail::write_tensor(archive, "window.loss", window_loss_);
     }
@@ -382,25 +389,23 @@ class Trainer final : public AnyTrainer {
     accumulation_.load_state(acc);
     if (acc.position > 0) {
       if constexpr (Precision::master_weights) {
-        detail::read_into(archive, "window.gradient_half", half_.grad());
-        torch::Tensor sum;  // the fp32 sum of the window's earlier micro-batches, when it has some
-        if (archive.try_read("window.gradient_sum", sum)) {
-          torch::Tensor& into = half_.summed_for_load();
-          TORCH_CHECK(sum.sizes() == into.sizes(), "Trainer::load: window.gradient_sum has shape ", sum.sizes(),
-                      ", this trainer's gradient ", into.sizes());
-          into.copy_(sum);
+        layout_.read_into(archive, "window.gradient_half", half_.grad());
+        // The fp32 sum of the window's earlier micro-batches, when it has some.
+        torch::Tensor sum;
+        if (archive.try_read("window.gradient_sum", sum, /*is_buffer=*/true)) {
+          layout_.unpack_into(sum, half_.summed_for_load(), "checkpoint record 'window.gradient_sum'");
         } else {
           half_.drop_sum();
         }
         if (half_.kept_grad().defined())
           detail::read_into(archive, "window.gradient_kept", half_.kept_grad());
       } else {
-        detail::read_into(archive, "window.gradient", flat_grad_);
+        layout_.read_into(archive, "window.gradient", flat_grad_);
       }
+      window_loss_ = torch::zeros_like(window_loss_);  // (the last report may hold the old one)
       detail::read_into(archive, "window.loss", window_loss_);
     } else {
       zero_gradients();
-      window_loss_.zero_();
     }
     schedule_->load_state(detail::read_value(archive, "schedule.state").toStringRef());
     schedule_changed();
@@ -418,6 +423,15 @@ class Trainer final : public AnyTrainer {
     return options;
   }
 
+  // Bytes per element of the narrowest storage the layout serves (the half one, with master
+  // weights).
+  static std::int64_t narrowest_element_size() {
+    if constexpr (Precision::master_weights)
+      return static_cast<std::int64_t>(c10::elementSize(Precision::storage_dtype));
+    else
+      return 4;
+  }
+
   static torch::Device first_device(torch::nn::Module& module) {
     for (const auto& p : module.parameters(true))
       if (p.requires_grad()) return p.device();
@@ -426,8 +440,8 @@ class Trainer final : public AnyTrainer {
   }
 
   // Moves every trainable parameter into one flat fp32 buffer (grouped by LR multiplier and
-  // weight decay) and
-  // points its .grad at a slice of a flat gradient buffer.
+  // weight decay, each parameter 64-byte aligned) and points its .grad at a slice of a flat
+  // gradient buffer.
   void flatten_parameters() {
     struct Entry {
       std::string name;
@@ -474,52 +488,72 @@ class Trainer final : public AnyTrainer {
     const auto rank = [&](const Entry& e) { return std::find(order.begin(), order.end(), Key{e.mult, e.decay}); };
     std::stable_sort(entries.begin(), entries.end(), [&](const Entry& a, const Entry& b) { return rank(a) < rank(b); });
 
-    std::int64_t total = 0;
-    for (const auto& e : entries) total += e.param.numel();
+    // Offsets: each parameter 64-byte aligned in the narrowest storage (the half one with
+    // master weights); detail/flat_layout.hpp.
+    layout_ = detail::FlatLayout(detail::aligned_elements(narrowest_element_size()));
+    std::vector<std::int64_t> offsets;
+    for (const auto& e : entries) offsets.push_back(layout_.add(e.param.numel()));
+    const std::int64_t total = layout_.padded();
     const auto f32 = torch::dtype(torch::kFloat).device(device_);
+    // Construction peak: the parameters' old storage is released one parameter at a time as
+    // it is copied in; the gradients are allocated only after that (below), so the model is
+    // never held three times over.
     flat_params_ = torch::empty({total}, f32);
+    layout_.zero_gaps(flat_params_);
     // Master weights: which parameters stay fp32 (views into the masters); the fp32 gradient
     // is made in each optimizer phase (HalfStorage::gather), not kept.
     std::unordered_set<const c10::TensorImpl*> kept;
     if constexpr (Precision::master_weights) {
       if (options_.keep_norm_fp32()) kept = detail::normalisation_parameters(*module_);
+      half_.allocate_parameters(total, Precision::storage_dtype, device_);
+      detail::store_untrained_in(*module_, Precision::storage_dtype, options_.keep_norm_fp32());
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      auto& e = entries[i];
+      const auto view = flat_params_.narrow(0, offsets[i], e.param.numel()).view(e.param.sizes());
+      view.copy_(e.param);
+      // (set_data releases the parameter's old storage.)
+      if (Precision::master_weights && kept.count(e.param.unsafeGetTensorImpl()) == 0) {
+        master_views_.emplace(e.name, view);
+        e.param.set_data(half_.param_view(offsets[i], e.param.numel()).view(e.param.sizes()));
+      } else {
+        e.param.set_data(view);
+      }
+    }
+    // The old blocks back to the device (CUDA's caching allocator would keep them, and the
+    // gradients cannot reuse a model's worth of small blocks).
+    if (!device_.is_cpu()) c10::getDeviceAllocator(device_.type())->emptyCache();
+    if constexpr (Precision::master_weights) {
       std::int64_t kept_numel = 0;
       for (const auto& e : entries)
         if (kept.count(e.param.unsafeGetTensorImpl())) kept_numel += e.param.numel();
-      half_.allocate(total, kept_numel, Precision::storage_dtype, device_);
-      detail::store_untrained_in(*module_, Precision::storage_dtype, options_.keep_norm_fp32());
+      half_.allocate_gradients(kept_numel);
     } else {
       flat_grad_ = torch::zeros({total}, f32);
     }
-    torch::NoGradGuard no_grad;
-    std::int64_t offset = 0, group_begin = 0;
+    std::int64_t group_begin = 0;
     for (size_t i = 0; i < entries.size(); ++i) {
       auto& e = entries[i];
       const auto n = e.param.numel();
-      auto param_view = flat_params_.narrow(0, offset, n);
-      param_view.copy_(e.param.reshape({-1}));
-      if (Precision::master_weights && kept.count(e.param.unsafeGetTensorImpl()) == 0) {
-        master_views_.emplace(e.name, param_view.view(e.param.sizes()));
-        e.param.set_data(half_.param_view(offset, n).view(e.param.sizes()));
+      const auto offset = offsets[i];
+      if (i == 0 || entries[i - 1].mult != e.mult || entries[i - 1].decay != e.decay) group_begin = offset;
+      if (Precision::master_weights && kept.count(e.param.unsafeGetTensorImpl()) == 0)
         e.param.mutable_grad() = half_.grad_view(offset, n).view(e.param.sizes());
-      } else if (Precision::master_weights) {
-        e.param.set_data(param_view.view(e.param.sizes()));
+      else if (Precision::master_weights)
         e.param.mutable_grad() = half_.add_kept(offset, n).view(e.param.sizes());
-      } else {
-        e.param.set_data(param_view.view(e.param.sizes()));
+      else
         e.param.mutable_grad() = flat_grad_.narrow(0, offset, n).view(e.param.sizes());
-      }
       grad_views_.push_back({e.param, e.param.grad().data_ptr(), e.param.data_ptr(), e.name});
-      offset += n;
       const bool group_ends = i + 1 == entries.size() || entries[i + 1].mult != e.mult || entries[i + 1].decay != e.decay;
       if (group_ends) {
         // (Master weights: the group's gradient is bound in each optimizer phase.)
-        groups_.push_back({flat_params_.narrow(0, group_begin, offset - group_begin),
+        const auto end = offset + n;
+        groups_.push_back({flat_params_.narrow(0, group_begin, end - group_begin),
                            Precision::master_weights
                                ? torch::Tensor()
-                               : flat_grad_.narrow(0, group_begin, offset - group_begin),
-                           e.mult, e.decay});
-        group_begin = offset;
+                               : flat_grad_.narrow(0, group_begin, end - group_begin),
+                           e.mult, e.decay, layout_.slice(group_begin, end)});
       }
     }
     if constexpr (Precision::master_weights) {
@@ -564,13 +598,21 @@ class Trainer final : public AnyTrainer {
     }
     check_loss(loss);
     // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items).
+    const bool opens = accumulation_.position() == 0;
     const double weight = accumulation_.weight(items);
-    auto objective = loss.reshape({}).to(torch::kFloat) * weight;
-    window_loss_.add_(objective.detach());
+    const auto as_float = loss.scalar_type() == torch::kFloat ? loss : loss.to(torch::kFloat);
+    auto objective = (as_float.dim() == 0 ? as_float : as_float.reshape({})) * weight;
+    {
+      // The window's loss, a running sum outside the graph. The window's first micro-step
+      // takes the objective's value itself (the last report may hold the previous sum).
+      torch::NoGradGuard no_grad;
+      if (opens) window_loss_ = objective.detach();
+      else window_loss_.add_(objective);
+    }
     // 3. FP16: times the loss scale. Backward; gradients accumulate in fp32, in place, into
     //    the flat gradient storage. (Master weights: into the half .grad, added to an fp32 sum
     //    after each micro-batch but the window's last: detail::HalfStorage.)
-    if constexpr (Precision::scales_loss) objective = objective * precision_.scale().reshape({});
+    if constexpr (Precision::scales_loss) objective = objective * precision_.scale();
     objective.backward();
     // 4. Data parallel: no communication inside the window.
     const bool closes = accumulation_.closes();
@@ -616,26 +658,32 @@ class Trainer final : public AnyTrainer {
     //    an overflow too, where torch.amp.GradScaler checks elements and applies it (clipped by
     //    max_norm / inf = 0): a norm beyond fp32 is as unusable as an inf (tests: test_skip).
     const auto scaled_norm = at::linalg_vector_norm(flat_grad_, 2);
-    // The accumulated gradient is the true gradient times `divisor`.
+    // The accumulated gradient is the true gradient times `divisor` (no ATen call where it is
+    // the loss scale or a constant: the phase is ~15 calls, each a few microseconds).
     torch::Tensor divisor;
     if constexpr (Precision::scales_loss)
-      divisor = precision_.scale().reshape({}) / factor.rescale;
+      divisor = factor.rescale == 1.0 ? precision_.scale() : precision_.scale() / factor.rescale;
     else
-      divisor = torch::full({}, 1.0 / factor.rescale, scaled_norm.options());
+      divisor = constant(1.0 / factor.rescale);
     if (factor.total.defined()) divisor = divisor * factor.total;  // the ranks' item total
-    const auto true_norm = scaled_norm / divisor;
+    const bool unit = !Precision::scales_loss && factor.rescale == 1.0 && !factor.total.defined();
+    const auto true_norm = unit ? scaled_norm : scaled_norm / divisor;
+    // found_inf = 1.0 when the norm is not finite (x * 0 is 0 for finite x and NaN otherwise).
     // (A window with no items on any rank has divisor 0: a non-finite true norm, skipped.)
     const auto found_inf =
-        (factor.total.defined() ? true_norm : scaled_norm).isfinite().logical_not().to(torch::kFloat);
+        at::nan_to_num((factor.total.defined() ? true_norm : scaled_norm) * 0.0, /*nan=*/1.0);
     // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
     const auto optimizer_divisor = clip_.divisor(flat_grad_, divisor, true_norm);
     // 9. The update, skipped on the device when found_inf (parameters and optimizer state
-    //    unchanged, bit for bit). The LR comes from the schedule at the applied-step position.
+    //    unchanged, bit for bit). The LR comes from the schedule at the applied-step position;
+    //    the counters (10) are advanced first, as the update rule's step count follows them.
     ensure_lr_table();
-    const auto lr = lr_table_.index_select(0, applied_).reshape({});
+    const auto lr = lr_table_.index_select(0, applied_);
     lrs_.clear();
     for (const auto& g : groups_) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
-    rule_->step(groups_, optimizer_divisor, found_inf, lrs_);
+    skipped_ = skipped_ + found_inf.to(torch::kLong);  // new tensors: the report keeps this window's values
+    applied_ = at::rsub(skipped_, windows_ + 1);       // applied + skipped = optimizer phases run
+    rule_->step(groups_, optimizer_divisor, found_inf, lrs_, applied_);
     // Master weights: the model's half parameters from the masters, one copy. A skipped step
     // left the masters unchanged, so it rewrites the same values (no host sync to tell).
     if constexpr (Precision::master_weights) half_.write_back(flat_params_);
@@ -645,9 +693,6 @@ class Trainer final : public AnyTrainer {
     auto& v = report.values_->device;
     v[StepReport::kScale] = Precision::scales_loss ? precision_.scale().clone() : precision_.scale();
     precision_.update(found_inf);
-    const auto skipped_now = found_inf.to(torch::kLong);
-    applied_ = applied_ + 1 - skipped_now;  // new tensors: the report keeps this window's values
-    skipped_ = skipped_ + skipped_now;
     ++windows_;
     v[StepReport::kLoss] = rescale == 1.0 ? window_loss_ : window_loss_ * rescale;
     v[StepReport::kNorm] = true_norm;
@@ -659,8 +704,8 @@ class Trainer final : public AnyTrainer {
     report.micro_batches_ = accumulation_.position();
     report.items_ = accumulation_.items();
     // 11. Zero the gradient: one fill of the flat storage (master weights: of the half one).
+    //     (The window's loss is not zeroed: the next window's first micro-step replaces it.)
     zero_gradients();
-    window_loss_ = torch::zeros_like(window_loss_);
     accumulation_.reset();
     host_checks(report);
     return report;
@@ -702,6 +747,16 @@ class Trainer final : public AnyTrainer {
             "trainer owns gradients and zeroes them itself after each optimizer step");
   }
 
+  // The phase's divisor without loss scaling, a device scalar remade only when its value
+  // changes (1 in every full window; item-weighted or partial windows vary).
+  const torch::Tensor& constant(double value) {
+    if (!constant_.defined() || constant_value_ != value) {
+      constant_ = torch::full({}, value, torch::dtype(torch::kFloat).device(device_));
+      constant_value_ = value;
+    }
+    return constant_;
+  }
+
   void ensure_lr_table() {
     if (windows_ + 1 >= lr_table_.size(0)) build_lr_table(2 * (windows_ + 1));
   }
@@ -733,6 +788,7 @@ class Trainer final : public AnyTrainer {
   std::shared_ptr<Schedule> schedule_;
   std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
 
+  detail::FlatLayout layout_;                            // where each parameter lives in them
   torch::Tensor flat_params_, flat_grad_;
   detail::HalfStorage half_;                             // master weights only
   std::map<std::string, torch::Tensor> master_views_;   // master weights: name -> fp32 master
@@ -741,6 +797,8 @@ class Trainer final : public AnyTrainer {
   std::vector<torch::Tensor> lrs_;
   torch::Tensor lr_table_;
   torch::Tensor applied_, skipped_, window_loss_;
+  torch::Tensor constant_;  // constant()
+  double constant_value_ = 0.0;
   std::int64_t windows_ = 0;
 };
 

@@ -126,7 +126,7 @@ TEST_CASE_TEMPLATE("the model's parameters are stored in half precision: half of
   for (int i = 0; i < (T::master::accumulation_steps == tk::Dynamic ? 3 : T::master::accumulation_steps); ++i)
     trainer.micro_step([&] { return torch::cross_entropy_loss(model(data.x), data.y); });
   CHECK(trainer.applied_steps().template item<std::int64_t>() == 1);
-  CHECK(torch::equal(testing::flat(*model), trainer.parameters().to(T::half)));
+  CHECK(torch::equal(testing::flat(*model), trainer.layout().pack(trainer.parameters()).to(T::half)));
 }
 
 TEST_CASE("keep_norm_fp32: normalisation layers stay fp32 views into the masters (default), or go half") {
@@ -162,7 +162,7 @@ TEST_CASE("keep_norm_fp32: normalisation layers stay fp32 views into the masters
     CHECK(trainer.kept_gradients().defined() == keep);
     // The kept parameters are the masters themselves; the others their rounded copies.
     CHECK(torch::equal(testing::flat(*net).to(torch::kFloat).to(at::kHalf),
-                       trainer.parameters().to(at::kHalf)));
+                       trainer.layout().pack(trainer.parameters()).to(at::kHalf)));
   }
 }
 
@@ -326,7 +326,7 @@ TEST_CASE_TEMPLATE("master weights sum a window's micro-batch gradients in fp32,
     const auto r = trainer.micro_step(loss_of);
     CHECK(r.window_closed == (i == N - 1));
   }
-  const auto moved = (before - trainer.parameters()) * scale;
+  const auto moved = trainer.layout().pack(before - trainer.parameters()) * scale;
   const double fp32_error = testing::relative_error(moved, fp32_sum);
   const double half_error = testing::relative_error(half_sum.to(torch::kFloat), fp32_sum);
   INFO("update vs fp32 sum: " << fp32_error << "; half sum vs fp32 sum: " << half_error);

@@ -125,16 +125,23 @@ inline torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const 
 }
 
 /// Copies a tensor record into `target`, which keeps its storage, dtype and device (const as
-/// in Tensor::copy_: the handle stays, the values change). Throws when the record is missing
-/// or its shape differs (copy_ would broadcast a wrong shape silently).
+/// in Tensor::copy_: the handle stays, the values change). Returns false, changing nothing,
+/// when the record is absent (a record older checkpoints may lack); throws when its shape
+/// differs (copy_ would broadcast a wrong shape silently).
+inline bool read_into_if_present(torch::serialize::InputArchive& archive, const std::string& key,
+                                 const torch::Tensor& target) {
+  torch::Tensor saved;
+  if (!archive.try_read(key, saved, /*is_buffer=*/true)) return false;
+  if (saved.sizes() != target.sizes())
+    throw std::runtime_error("checkpoint record '" + key + "' has shape " + shape_string(saved.sizes()) +
+                             ", this run needs " + shape_string(target.sizes()));
+  target.copy_(saved);
+  return true;
+}
+/// As read_into_if_present(), for a record that must be there.
 inline void read_into(torch::serialize::InputArchive& archive, const std::string& key,
                       const torch::Tensor& target) {
-  const torch::Tensor saved = read_tensor(archive, key);
-  if (saved.sizes() != target.sizes())
-    throw std::runtime_error("checkpoint record '" + key + "' has shape " +
-                             shape_string(saved.sizes()) + ", this run needs " +
-                             shape_string(target.sizes()));
-  target.copy_(saved);
+  if (!read_into_if_present(archive, key, target)) throw missing_record(key);
 }
 
 /// Writes a value record (an int, double, bool or string as c10::IValue).

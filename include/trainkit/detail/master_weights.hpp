@@ -63,11 +63,14 @@ inline void store_untrained_in(torch::nn::Module& model, at::ScalarType dtype, b
 /// 2 bytes per parameter plus the optimizer's state; with several, the fp32 sum stays: + 4.
 class HalfStorage {
  public:
-  void allocate(std::int64_t numel, std::int64_t kept_numel, at::ScalarType dtype, torch::Device device) {
-    const auto options = torch::dtype(dtype).device(device);
-    params_ = torch::empty({numel}, options);
-    grad_ = torch::zeros({numel}, options);
-    if (kept_numel > 0) kept_grad_ = torch::zeros({kept_numel}, torch::dtype(torch::kFloat).device(device));
+  /// The half parameters, before the model's parameters are moved into them; the gradients
+  /// come after (allocate_gradients), once the model's old storage is released.
+  void allocate_parameters(std::int64_t numel, at::ScalarType dtype, torch::Device device) {
+    params_ = torch::empty({numel}, torch::dtype(dtype).device(device));
+  }
+  void allocate_gradients(std::int64_t kept_numel) {
+    grad_ = torch::zeros_like(params_);
+    if (kept_numel > 0) kept_grad_ = torch::zeros({kept_numel}, params_.options().dtype(torch::kFloat));
   }
   torch::Tensor param_view(std::int64_t offset, std::int64_t n) const { return params_.narrow(0, offset, n); }
   torch::Tensor grad_view(std::int64_t offset, std::int64_t n) const { return grad_.narrow(0, offset, n); }
@@ -87,7 +90,7 @@ class HalfStorage {
   /// After a micro-batch that does not close its window: the half gradient into the fp32 sum
   /// (a copy for the window's first, else an add), and the half gradient to 0. No host sync.
   void accumulate() {
-    if (!sum_.defined()) sum_ = torch::empty({grad_.numel()}, grad_.options().dtype(torch::kFloat));
+    ensure_sum();
     if (summed_) sum_.add_(grad_);
     else sum_.copy_(grad_);
     summed_ = true;
@@ -107,7 +110,7 @@ class HalfStorage {
   void drop_sum() { summed_ = false; }
   /// A checkpoint's fp32 sum, to be read into (allocated on first use).
   torch::Tensor& summed_for_load() {
-    if (!sum_.defined()) sum_ = torch::empty({grad_.numel()}, grad_.options().dtype(torch::kFloat));
+    ensure_sum();
     summed_ = true;
     return sum_;
   }
@@ -128,6 +131,10 @@ class HalfStorage {
   const torch::Tensor& kept_grad() const { return kept_grad_; }
 
  private:
+  void ensure_sum() {  // (zeros: the flat layout's gaps must stay 0)
+    if (!sum_.defined()) sum_ = torch::zeros({grad_.numel()}, grad_.options().dtype(torch::kFloat));
+  }
+
   torch::Tensor params_, grad_, kept_grad_, kept_index_;
   torch::Tensor sum_;    // fp32 sum of the window's earlier micro-batches (accumulate())
   bool summed_ = false;  // sum_ holds this window's micro-batches

@@ -1,0 +1,82 @@
+// The optimizer phase's ATen calls (issue 18, item 3). On a small model the phase is call
+// overhead, a few microseconds each: these are upper bounds on the count, so that a change
+// that adds calls to every window is seen. (Counted with RecordFunction, top-level calls
+// only, from the end of the window's last backward to the end of micro_step.)
+#include "helpers.hpp"
+
+#include <trainkit/trainer.hpp>
+
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::atomic<bool> counting{false};
+std::atomic<std::int64_t> calls{0};
+thread_local int depth = 0;
+std::vector<std::string> names;  // (the test's thread only: the phase runs on it)
+
+struct CallCounter {
+  CallCounter() {
+    handle = at::addGlobalCallback(
+        at::RecordFunctionCallback(
+            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+              if (depth++ == 0 && counting) {
+                ++calls;
+                names.emplace_back(fn.name());
+              }
+              return nullptr;
+            },
+            [](const at::RecordFunction&, at::ObserverContext*) { --depth; })
+            .scopes({at::RecordScope::FUNCTION}));
+  }
+  ~CallCounter() { at::removeCallback(handle); }
+  at::CallbackHandle handle;
+};
+
+// The calls of the phase of one window of N micro-steps (the last one's phase).
+template <class Trainer>
+std::int64_t phase_calls(std::int64_t n) {
+  auto model = testing::make_mlp(1);
+  Trainer trainer(model, tk::AdamW{1e-3}, tk::TrainerOptions().max_grad_norm(1.0).accumulation_steps(n));
+  const auto data = testing::regression(8);
+  auto step = [&](bool last) {
+    trainer.micro_step([&] {
+      auto loss = torch::mse_loss(model(data.x), data.y);
+      if (last)
+        loss.register_hook([](const torch::Tensor&) {
+          torch::autograd::Engine::get_default_engine().queue_callback([] { counting = true; });
+        });
+      return loss;
+    });
+  };
+  for (int w = 0; w < 2; ++w)  // warm-up windows: the phase's one-time setup is not counted
+    for (std::int64_t i = 0; i < n; ++i) step(false);
+  CallCounter counter;
+  calls = 0;
+  names.clear();
+  for (std::int64_t i = 0; i < n; ++i) step(i + 1 == n);
+  counting = false;
+  REQUIRE(trainer.windows() == 3);
+  std::string list;
+  for (const auto& name : names) list += " " + name;
+  MESSAGE(Trainer::name() << ", N = " << n << ": " << calls.load() << " calls:" << list);
+  return calls;
+}
+
+}  // namespace
+
+TEST_CASE("the optimizer phase's ATen calls stay few") {
+  using FP32 = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::NoClip>>;
+  using FP32Clip = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::ClipNorm>>;
+  using FP16Clip = tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::ClipNorm>>;
+  // Before issue 18's item 3: 19, 23 and 28 (the review's count; bench: 23 FP32+clip, 28 FP16).
+  CHECK(phase_calls<FP32>(1) <= 10);
+  CHECK(phase_calls<FP32Clip>(1) <= 14);
+  CHECK(phase_calls<FP32Clip>(4) <= 14);
+  CHECK(phase_calls<FP16Clip>(1) <= 18);
+}
