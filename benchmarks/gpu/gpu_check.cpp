@@ -10,9 +10,13 @@
 // calls of the CUDA runtime's synchronising functions (this program defines them, ahead of
 // libcudart's, counting and forwarding) and the syncs LibTorch itself reports in its sync debug
 // mode (c10::cuda::warning_state(), as torch.cuda.set_sync_debug_mode). The hand-written
-// LibTorch loop (../compare/run_baselines.cpp) is measured alongside for comparison.
+// LibTorch loop (../compare/run_baselines.cpp) is measured alongside for comparison. Then the
+// resume check (resume_check.hpp): a save after step 6 of 12, loaded into a fresh model and
+// trainer, must give the uninterrupted run's steps 7-12 (FP32, FP16Dynamic, and FP16 with
+// master weights where trainkit has them).
 #include "bench_features.hpp"  // generated: TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS (../compare/CMakeLists.txt)
 #include "harness.hpp"
+#include "resume_check.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -249,6 +253,40 @@ int main(int argc, char** argv) try {
       std::fflush(stdout);
     }
   }
+  // Resume: save after step 6 of 12, load into a fresh model and trainer (resume_check.hpp).
+  // Two micro-batches per step, item-weighted; exact on the CPU; on CUDA the same kernels on
+  // the same inputs give the same bits too, unless a kernel's reduction order varies.
+  std::printf("\n#### Resume (bert-tiny, 2 micro-batches per step, item-weighted)\n\n");
+  {
+    namespace tk = trainkit;
+    bench::ResumeSettings rs;
+    rs.device = device;
+    rs.items = true;
+    rs.micro_batch = dry ? 2 : 8;
+    rs.seq = dry ? 8 : 32;
+    const double tolerance = device.is_cuda() ? 1e-6 : 0.0;
+    auto resume = [&](auto mode, const std::string& name) {
+      using Mode = decltype(mode);
+      using T = tk::Trainer<tk::PrecisionPolicy<Mode>, tk::AccumulationPolicy<tk::Dynamic>,
+                            tk::ClipPolicy<tk::ClipNorm>>;
+      rs.tag = name;
+      try {
+        const auto r = bench::check_resume(rs, [&](bench::Task& task) {
+          return std::make_unique<T>(task.module, tk::AdamW{1e-3, 1e-2},
+                                     tk::TrainerOptions().max_grad_norm(1.0).accumulation_steps(2));
+        });
+        bench::report_resume("trainkit/" + name, r, tolerance, failed);
+      } catch (const std::exception& e) {
+        failed.push_back("trainkit/" + name + " resume: " + e.what());
+      }
+    };
+    resume(tk::FP32{}, "fp32");
+    resume(tk::FP16Dynamic{}, "fp16");
+#if TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS
+    resume(tk::MasterWeights<tk::FP16Dynamic>{}, "fp16master");
+#endif
+  }
+
   // The same model, weights and first batch: the first FP32 loss is the same computation.
   if (first_loss.count("trainkit/fp32") && first_loss.count("libtorch/fp32")) {
     const double a = first_loss["trainkit/fp32"], b = first_loss["libtorch/fp32"];

@@ -1,25 +1,97 @@
-// nccl_startup: how long trainkit's process group takes to form with NCCL at world size 1
-// (the in-memory store), and its first collective. Built only where include/trainkit/
-// distributed.hpp exists (benchmarks/gpu/CMakeLists.txt) and run by benchmarks/gpu/run.sh.
+// nccl_startup: trainkit's data parallel on NCCL at world size 1 (the in-memory store), run by
+// benchmarks/gpu/run.sh. Built only where include/trainkit/distributed.hpp exists
+// (benchmarks/gpu/CMakeLists.txt).
+//   1. how long the process group takes to form, and its first and second all-reduce;
+//   2. a trainer with DataParallel (attach, reduce_gradients with item totals, on the GPU)
+//      gives the single-process trainer's losses;
+//   3. resume: a DataParallel trainer saves after step 6, a fresh one loads (the ranks' state
+//      compared through the group, on the GPU) and steps 7-12 equal the uninterrupted run's.
+// Its last line is PASS or FAIL: and the list (exit 1).
+//
+//   nccl_startup             # cuda:0, NCCL
+//   nccl_startup --dry-run   # the same code on the CPU with Gloo (no GPU needed)
 #include "harness.hpp"
+#include "resume_check.hpp"
 
 #include <trainkit/distributed.hpp>
+#include <trainkit/trainkit.hpp>
 
 #include <cstdio>
 #include <iostream>
+#include <string>
+#include <vector>
 
 namespace tk = trainkit;
 
-int main() try {
-  const torch::Device device(torch::kCUDA, 0);
+int main(int argc, char** argv) try {
+  const bool dry = argc > 1 && std::string(argv[1]) == "--dry-run";
+  if (!dry && !torch::cuda::is_available())
+    throw std::runtime_error("no CUDA device (use --dry-run to check this program on the CPU)");
+  const torch::Device device = dry ? torch::Device(torch::kCPU) : torch::Device(torch::kCUDA, 0);
+  const std::string backend = dry ? "gloo" : "nccl";
+  std::vector<std::string> failed;
+
+  // 1. Start-up and the first collectives.
   auto x = torch::ones({1 << 20}, torch::TensorOptions().device(device));  // CUDA context first
   bench::synchronize(device);
   const double t0 = bench::now_ms();
-  auto group = tk::ProcessGroup::create(tk::DistributedOptions().backend("nccl"), device);
+  auto group = tk::ProcessGroup::create(tk::DistributedOptions().backend(backend), device);
   const double t1 = bench::now_ms();
-  std::printf("trainkit NCCL process group, world size %d: created in %.1f ms\n",
-              static_cast<int>(group.world_size()), t1 - t0);
-  return 0;
+  group.all_reduce(x, "the first all-reduce");
+  bench::synchronize(device);
+  const double t2 = bench::now_ms();
+  group.all_reduce(x, "the second all-reduce");
+  bench::synchronize(device);
+  const double t3 = bench::now_ms();
+  std::printf("- trainkit %s process group, world size %d, on %s: created in %.1f ms; all-reduce of "
+              "4 MiB: first %.2f ms, second %.2f ms\n",
+              backend.c_str(), group.world_size(), group.device().str().c_str(), t1 - t0, t2 - t1,
+              t3 - t2);
+  if (x[0].item<float>() != 1.0f) failed.push_back("a world-size-1 all-reduce changed its tensor");
+
+  // 2 and 3. DataParallel through a trainer: FP32, 2 micro-batches per step, item-weighted.
+  using T = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>,
+                        tk::ClipPolicy<tk::ClipNorm>>;
+  const auto options = tk::TrainerOptions().max_grad_norm(1.0).accumulation_steps(2);
+  bench::ResumeSettings rs;
+  rs.device = device;
+  rs.items = true;
+  rs.micro_batch = dry ? 2 : 8;
+  rs.seq = dry ? 8 : 32;
+  rs.tag = "dp";
+  const auto dp = bench::check_resume(rs, [&](bench::Task& task) {
+    auto t = std::make_unique<T>(task.module, tk::AdamW{1e-3, 1e-2}, options);
+    t->set_replicas(std::make_shared<tk::DataParallel>(group));
+    return t;
+  });
+  rs.tag = "single";
+  std::vector<double> single;
+  {
+    auto task = bench::make_task(rs.model, rs.micro_batch, rs.seq, device);
+    T t(task.module, tk::AdamW{1e-3, 1e-2}, options);
+    int64_t k = 0;
+    while (single.size() < dp.uninterrupted.size()) {
+      auto r = t.micro_step([&] { return task.loss(k++); }, rs.micro_batch * rs.seq);
+      if (r.window_closed) single.push_back(r.report.loss());
+    }
+  }
+  double dp_vs_single = 0.0;
+  for (size_t i = 0; i < single.size(); ++i)
+    dp_vs_single = std::max(dp_vs_single, std::abs(single[i] - dp.uninterrupted[i]));
+  std::printf("- DataParallel (world size 1) against one process, 12 steps: max |loss difference| %.3g "
+              "(losses %.6f .. %.6f)\n",
+              dp_vs_single, dp.uninterrupted.front(), dp.uninterrupted.back());
+  if (!(dp_vs_single <= (dry ? 0.0 : 1e-6) * std::abs(single.front())))
+    failed.push_back("DataParallel at world size 1 differs from one process by " + std::to_string(dp_vs_single));
+  bench::report_resume("DataParallel/fp32", dp, dry ? 0.0 : 1e-6, failed);
+
+  if (failed.empty()) {
+    std::printf("PASS\n");
+    return 0;
+  }
+  std::printf("FAIL:\n");
+  for (const auto& f : failed) std::printf("- %s\n", f.c_str());
+  return 1;
 } catch (const std::exception& e) {
   std::cerr << "nccl_startup: " << e.what() << "\n";
   return 2;

@@ -7,8 +7,9 @@
 #      it measures, peak GPU memory, host syncs per step, for FP32, BF16, FP16Dynamic (and FP16
 #      with master weights where trainkit has them), trainkit and the hand-written LibTorch loop,
 #   3. the Python AMP loop (benchmarks/compare/loop.py --device cuda) on the same model,
-#   4. NCCL process-group start-up at world size 1: trainkit's (where include/trainkit/
-#      distributed.hpp exists and builds there) and torch.distributed's,
+#   4. NCCL at world size 1 (where include/trainkit/distributed.hpp exists): trainkit's process-
+#      group start-up and first all-reduce, a DataParallel trainer against one process, and a
+#      save after step 6 loaded into a fresh DataParallel trainer; torch.distributed's start-up,
 #   5. builds and runs the unit tests (trainkit_tests; CUDA cases run where a GPU is present).
 # Each step has a time limit out of one budget (TRAINKIT_GPU_BUDGET seconds, default 460); a
 # step that fails or runs out is reported and the next one runs. The report (markdown) goes to
@@ -160,17 +161,19 @@ print("| %s | %.2f | %.0f | %.4f / %.4f |" % (r["precision"], statistics.median(
   fi
 done
 
-# --- 4. NCCL start-up ---------------------------------------------------------------------------
+# --- 4. NCCL: start-up, DataParallel, resume ----------------------------------------------------
 say ""
-say "### NCCL process-group start-up, world size 1"
+say "### NCCL at world size 1: process-group start-up, DataParallel through a trainer, resume"
 say ""
 if [[ ! -f "$ROOT/include/trainkit/distributed.hpp" ]]; then
   say "- trainkit: SKIPPED, include/trainkit/distributed.hpp is not in this tree"
-elif [[ "$MODE" == "--dry-run" ]]; then
-  say "- trainkit: (dry run) would build benchmark_gpu_nccl_startup and run it"
-elif step build_nccl 120 cmake --build "$B" --target benchmark_gpu_nccl_startup -j "$(nproc)" &&
-     step nccl_startup 60 "$B/benchmarks/gpu/nccl_startup"; then
-  tail -n 1 "$LOGS/nccl_startup.log" | sed 's/^/- /' | tee -a "$REPORT"
+else
+  nccl_args=()
+  [[ "$MODE" == "--dry-run" ]] && nccl_args=(--dry-run)
+  if step build_nccl 180 cmake --build "$B" --target benchmark_gpu_nccl_startup -j "$(nproc)"; then
+    step nccl_startup 90 "$B/benchmarks/gpu/nccl_startup" "${nccl_args[@]}"
+    grep -E "^(- |PASS|FAIL)" "$LOGS/nccl_startup.log" | tee -a "$REPORT"
+  fi
 fi
 if [[ "$MODE" == "--dry-run" ]]; then
   say "- torch.distributed: (dry run) skipped, no GPU"
