@@ -6,6 +6,8 @@
 #   FP16 rows   TRAIN.FP16=true TRAIN.FP16_LOSS_SCALE=dynamic
 #   BF16 rows   TRAIN.BF16=true
 #   4-step rows TRAIN.GRAD_ACCUMULATE_STEPS=4 and TRAIN.BATCH_IMAGES = batch / 4
+#   +rc rows    (a suffix, e.g. fp32x4+rc) NETWORK.RECOMPUTE=true: each encoder layer's
+#               activations recomputed in backward (tk::recompute)
 #   dp2 rows    2 data-parallel processes (torchrun --standalone, Gloo on the CPU) with
 #               TRAIN.BATCH_IMAGES = batch / 2 each: time per sample over both ranks' samples,
 #               peak RSS the larger rank's
@@ -42,7 +44,9 @@ for row in $ROWS; do
     fp32*) ;;
     *) echo "unknown row '$row' (fp32, fp16, bf16, each optionally with x4)" >&2; exit 2 ;;
   esac
-  if [[ "$row" == *x4 ]]; then sets+=(--set "TRAIN.BATCH_IMAGES=$((BATCH / 4))" --set TRAIN.GRAD_ACCUMULATE_STEPS=4); fi
+  base="${row%+rc}"
+  [[ "$row" == *+rc ]] && sets+=(--set NETWORK.RECOMPUTE=true)
+  if [[ "$base" == *x4 ]]; then sets+=(--set "TRAIN.BATCH_IMAGES=$((BATCH / 4))" --set TRAIN.GRAD_ACCUMULATE_STEPS=4); fi
   launch=("$PROGRAM")
   if [[ "$row" == *dp2 ]]; then
     sets+=(--set "TRAIN.BATCH_IMAGES=$((BATCH / 2))")
@@ -66,9 +70,9 @@ print("|---|---|---|---|---|---|---|---|---|---|")
 base = None
 for r in rows:
     res, name = r["result"], r["row"]
-    acc = 4 if name.endswith("x4") else 1
+    acc = 4 if name.removesuffix("+rc").endswith("x4") else 1
     procs = res.get("world_size", 1)
-    prec = name[:4].upper()
+    prec = name[:4].upper() + (" + recompute" if name.endswith("+rc") else "")
     ms = res["ms_per_sample"]
     base = base or ms
     print(f"| {prec} | {procs} | {acc} | {batch // acc // procs} | {batch} | `{res['trainer']}` | {res['peak_rss_mib']:.0f} | "

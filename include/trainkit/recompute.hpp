@@ -6,7 +6,7 @@
 ///   x = tk::recompute([b = block](const torch::Tensor& x, const torch::Tensor& mask) mutable {
 ///     return b->forward(x, mask); }, x, mask);          // several inputs: a callable
 ///
-/// Contract — `recompute(fn, inputs...)` with fn a ModuleHolder (`Linear`, a TORCH_MODULE type)
+/// Contract — `recompute(fn, inputs...)` with fn a ModuleHolder (`Linear`, `Sequential`, a TORCH_MODULE type)
 /// or any callable taking the tensors and returning a torch::Tensor or a std::vector of them:
 ///   forward    fn runs once under NoGradGuard; of its activations only `inputs` are kept
 ///              (saved as autograd saves them: modifying one in place afterwards is an error
@@ -45,6 +45,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/types.h>
 
 #include <algorithm>
@@ -283,11 +284,30 @@ torch::autograd::variable_list call_unpacked(F& fn, const torch::autograd::varia
 
 }  // namespace detail
 
+namespace detail {
+template <class F, class... Tensors>
+auto recompute_call(F&& fn, const Tensors&... inputs);
+}  // namespace detail
+
 /// Runs `fn(inputs...)` keeping only `inputs` for backward, where fn runs again (see the
-/// contract above). fn: a ModuleHolder or a callable, stored (a copy) until backward; returns
-/// a torch::Tensor or a std::vector<torch::Tensor>, and recompute returns the same.
+/// contract above). fn: a ModuleHolder (torch::nn::Sequential included) or a callable, stored
+/// (a copy) until backward; returns a torch::Tensor or a std::vector<torch::Tensor>, and
+/// recompute returns the same.
 template <class F, class... Tensors>
 auto recompute(F&& fn, const Tensors&... inputs) {
+  if constexpr (std::is_same_v<std::decay_t<F>, torch::nn::Sequential>) {
+    // Sequential's operator() cannot name its return type (its forward is a template whose
+    // default result is a Tensor): call forward.
+    return detail::recompute_call(
+        [s = torch::nn::Sequential(fn)](const Tensors&... xs) mutable { return s->forward(xs...); }, inputs...);
+  } else {
+    return detail::recompute_call(std::forward<F>(fn), inputs...);
+  }
+}
+
+namespace detail {
+template <class F, class... Tensors>
+auto recompute_call(F&& fn, const Tensors&... inputs) {
   static_assert(sizeof...(Tensors) > 0, "tk::recompute(fn, inputs...): give at least one input tensor");
   static_assert(std::conjunction_v<std::is_same<Tensors, torch::Tensor>...>,
                 "tk::recompute(fn, inputs...): every input must be a torch::Tensor; pass other "
@@ -334,5 +354,6 @@ auto recompute(F&& fn, const Tensors&... inputs) {
   if constexpr (std::is_same_v<Result, torch::Tensor>) return Result(outputs.at(0));
   else return Result(std::move(outputs));
 }
+}  // namespace detail
 
 }  // namespace trainkit

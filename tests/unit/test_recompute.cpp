@@ -282,6 +282,29 @@ std::int64_t peak_rss_growth_kb(const std::function<void()>& f) {
 
 }  // namespace
 
+TEST_CASE("recompute: a torch::nn::Sequential (whose forward is a template) gives the direct call's gradients") {
+  torch::manual_seed(3);
+  torch::nn::Sequential seq(torch::nn::Linear(16, 32), torch::nn::GELU(), torch::nn::Dropout(0.2),
+                            torch::nn::Linear(32, 16));
+  const auto x0 = torch::randn({8, 16});
+  const auto grads = [&](bool wrapped) {
+    for (auto& p : seq->parameters()) p.mutable_grad() = torch::Tensor();
+    auto x = x0.clone().requires_grad_();
+    torch::manual_seed(11);
+    const auto y = wrapped ? tk::recompute(seq, x) : seq->forward(x);
+    y.pow(2).sum().backward();
+    std::vector<torch::Tensor> out{y.detach(), x.grad()};
+    for (auto& p : seq->parameters()) out.push_back(p.grad().clone());
+    return out;
+  };
+  const auto direct = grads(false), wrapped = grads(true);
+  REQUIRE(direct.size() == wrapped.size());
+  for (std::size_t i = 0; i < direct.size(); ++i) {
+    CAPTURE(i);
+    CHECK(torch::equal(direct[i], wrapped[i]));
+  }
+}
+
 TEST_CASE("recompute: a stack of 8 wrapped layers has a clearly lower peak memory (forward + backward)") {
   // Large blocks are mmapped and unmapped at free, so the resident set follows the live tensors
   // (glibc would otherwise raise its mmap threshold and keep freed activations resident).
