@@ -171,7 +171,11 @@ class Launch {
                                                     detail::seconds_text(2 * timeout + 10) + " s (DIST_TIMEOUT " +
                                                     detail::seconds_text(timeout) + "): something answers on that port but "
                                                     "no store does (another program holds MASTER_PORT?); choose another port");
-      l.group_ = ProcessGroup::create(DistributedOptions().timeout_seconds(timeout), l.device_);
+      const double heartbeat = config.tree()["DIST_HEARTBEAT"].get<double>();
+      if (heartbeat > 0 && heartbeat >= timeout)
+        l.notes_.push_back("DIST_HEARTBEAT " + detail::seconds_text(heartbeat) + " s is not below DIST_TIMEOUT " +
+                           detail::seconds_text(timeout) + " s: no heartbeat (a silent rank is named at the timeout)");
+      l.group_ = ProcessGroup::create(DistributedOptions().timeout_seconds(timeout).heartbeat_seconds(heartbeat), l.device_);
       l.notes_.push_back("data parallel: " + std::to_string(info.world_size) + " processes (" + info.launcher + ", " +
                          l.group_->backend()->getBackendName() + ", store " + l.group_->info().store + "), rank " +
                          std::to_string(info.rank) + " on " + l.device_.str());

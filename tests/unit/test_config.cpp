@@ -62,6 +62,7 @@ TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   CHECK(t["RESUME_CHANGES"] == "refuse");
   CHECK(t["NONFINITE_PATIENCE"] == 20);
   CHECK(c.tree()["DIST_TIMEOUT"] == 1800.0);
+  CHECK(c.tree()["DIST_HEARTBEAT"] == 15.0);
   CHECK(t["MASTER_WEIGHTS"] == false);
   CHECK(t["LR"] == 0.1);
   CHECK(t["OPTIMIZER"] == "SGD");
@@ -153,6 +154,7 @@ TEST_CASE("broken configurations, each with its message") {
        "TRAIN.GRAD_ACCUMULATE_STEPS: must be >= 1, got 0"},
       {R"({"TRAIN": {"WARMUP_STEPS": -1}})", "TRAIN.WARMUP_STEPS", "TRAIN.WARMUP_STEPS: must be >= 0, got -1"},
       {R"({"TRAIN": {"LR": 0}})", "TRAIN.LR", "TRAIN.LR: must be > 0, got 0"},
+      {R"({"DIST_HEARTBEAT": -1})", "DIST_HEARTBEAT", "DIST_HEARTBEAT: must be >= 0, got -1"},
       {R"({"TRAIN": {"LR": -1e-5}})", "TRAIN.LR", "TRAIN.LR: must be > 0, got -1e-05"},
       {R"({"TRAIN": {"FP16_LOSS_SCALE": 0}})", "TRAIN.FP16_LOSS_SCALE", "TRAIN.FP16_LOSS_SCALE: must be > 0, got 0"},
       {R"({"TRAIN": {"BATCH_IMAGES": [8, 0]}})", "TRAIN.BATCH_IMAGES[1]", "TRAIN.BATCH_IMAGES[1]: must be >= 1, got 0"},

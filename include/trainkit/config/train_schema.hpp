@@ -193,6 +193,9 @@ inline Schema root_schema() {
       .doc("device list such as '0,1,2,3'; empty: CPU, or the local rank's GPU when distributed");
   s.number("DIST_TIMEOUT", 1800).min_exclusive(0).doc(
       "seconds a data-parallel rank waits for the others (rendezvous, each collective) before it fails naming the silent ranks");
+  s.number("DIST_HEARTBEAT", 15).min(0).doc(
+      "seconds without a heartbeat after which a data-parallel rank is named on stderr as dead or hung (with NCCL the "
+      "others then stop); 0: off; used only when below DIST_TIMEOUT");
   s.integer("LOG_FREQUENT", 50).min(1).doc("log every N optimizer steps");
   s.integer("VAL_FREQUENT", 1).min(1).doc("validate every N epochs");
   s.integer("CHECKPOINT_FREQUENT", 1).min(1).doc("checkpoint every N epochs");
