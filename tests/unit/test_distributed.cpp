@@ -27,14 +27,30 @@ std::vector<std::string> driver_args(const std::string& out, const std::vector<s
 }
 
 // Two ranks on loopback (rank 0 hosts the store), launched by the harness.
-void run_two(const std::string& out, const std::vector<std::string>& extra, double seconds = 120) {
-  const std::string port = std::to_string(free_port());
+std::vector<Child> spawn_two(const std::string& out, const std::string& port, const std::vector<std::string>& extra) {
   std::vector<Child> ranks;
   for (int r = 0; r < 2; ++r)
     ranks.push_back(spawn(driver_args(out, extra),
                           {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(r)},
                            {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}},
                           out + ".log" + std::to_string(r)));
+  return ranks;
+}
+
+// Two ranks training for good (slowed down), returned once rank 0 has closed window 3.
+std::vector<Child> start_two_training(const std::string& out, const std::string& port, std::vector<std::string> extra) {
+  extra.insert(extra.begin(), {"--steps", "100000", "--batch", "4", "--sleep-ms", "5"});
+  std::vector<Child> ranks = spawn_two(out, port, extra);
+  const auto start = std::chrono::steady_clock::now();
+  while (slurp(ranks[0].out).find("window 3\n") == std::string::npos &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  REQUIRE(slurp(ranks[0].out).find("window 3\n") != std::string::npos);
+  return ranks;
+}
+
+void run_two(const std::string& out, const std::vector<std::string>& extra, double seconds = 120) {
+  std::vector<Child> ranks = spawn_two(out, std::to_string(free_port()), extra);
   for (auto& c : ranks) expect_success(c, wait_exit(c, seconds));
   // Every rank beats (the default heartbeat, 15 s, is below the default timeout): a normal
   // run, its end included, must not report a silent rank.
@@ -210,19 +226,8 @@ TEST_CASE("data parallel: a rank that dies or hangs stops the other within the t
     const double timeout = 4;
     const std::string port = std::to_string(free_port());
     const std::string out = dir / (signal == SIGKILL ? "killed" : "stopped");
-    std::vector<Child> ranks;
-    for (int r = 0; r < 2; ++r)
-      ranks.push_back(spawn(driver_args(out, {"--steps", "100000", "--batch", "4", "--sleep-ms", "5",
-                                              "--timeout", std::to_string(timeout)}),
-                            {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                             {"MASTER_PORT", port}},
-                            out + ".log" + std::to_string(r)));
-    // Wait until they train, then take rank 1 away.
-    const auto start = std::chrono::steady_clock::now();
-    while (slurp(ranks[0].out).find("window 3\n") == std::string::npos &&
-           std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    REQUIRE(slurp(ranks[0].out).find("window 3\n") != std::string::npos);
+    std::vector<Child> ranks = start_two_training(out, port, {"--timeout", std::to_string(timeout)});
+    // They train; now take rank 1 away.
     ::kill(ranks[1].pid, signal);
     const auto t0 = std::chrono::steady_clock::now();
     const int status = wait_exit(ranks[0], timeout + 10);
@@ -246,18 +251,8 @@ TEST_CASE("data parallel: the heartbeat names a hung rank within seconds, long b
   const double timeout = 12, heartbeat = 1.5;
   const std::string port = std::to_string(free_port());
   const std::string out = dir / "hung";
-  std::vector<Child> ranks;
-  for (int r = 0; r < 2; ++r)
-    ranks.push_back(spawn(driver_args(out, {"--steps", "100000", "--batch", "4", "--sleep-ms", "5", "--timeout",
-                                            std::to_string(timeout), "--heartbeat", std::to_string(heartbeat)}),
-                          {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                           {"MASTER_PORT", port}},
-                          out + ".log" + std::to_string(r)));
-  const auto start = std::chrono::steady_clock::now();
-  while (slurp(ranks[0].out).find("window 3\n") == std::string::npos &&
-         std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  REQUIRE(slurp(ranks[0].out).find("window 3\n") != std::string::npos);
+  std::vector<Child> ranks = start_two_training(
+      out, port, {"--timeout", std::to_string(timeout), "--heartbeat", std::to_string(heartbeat)});
   ::kill(ranks[1].pid, SIGSTOP);
   const auto t0 = std::chrono::steady_clock::now();
   const std::string said = "trainkit: rank 0 of 2: rank 1 sent no heartbeat for 1.5 s: died or hangs";

@@ -175,14 +175,18 @@ TEST_CASE("blanking a modality hides it completely") {
   CHECK(question.regions.sum().item<float>() > 0.0f);
 }
 
+namespace {
+// One thread for a test's runs, as the vlbert program runs: the matrices are small, and a busy
+// machine's idle OpenMP workers would spin.
+struct OneThread {
+  int before = torch::get_num_threads();
+  OneThread() { torch::set_num_threads(1); }
+  ~OneThread() { torch::set_num_threads(before); }
+};
+}  // namespace
+
 TEST_CASE("a short pre-training and fine-tuning run learns, and fine-tuning loads every matching weight") {
-  // One thread, as the vlbert program runs: the matrices are small, and a busy machine's idle
-  // OpenMP workers would spin.
-  struct OneThread {
-    int before = torch::get_num_threads();
-    OneThread() { torch::set_num_threads(1); }
-    ~OneThread() { torch::set_num_threads(before); }
-  } one_thread;
+  const OneThread one_thread;
   testing::TempDir dir;
   const tk::Config pre = tiny_config(dir / "pretrain", "", {R"(TRAIN.LOSS_LOGGERS=["mlm_loss,MLMLoss"])"});
   const RunResult p = pretrain(pre);
@@ -262,11 +266,7 @@ TEST_CASE("a data set too large to hold in memory is a ConfigError naming DATASE
 }
 
 TEST_CASE("NETWORK.RECOMPUTE: recomputing the encoder layers in backward trains exactly as keeping their activations") {
-  struct OneThread {
-    int before = torch::get_num_threads();
-    OneThread() { torch::set_num_threads(1); }
-    ~OneThread() { torch::set_num_threads(before); }
-  } one_thread;
+  const OneThread one_thread;
   testing::TempDir dir;
   // Dropout on: the recomputed forward must draw the same masks.
   const std::vector<std::string> common{"TRAIN.END_EPOCH=1", "DATASET.TRAIN_SCENES=200",
