@@ -8,6 +8,9 @@
 #   4-step rows TRAIN.GRAD_ACCUMULATE_STEPS=4 and TRAIN.BATCH_IMAGES = batch / 4
 #   +rc rows    (a suffix, e.g. fp32x4+rc) NETWORK.RECOMPUTE=true: each encoder layer's
 #               activations recomputed in backward (tk::recompute)
+#   +plan rows  (a suffix, e.g. fp32+plan, fp32+rc+plan) TRAIN.MEMORY_BUDGET=$VLBERT_TABLE_BUDGET:
+#               fit measures the micro-batch's forward+backward and runs it as pieces that fit
+#               (the table shows the piece size and what measuring cost)
 #   dp2 rows    2 data-parallel processes (torchrun --standalone, Gloo on the CPU) with
 #               TRAIN.BATCH_IMAGES = batch / 2 each: time per sample over both ranks' samples,
 #               peak RSS the larger rank's
@@ -19,6 +22,7 @@
 #   VLBERT_TABLE_DIR     working directory (default output/vlbert/table; emptied first)
 #   VLBERT_TABLE_BATCH   effective batch (default 16, the VQA config's)
 #   VLBERT_TABLE_ROWS    rows to run (default "fp32 fp16 fp32x4 fp16x4 bf16 bf16x4 fp32dp2")
+#   VLBERT_TABLE_BUDGET  TRAIN.MEMORY_BUDGET of +plan rows (default 700MiB)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +30,7 @@ BUILD_DIR="${TRAINKIT_BUILD_DIR:-$ROOT/build}"
 DIR="${VLBERT_TABLE_DIR:-$ROOT/output/vlbert/table}"
 BATCH="${VLBERT_TABLE_BATCH:-16}"
 ROWS="${VLBERT_TABLE_ROWS:-fp32 fp16 fp32x4 fp16x4 bf16 bf16x4 fp32dp2}"
+BUDGET="${VLBERT_TABLE_BUDGET:-700MiB}"
 PROGRAM="$BUILD_DIR/examples/vlbert/vlbert"
 [[ -x "$PROGRAM" ]] || "$ROOT/scripts/build" --target example_vlbert
 if (( BATCH % 4 != 0 )); then echo "VLBERT_TABLE_BATCH must be a multiple of 4, got $BATCH" >&2; exit 2; fi
@@ -44,8 +49,9 @@ for row in $ROWS; do
     fp32*) ;;
     *) echo "unknown row '$row' (fp32, fp16, bf16, each optionally with x4)" >&2; exit 2 ;;
   esac
-  base="${row%+rc}"
-  [[ "$row" == *+rc ]] && sets+=(--set NETWORK.RECOMPUTE=true)
+  base="${row%%+*}"
+  [[ "$row" == *+rc* ]] && sets+=(--set NETWORK.RECOMPUTE=true)
+  [[ "$row" == *+plan* ]] && sets+=(--set "TRAIN.MEMORY_BUDGET=$BUDGET")
   if [[ "$base" == *x4 ]]; then sets+=(--set "TRAIN.BATCH_IMAGES=$((BATCH / 4))" --set TRAIN.GRAD_ACCUMULATE_STEPS=4); fi
   launch=("$PROGRAM")
   if [[ "$row" == *dp2 ]]; then
@@ -67,14 +73,24 @@ print(f"Machine: {cpu}, {os.cpu_count()} cores; OMP_NUM_THREADS={os.environ.get(
 print()
 print("| precision | processes | accumulation | micro-batch | effective batch | trainer | peak RSS per process (MiB) | time per sample (ms) | skipped steps | final VQA accuracy |")
 print("|---|---|---|---|---|---|---|---|---|---|")
+notes = []
 base = None
 for r in rows:
     res, name = r["result"], r["row"]
-    acc = 4 if name.removesuffix("+rc").endswith("x4") else 1
+    acc = 4 if name.split("+")[0].endswith("x4") else 1
     procs = res.get("world_size", 1)
-    prec = name[:4].upper() + (" + recompute" if name.endswith("+rc") else "")
+    prec = name[:4].upper() + (" + recompute" if "+rc" in name else "") + (" + planned" if "+plan" in name else "")
+    micro = str(batch // acc // procs)
+    if res.get("piece_items", 0) > 0:
+        micro += f" (pieces of {res['piece_items']})"
+    if res.get("plan_seconds", 0) > 0:
+        notes.append(f"{name}: planning took {res['plan_seconds']:.2f} s (included in the time per sample)")
+    if res.get("replays", 0) > 0:
+        notes.append(f"{name}: {res['replays']} window(s) replayed after running out of memory")
     ms = res["ms_per_sample"]
     base = base or ms
-    print(f"| {prec} | {procs} | {acc} | {batch // acc // procs} | {batch} | `{res['trainer']}` | {res['peak_rss_mib']:.0f} | "
+    print(f"| {prec} | {procs} | {acc} | {micro} | {batch} | `{res['trainer']}` | {res['peak_rss_mib']:.0f} | "
           f"{ms:.3f} ({ms / base:.2f}x) | {res['skipped_steps']} | {res['val'].get('Acc', float('nan')):.4f} |")
+for n in notes:
+    print(f"- {n}")
 PY

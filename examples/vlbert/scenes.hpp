@@ -310,6 +310,25 @@ struct Batch {
   torch::Tensor answer_at;    // [B] position of the [MASK] that the answer is read from (VQA)
   std::vector<int> types;     // question types (VQA), for per-type accuracy
   std::int64_t size() const { return text.size(0); }
+  /// Rows [begin, end) (padding kept at the batch's widths).
+  Batch rows(std::int64_t begin, std::int64_t end) const {
+    auto cut = [&](const torch::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
+    std::vector<int> kept;
+    if (!types.empty()) kept.assign(types.begin() + begin, types.begin() + end);
+    return {cut(text), cut(features), cut(boxes), cut(regions), cut(mlm_labels), cut(mvrc_labels),
+            cut(answers), cut(answer_at), kept};
+  }
+  /// `parts` batches of consecutive rows, sizes differing by at most one (tk::Task::split).
+  std::vector<Batch> split(std::int64_t parts) const {
+    parts = std::max<std::int64_t>(1, std::min(parts, size()));
+    std::vector<Batch> pieces;
+    for (std::int64_t k = 0, begin = 0; k < parts; ++k) {
+      const std::int64_t end = begin + size() / parts + (k < size() % parts ? 1 : 0);
+      pieces.push_back(rows(begin, end));
+      begin = end;
+    }
+    return pieces;
+  }
   /// The same batch on `device` (the model's): every tensor moved, `types` kept.
   Batch to(torch::Device device) const {
     if (device == text.device()) return *this;

@@ -235,6 +235,8 @@ struct RunResult {
   double train_seconds = 0;                        // training only (validation excluded)
   std::int64_t train_samples = 0, steps = 0, skipped = 0;  // samples: all ranks'
   double peak_rss_mib = 0;                         // the largest of the ranks' peaks
+  std::int64_t piece_items = 0, replays = 0;       // micro-batches run as pieces of at most this (0: whole)
+  double plan_seconds = 0;                         // TRAIN.MEMORY_BUDGET's measuring (in train_seconds)
   double chance = 0, question_prior = 0, majority = 0;  // VQA reference points
   PartialLoad partial;
   std::string checkpoint;  // the last one written (or resumed from)
@@ -291,6 +293,7 @@ RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const
     return m;
   };
   task.items = [](const Batch& b) { return b.size(); };
+  task.split = [](const Batch& b, std::int64_t parts) { return b.split(parts); };  // TRAIN.MEMORY_BUDGET, out-of-memory replay
   if (!eval.empty()) {  // VL-BERT's test.py: every weight from the file, strictly
     r.evaluated = eval;
     tk::evaluate(*model, task, eval);  // (task.validate above records the metrics in r.val)
@@ -305,6 +308,12 @@ RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const
   const tk::FitResult f = tk::fit(trainer, task, options, callbacks);
   r.train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - val_seconds;
   r.steps = f.applied_steps;
+  r.piece_items = f.piece_items;
+  r.replays = f.replays;
+  if (f.plan) {  // its measuring ran task.loss: those samples were not trained on
+    r.plan_seconds = f.plan->seconds;
+    for (const auto& [items, bytes] : f.plan->measured) r.train_samples -= items;
+  }
   r.skipped = f.skipped_steps;
   r.checkpoint = f.checkpoints.empty() ? f.resumed_from : f.checkpoints.back();
   r.train_samples = static_cast<std::int64_t>(launch.sum({static_cast<double>(r.train_samples)}, "summing the ranks' sample counts")[0]);
@@ -320,7 +329,7 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
   VLBertForPretraining model(model_config(config), 6);
   model->to(launch.device());
-  const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
+  const auto bs = config.derived(launch.world_size()).batch_images, val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
   const auto loggers = tk::LossLoggers::from(config).require({"mlm_loss", "mvrc_loss"});  // TRAIN.LOSS_LOGGERS
   // Each rank its shard of every epoch's order; W ranks x batch B see, window for window, the
@@ -374,7 +383,7 @@ inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, co
     if (launch.is_main()) print_partial_load(partial, pretrained);
   }
   model->to(launch.device());
-  const auto bs = summed(config.tree()["TRAIN"]["BATCH_IMAGES"]), val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
+  const auto bs = config.derived(launch.world_size()).batch_images, val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const tk::DistributedSampler sampler(data.samples(true, false), bs, launch.rank(), launch.world_size(),
                                        static_cast<std::uint64_t>(options.seed()), config.get<bool>("TRAIN.SHUFFLE"));
   const torch::Device device = launch.device();
@@ -449,6 +458,9 @@ inline std::string result_json(const RunResult& r) {
   j["steps"] = r.steps;
   j["skipped_steps"] = r.skipped;
   j["peak_rss_mib"] = r.peak_rss_mib;
+  j["piece_items"] = r.piece_items;
+  j["replays"] = r.replays;
+  j["plan_seconds"] = r.plan_seconds;
   j["world_size"] = r.world_size;
   j["device"] = r.device;
   j["checkpoint"] = r.checkpoint;

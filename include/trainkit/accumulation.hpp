@@ -10,6 +10,7 @@
 ///                     into the mean over the window's micro-batches (or items); 1 for a full
 ///                     window with plain weighting, N/k for a partial one (flush)
 ///   reset()           after the optimizer phase (or a dropped window)
+///   discard()         Trainer::discard_window(): the open window forgotten
 /// Guarantees: with item counts, the window's gradient is the gradient of the mean over all
 /// its items, exactly, whatever the counts; every factor is a host double (no device work).
 #include <trainkit/options.hpp>
@@ -102,6 +103,13 @@ class AccumulationPolicy {
       seen_items_ += items_;
       seen_batches_ += position_;
     }
+    position_ = 0;
+    items_ = 0;
+  }
+
+  /// The open window dropped unused (Trainer::discard_window): as after reset(), but its
+  /// counts do not join the running mean.
+  void discard() {
     position_ = 0;
     items_ = 0;
   }

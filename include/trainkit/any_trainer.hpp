@@ -13,7 +13,8 @@
 /// Contract — what an implementation guarantees (Trainer<P, A, C> is the only one):
 ///   run_micro_step(loss, items)  exactly Trainer::micro_step(loss[, items]) (items < 0: none);
 ///                                the loss closure runs inside the precision region
-///   flush, save, load, set_schedule, on_epoch_end, set_replicas
+///   run_micro_step_pieces        exactly Trainer::micro_step_pieces
+///   flush, discard_window, save, load, set_schedule, on_epoch_end, set_replicas
 ///                                exactly the Trainer members of the same names
 ///   type_name()                  Trainer<P, A, C>::name(), the name checkpoints record
 ///   window_length()              micro-batches per window (AccumulationPolicy's N, or the
@@ -65,6 +66,14 @@ class AnyTrainer {
     TORCH_CHECK(items >= 0, "micro_step: the item count must be >= 0, got ", items);
     return run_micro_step(loss, items);
   }
+  /// The forward of piece j of a micro-batch (micro_step_pieces): returns its loss.
+  using PieceLoss = std::function<torch::Tensor(std::int64_t)>;
+  /// Trainer::micro_step_pieces(loss, items): one micro-batch as pieces of items[j] items.
+  MicroStepResult micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items) {
+    return run_micro_step_pieces(loss, items);
+  }
+  /// Trainer::discard_window(): the open window's gradient and counts dropped.
+  virtual void discard_window() = 0;
   /// End of epoch: the partial window by TrainerOptions::partial_window (step.md).
   virtual std::optional<StepReport> flush() = 0;
 
@@ -121,6 +130,7 @@ class AnyTrainer {
  protected:
   /// The compiled micro-step; items < 0 means no item count.
   virtual MicroStepResult run_micro_step(const LossClosure& loss, std::int64_t items) = 0;
+  virtual MicroStepResult run_micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items) = 0;
 };
 
 }  // namespace trainkit

@@ -54,7 +54,7 @@ namespace trainkit {
 /// Values that follow from the configuration and the launch (world size).
 struct Derived {
   std::int64_t world_size = 1;
-  std::int64_t batch_images = 1;        ///< per-device micro-batch: sum(TRAIN.BATCH_IMAGES)
+  std::int64_t batch_images = 1;        ///< per-device micro-batch: sum(TRAIN.BATCH_IMAGES), or from TARGET_BATCH
   std::int64_t accumulation_steps = 1;  ///< TRAIN.GRAD_ACCUMULATE_STEPS
   std::int64_t total_batch = 1;         ///< world_size x batch_images x accumulation_steps
   double base_lr = 0.1;                 ///< LR x total_batch (per_sample) or LR (none)
@@ -268,6 +268,16 @@ class Config {
       d.batch_images = b.get<std::int64_t>();
     }
     d.accumulation_steps = t["GRAD_ACCUMULATE_STEPS"].get<std::int64_t>();
+    if (const auto target = t["TARGET_BATCH"].get<std::int64_t>(); target > 0) {  // in place of BATCH_IMAGES
+      const std::int64_t per_device = target / (d.world_size * d.accumulation_steps);
+      if (per_device * d.world_size * d.accumulation_steps != target)
+        throw ConfigError("TRAIN.TARGET_BATCH", "the effective batch " + std::to_string(target) +
+                                                    " is not a multiple of world size " + std::to_string(d.world_size) +
+                                                    " x GRAD_ACCUMULATE_STEPS " + std::to_string(d.accumulation_steps) +
+                                                    "; choose a multiple, or set GRAD_ACCUMULATE_STEPS: 1 and let "
+                                                    "TRAIN.MEMORY_BUDGET split the batch");
+      d.batch_images = per_device;
+    }
     if (__builtin_mul_overflow(d.world_size, d.batch_images, &d.total_batch) ||
         __builtin_mul_overflow(d.total_batch, d.accumulation_steps, &d.total_batch))
       throw overflow("the total batch (world size " + std::to_string(d.world_size) + " x BATCH_IMAGES " +
@@ -417,6 +427,8 @@ class Config {
     for (const char* k : {"VISUAL_SCALE_TEXT_LR_MULT", "VISUAL_SCALE_OBJECT_LR_MULT", "VISUAL_SCALE_CLIP_GRAD_NORM"})
       if (given_train && given_train->contains(k))
         notes.push_back(std::string("TRAIN.") + k + " is accepted for compatibility with VL-BERT and not used");
+    if (given_train && given_train->contains("BATCH_IMAGES") && tree["TRAIN"]["TARGET_BATCH"].get<std::int64_t>() > 0)
+      notes.push_back("TRAIN.BATCH_IMAGES is not used: TRAIN.TARGET_BATCH sets the per-device batch");
 
     std::sort(unvalidated.begin(), unvalidated.end());
     tree_ = std::move(tree);

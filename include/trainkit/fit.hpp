@@ -56,6 +56,28 @@
 /// anything task.batch draws are a pure function of the position on every rank, so a resume is
 /// exact on every rank (a checkpoint holds one rank's generator state, the main rank's).
 ///
+/// Memory (memory.hpp), for a task with split and items:
+///   - TRAIN.MEMORY_BUDGET (FitOptions::memory_budget): before training (and before resuming),
+///     one forward+backward of micro-batch 0 of BEGIN_EPOCH is measured whole and in pieces of
+///     1, 1/8, 1/4 and 1/2 of its items (stopping at the first over the budget); the largest
+///     piece that fits with a 10% margin is planned (tk::plan_pieces), printed and logged, and
+///     every micro-batch with more items runs as pieces of at most that size
+///     (AnyTrainer::micro_step_pieces: the optimizer step is the whole micro-batch's, so the
+///     effective batch and the trajectory are those of the configuration, up to rounding). The
+///     measurement leaves the model, its buffers, the trainer and the generators as they were.
+///     A budget that cannot hold one item is a ConfigError naming the budget and the need.
+///   - Out of memory in a micro-batch's forward or backward (c10::OutOfMemoryError, the CPU
+///     allocator's error): the open window's partial gradient and its metrics are dropped, the
+///     piece size halved (FitResult::piece_items), and the window replayed from its first
+///     micro-batch; the window's optimizer step is then what it would have been. Said once per
+///     replay. The smaller size stays for the rest of the run and goes into checkpoints (a
+///     resume without a budget keeps it, said). Out of memory with pieces of one item, in a
+///     window begun in an earlier epoch or before a resume, or in the optimizer phase, stops the
+///     run with an error; the checkpoints written so far are intact. batch_end callbacks see the
+///     replayed micro-batches again. Data parallel: only the rank that ran out replays; the
+///     others wait for it at the window's all-reduce.
+///   Without task.split an out-of-memory error stops the run, naming the micro-batch.
+///
 /// Errors: a checkpoint that cannot be written (unwritable directory, full disk) throws
 /// CheckpointError naming the file and the step; the checkpoints already written stay intact.
 /// A non-finite gradient with NONFINITE abort throws NonFiniteGradient with the epoch, the
@@ -70,6 +92,7 @@
 #include <trainkit/log/tensorboard.hpp>
 #include <trainkit/log/text_log.hpp>
 #include <trainkit/any_trainer.hpp>
+#include <trainkit/memory.hpp>
 #include <trainkit/metrics.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/run_options.hpp>
@@ -116,6 +139,12 @@ struct Task {
   /// Optional: the micro-batch's item count (samples, tokens): the window's gradient and the
   /// logged means are then weighted by items (Trainer::micro_step with items).
   std::function<std::int64_t(const Batch&)> items;
+  /// Optional (needs items): `parts` pieces of a micro-batch, together holding its items, each
+  /// a Batch that loss() takes; loss() must be the mean over a batch's items, so that the
+  /// items-weighted mean of the pieces' losses is the batch's. With it, the loop runs
+  /// micro-batches that do not fit in memory as pieces (FitOptions::memory_budget,
+  /// piece_items) and replays a window after an out-of-memory error ("Memory" above).
+  std::function<std::vector<Batch>(const Batch&, std::int64_t parts)> split;
   /// Optional: validation after an epoch; the metrics are logged as Val-<name>.
   std::function<std::map<std::string, double>(std::int64_t epoch)> validate;
   /// Optional: the validation metric that ranks checkpoints (the best is kept) and drives the
@@ -176,6 +205,9 @@ struct FitResult {
   bool finished = false;                       ///< a callback ended training (EpochEnd::request_finish), now or in the run resumed
   int signal = 0;                              ///< the signal that stopped it (0: none)
   std::string message;                         ///< the stop message (how to resume), or why nothing was trained
+  std::optional<MemoryPlan> plan;              ///< the memory plan (FitOptions::memory_budget)
+  std::int64_t piece_items = 0;                ///< the largest piece run at the end (0: whole micro-batches)
+  std::int64_t replays = 0;                    ///< windows replayed after running out of memory
 };
 
 namespace detail {
@@ -262,6 +294,8 @@ class FitLoop {
         progress_ = std::make_unique<ProgressLine>(p);
       }
     }
+    piece_items_ = options_.piece_items();
+    if (options_.memory_budget() > 0) plan_memory();  // before resuming: it leaves no trace
     state_.seed = options_.seed();
     state_.best_metric = task_.best_metric;
     state_.higher_is_better = task_.higher_is_better;
@@ -308,13 +342,21 @@ class FitLoop {
       trainer_.model().train();
       bool checkpoint_requested = false, stop_requested = false;
       for (std::int64_t index = first; index < batches; ++index) {
+        if (task_.split && trainer_.window_position() == 0) open_window(epoch, index);
         if (trainer_.replicas().world_size() > 1)  // every rank's RNG resumes exactly (below)
           detail::seed_rng_states(detail::mix_seed({static_cast<std::uint64_t>(options_.seed()),
                                                     static_cast<std::uint64_t>(trainer_.replicas().rank()),
                                                     static_cast<std::uint64_t>(epoch), static_cast<std::uint64_t>(index)}),
                                   trainer_.device());
         const Batch batch = prefetch.next(epoch, index, batches);
-        const MicroStepResult r = micro_step(batch, epoch, index, batches);
+        MicroStepResult r;
+        try {
+          r = micro_step(batch, epoch, index, batches);
+        } catch (const std::exception& e) {
+          if (!detail::is_out_of_memory(e)) throw;
+          index = replay_window(e, epoch, index, batches) - 1;  // throws when it cannot
+          continue;
+        }
         stop_requested |= signals.received() != 0;
         Requests agreed;  // data parallel: what every rank does at this window
         if (r.window_closed) agreed = window_closed(r.report, epoch, index + 1, batches, {stop_requested, checkpoint_requested});
@@ -503,6 +545,14 @@ class FitLoop {
     const double weight = items >= 0 ? static_cast<double>(items) : 1.0;
     samples_since_log_ += items >= 0 ? items : 1;
     samples_in_epoch_ += items >= 0 ? items : 1;
+    last_piece_items_ = items;
+    if (task_.split && piece_items_ > 0 && items > piece_items_) {
+      try {
+        return micro_step_pieces(batch, items);
+      } catch (const NonFiniteGradient& e) {
+        throw NonFiniteGradient(position_text(epoch, index, batches) + ": " + e.what());
+      }
+    }
     auto closure = [&] {
       torch::Tensor loss = task_.loss(batch, metrics_);
       TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
@@ -514,6 +564,154 @@ class FitLoop {
     } catch (const NonFiniteGradient& e) {
       throw NonFiniteGradient(position_text(epoch, index, batches) + ": " + e.what());
     }
+  }
+
+  // A micro-batch of `items` items as pieces of at most piece_items_ (task.split), each with
+  // its own forward and backward; one micro-step of the trainer.
+  MicroStepResult micro_step_pieces(const Batch& batch, std::int64_t items) {
+    const std::int64_t parts = (items + piece_items_ - 1) / piece_items_;
+    const std::vector<Batch> pieces = task_.split(batch, parts);
+    std::vector<std::int64_t> counts;
+    std::int64_t sum = 0;
+    for (const auto& piece : pieces) {
+      counts.push_back(task_.items(piece));
+      sum += counts.back();
+    }
+    if (pieces.empty() || sum != items)
+      throw std::runtime_error("fit: task.split(a micro-batch of " + std::to_string(items) + " items, " +
+                               std::to_string(parts) + ") returned " + std::to_string(pieces.size()) + " pieces of " +
+                               std::to_string(sum) + " items in all; the pieces must hold the micro-batch's items");
+    last_piece_items_ = *std::max_element(counts.begin(), counts.end());
+    return trainer_.micro_step_pieces(
+        [&](std::int64_t j) {
+          torch::Tensor loss = task_.loss(pieces[static_cast<size_t>(j)], metrics_);
+          TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
+          metrics_.add("Loss", loss, static_cast<double>(counts[static_cast<size_t>(j)]));
+          return loss;
+        },
+        counts);
+  }
+
+  // The window being filled: where it began and the loop's sums before it, for a replay.
+  // (A Metrics copy is a snapshot: metrics.hpp.)
+  void open_window(std::int64_t epoch, std::int64_t index) {
+    window_ = {true, epoch, index, metrics_, samples_since_log_, samples_in_epoch_};
+  }
+
+  // Out of memory in micro-batch `index`: the window is dropped and begins again at its first
+  // micro-batch with pieces half the size of the largest that failed. Returns that micro-batch.
+  std::int64_t replay_window(const std::exception& e, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    const std::string where = "out of memory at " + position_text(epoch, index, batches) + " (optimizer step " +
+                              std::to_string(trainer_.windows() + 1) + ", " +
+                              (last_piece_items_ >= 0 ? detail::items_text(last_piece_items_) + " at once" : "no item count") +
+                              "): " + detail::first_line_of(e) + ". ";
+    const std::string intact = "; the checkpoints written so far are intact";
+    if (!task_.split)
+      throw std::runtime_error(where + "Give the task a split function (tk::Task::split, with items) so that trainkit "
+                               "replays the window in smaller pieces, or plan them with TRAIN.MEMORY_BUDGET" + intact);
+    if (!window_.open || window_.epoch != epoch)
+      throw std::runtime_error(where + "The window began " +
+                               (window_.open ? "in epoch " + std::to_string(window_.epoch) : std::string("before this run resumed")) +
+                               ", so it cannot be replayed; resume with a smaller micro-batch or TRAIN.MEMORY_BUDGET" + intact);
+    if (last_piece_items_ <= 1)
+      throw std::runtime_error(where + "Pieces of one item do not fit: recompute activations (tk::recompute), train "
+                               "in half precision, or use a smaller model" + intact);
+    trainer_.discard_window();
+    if (!trainer_.device().is_cpu()) c10::getDeviceAllocator(trainer_.device().type())->emptyCache();
+    piece_items_ = std::max<std::int64_t>(1, last_piece_items_ / 2);
+    ++result_.replays;
+    metrics_ = window_.metrics;
+    samples_since_log_ = window_.samples_since_log;
+    samples_in_epoch_ = window_.samples_in_epoch;
+    say("trainkit: " + where + "The window's partial gradient is dropped and the window replayed from micro-batch " +
+        std::to_string(window_.index) + " in pieces of at most " + detail::items_text(piece_items_) +
+        "; the run goes on at that size, and the optimizer step is the window's as before");
+    return window_.index;
+  }
+
+  // TRAIN.MEMORY_BUDGET: measures one forward+backward of micro-batch 0 of the first epoch at
+  // a few piece sizes and plans the largest that fits ("Memory" above). The model's buffers,
+  // the generators and the trainer's gradient are put back as they were.
+  void plan_memory() {
+    if (!task_.split || !task_.items)
+      throw ConfigError("TRAIN.MEMORY_BUDGET", "planning the micro-batch needs a task that splits its batches "
+                                               "(tk::Task::split and items); this task has " +
+                                               std::string(task_.split ? "no items" : "no split") + ". Set TRAIN.MEMORY_BUDGET: 0");
+    const auto started = Clock::now();
+    const torch::Device device = trainer_.device();
+    const double budget = memory_budget_bytes(options_.memory_budget(), device);
+    PeakMemory peak(device);
+    if (!peak.available())
+      throw ConfigError("TRAIN.MEMORY_BUDGET", "the peak memory cannot be measured here (/proc/self/clear_refs is not "
+                                               "writable); set TRAIN.MEMORY_BUDGET: 0");
+    const Batch batch = task_.batch(options_.begin_epoch(), 0);
+    const std::int64_t total = task_.items(batch);
+    TORCH_CHECK(total >= 1, "TRAIN.MEMORY_BUDGET: micro-batch 0 of epoch ", options_.begin_epoch(),
+                " has no items to measure");
+    std::vector<std::int64_t> sizes{1};
+    for (const std::int64_t parts : {8, 4, 2, 1}) sizes.push_back((total + parts - 1) / parts);
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    // What the measurement would change: the buffers (batch norm's statistics), the generators.
+    std::vector<torch::Tensor> buffers;
+    for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
+    std::ostringstream generators;
+    {
+      torch::serialize::OutputArchive a;
+      detail::save_rng_states(a, device);
+      a.save_to(generators);
+    }
+    trainer_.model().train();
+    std::vector<std::pair<std::int64_t, double>> measured;
+    std::int64_t fails_from = total + 1;  // the smallest size that ran out of memory
+    for (const std::int64_t size : sizes) {
+      const std::vector<Batch> pieces = size == total ? std::vector<Batch>{batch} : task_.split(batch, (total + size - 1) / size);
+      std::size_t largest = 0;
+      std::vector<std::int64_t> counts;
+      for (const auto& piece : pieces) counts.push_back(task_.items(piece));
+      largest = static_cast<std::size_t>(std::max_element(counts.begin(), counts.end()) - counts.begin());
+      if (!measured.empty() && counts[largest] <= measured.back().first) continue;
+      double bytes = 0;
+      try {
+        Metrics scratch;
+        peak.reset();
+        {
+          torch::Tensor loss;
+          {
+            const auto region = trainer_.precision_region();
+            loss = task_.loss(pieces[largest], scratch);
+          }
+          loss.backward();
+        }
+        bytes = peak.bytes();
+      } catch (const std::exception& e) {
+        if (!detail::is_out_of_memory(e)) throw;
+        fails_from = counts[largest];
+      }
+      trainer_.discard_window();  // the measurement's gradient
+      if (fails_from <= counts[largest]) break;
+      measured.emplace_back(counts[largest], bytes);
+      if (bytes > budget) break;  // larger pieces need more
+    }
+    {
+      torch::NoGradGuard no_grad;
+      std::size_t i = 0;
+      for (auto& b : trainer_.model().buffers()) b.copy_(buffers[i++]);
+      std::istringstream in(generators.str());
+      torch::serialize::InputArchive a;
+      a.load_from(in);
+      detail::load_rng_states(a, device);
+    }
+    if (!device.is_cpu()) c10::getDeviceAllocator(device.type())->emptyCache();
+    if (measured.empty())
+      throw ConfigError("TRAIN.MEMORY_BUDGET", "one forward+backward of a single item ran out of memory on " + device.str() +
+                                               " before the budget of " + detail::mib_text(budget) + " was reached");
+    MemoryPlan plan = plan_pieces(total, measured, budget);
+    plan.piece_items = std::min(plan.piece_items, fails_from - 1);
+    plan.seconds = std::chrono::duration<double>(Clock::now() - started).count();
+    piece_items_ = plan.piece_items;
+    planned_ = true;
+    result_.plan = plan;
+    say("trainkit: " + plan.text());
   }
 
   std::optional<StepReport> flush(std::int64_t epoch, std::int64_t batches) {
@@ -700,6 +898,7 @@ class FitLoop {
   // The loop's running sums, so that a resumed epoch's means and logs equal the straight run's.
   void save_loop_extra(torch::serialize::OutputArchive& a) const {
     a.write("fit.finished", c10::IValue(finished_));  // "": training goes on
+    a.write("fit.piece_items", c10::IValue(piece_items_));
     for (const auto& s : callbacks_.state) {
       torch::serialize::OutputArchive nested;
       s.save(nested);
@@ -727,6 +926,13 @@ class FitLoop {
     check_resume_changes(detail::read_value(a, "fit.config").toStringRef());  // before anything changes
     c10::IValue finished;
     finished_ = a.try_read("fit.finished", finished) ? finished.toStringRef() : std::string();
+    c10::IValue pieces;  // the piece size the checkpoint's run ended with (absent: whole micro-batches)
+    if (!planned_ && a.try_read("fit.piece_items", pieces) && pieces.toInt() > 0 &&
+        (piece_items_ == 0 || pieces.toInt() < piece_items_)) {
+      piece_items_ = pieces.toInt();
+      say("trainkit: micro-batches run as pieces of at most " + detail::items_text(piece_items_) +
+          ", as the checkpoint's run did (it ran out of memory with larger ones; TRAIN.MEMORY_BUDGET plans afresh)");
+    }
     for (const auto& s : callbacks_.state) {
       torch::serialize::InputArchive nested;
       if (a.try_read("fit.callback." + s.name, nested)) s.load(nested);
@@ -789,6 +995,7 @@ class FitLoop {
     r.applied_steps = trainer_.applied_steps().template item<std::int64_t>();
     r.skipped_steps = trainer_.skipped_steps().template item<std::int64_t>();
     r.best_checkpoint = state_.best_path;
+    r.piece_items = piece_items_;
     return r;
   }
 
@@ -814,6 +1021,17 @@ class FitLoop {
   Metrics::Totals logged_;    // the sums at the last log (the next log's interval starts there)
   Clock::time_point clock_;
   std::int64_t samples_since_log_ = 0, samples_in_epoch_ = 0;
+  // Memory ("Memory" above): the largest piece of a micro-batch run at once (0: whole ones),
+  // whether a budget planned it, the items of the last micro-step's largest piece, and the
+  // open window's start with the loop's sums before it (for a replay).
+  std::int64_t piece_items_ = 0, last_piece_items_ = -1;
+  bool planned_ = false;
+  struct OpenWindow {
+    bool open = false;
+    std::int64_t epoch = 0, index = 0;
+    Metrics metrics;
+    std::int64_t samples_since_log = 0, samples_in_epoch = 0;
+  } window_;
 };
 
 }  // namespace detail
@@ -827,6 +1045,10 @@ FitResult fit(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options,
   options.validate();
   if (!task.batches_per_epoch || !task.batch || !task.loss)
     throw std::invalid_argument("fit: the task needs batches_per_epoch, batch and loss");
+  if (task.split && !task.items)
+    throw std::invalid_argument("fit: task.split needs task.items (pieces are weighted by their item counts)");
+  if (options.piece_items() > 0 && !task.split)
+    throw std::invalid_argument("fit: FitOptions::piece_items needs task.split (and task.items) to make pieces");
   detail::FitLoop<Batch> loop(trainer, task, options, std::move(callbacks));
   return loop.run();
 }

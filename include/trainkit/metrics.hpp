@@ -7,7 +7,9 @@
 /// Each value is a mean over `weight` items (or 1 for one micro-batch); the running value is
 /// sum(value_i * weight_i) / sum(weight_i), the mean over all items seen, never an average of
 /// averages. Sums are kept in float64 on the value's device, weights on the host, so add()
-/// costs one small kernel and no sync; values are read only when asked for.
+/// costs one small kernel and no sync; values are read only when asked for. add() makes a new
+/// sum rather than adding in place, so a copy of a Metrics is a snapshot that later adds do not
+/// change (the fit loop rolls the window's metrics back that way when it replays a window).
 #include <trainkit/detail/checkpoint_io.hpp>
 
 #include <torch/serialize/archive.h>
@@ -31,13 +33,13 @@ class Metrics {
     check_weight(name, weight);
     Entry& e = entry(name, value.device());
     if (e.sum.device() != value.device()) e.sum = e.sum.to(value.device());  // once, after a load (CPU)
-    e.sum.add_(value.detach().reshape({}).to(e.sum.device(), torch::kDouble) * weight);
+    e.sum = e.sum + value.detach().reshape({}).to(e.sum.device(), torch::kDouble) * weight;
     e.weight += weight;
   }
   void add(const std::string& name, double value, double weight = 1.0) {
     check_weight(name, weight);
     Entry& e = entry(name, torch::kCPU);
-    e.sum.add_(value * weight);
+    e.sum = e.sum + value * weight;
     e.weight += weight;
   }
 

@@ -86,6 +86,15 @@ struct FitOptions {
   /// when needed, on the training thread. With workers, task.batch runs on those threads,
   /// concurrently with the step and with itself (see Task::batch).
   TORCH_ARG(std::int64_t, workers) = 0;
+  /// Memory for training (TRAIN.MEMORY_BUDGET): a fraction of the device's memory (<= 1) or
+  /// bytes; 0: no plan. With a budget, fit measures one forward+backward at a few piece sizes
+  /// of a real micro-batch and runs each micro-batch as pieces that fit (task.split; fit.hpp,
+  /// "Memory"). The optimizer step stays the whole micro-batch's.
+  TORCH_ARG(double, memory_budget) = 0;
+  /// The largest piece of a micro-batch, in items (task.items), that one forward+backward
+  /// runs; larger micro-batches are split (task.split). 0: whole micro-batches, unless a
+  /// memory budget plans it. Halved when memory runs out (the window is replayed).
+  TORCH_ARG(std::int64_t, piece_items) = 0;
 
  public:
   /// Throws std::invalid_argument naming the first option out of range.
@@ -102,6 +111,8 @@ struct FitOptions {
     if (nonfinite_patience_ < 1) fail("nonfinite_patience must be >= 1 (TRAIN.NONFINITE_PATIENCE)");
     if (workers_ < 0 || workers_ > 64) fail("workers must be in [0, 64] (NUM_WORKERS_PER_GPU), got " + std::to_string(workers_));
     if (output_path_.empty()) fail("output_path is empty (OUTPUT_PATH / --model-dir)");
+    if (!(memory_budget_ >= 0)) fail("memory_budget must be >= 0 (TRAIN.MEMORY_BUDGET), got " + std::to_string(memory_budget_));
+    if (piece_items_ < 0) fail("piece_items must be >= 0, got " + std::to_string(piece_items_));
   }
 };
 
@@ -126,6 +137,7 @@ inline FitOptions fit_options(const Config& config, std::optional<std::int64_t> 
       .resume(train["RESUME"].get<bool>())
       .auto_resume(train["AUTO_RESUME"].get<bool>())
       .workers(t["NUM_WORKERS_PER_GPU"].get<std::int64_t>())
+      .memory_budget(train["MEMORY_BUDGET"].get<double>())
       .config_json(config.dump(-1));
   std::int64_t seed = t["RNG_SEED"].get<std::int64_t>();
   if (seed < 0 && seed_drawn) {

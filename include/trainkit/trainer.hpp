@@ -34,6 +34,7 @@
 #include <trainkit/detail/flat_layout.hpp>
 #include <trainkit/detail/master_weights.hpp>
 #include <trainkit/detail/module_of.hpp>
+#include <trainkit/memory.hpp>
 #include <trainkit/detail/rng_state.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
@@ -141,6 +142,27 @@ class Trainer final : public AnyTrainer {
   MicroStepResult micro_step(Closure&& closure, std::int64_t items) {
     TORCH_CHECK(items >= 0, "micro_step: the item count must be >= 0, got ", items);
     return micro_step_impl(std::forward<Closure>(closure), items);
+  }
+
+  /// One micro-batch of `items[0] + items[1] + ...` items run as pieces: `loss(j)` computes
+  /// piece j's loss, a mean over its items[j] items, and each piece has its own forward and
+  /// backward (the activations of one piece at a time). The step is micro_step(closure, total)
+  /// on the whole micro-batch whose loss is the items-weighted mean of the pieces' losses: the
+  /// window's position advances once. The fit loop's planned micro-batches and its replay after
+  /// an out-of-memory error run through this (fit.hpp, "Memory").
+  template <class PieceLoss>
+  MicroStepResult micro_step_pieces(PieceLoss&& loss, const std::vector<std::int64_t>& items) {
+    static_assert(std::is_invocable_r_v<torch::Tensor, PieceLoss&, std::int64_t>,
+                  "micro_step_pieces(loss, items): loss(j) must return piece j's loss as a torch::Tensor");
+    return micro_step_pieces_impl(loss, items);
+  }
+
+  /// Discards the open window: its gradient, loss and item count, as if none of its
+  /// micro-batches had run (the fit loop, before replaying a window after an out-of-memory
+  /// error). Parameters, optimizer state, counters and the schedule are untouched.
+  void discard_window() override {
+    zero_gradients();
+    accumulation_.discard();
   }
 
   /// End of epoch: handle a partial window by TrainerOptions::partial_window (step.md).
@@ -416,6 +438,9 @@ class Trainer final : public AnyTrainer {
   MicroStepResult run_micro_step(const LossClosure& loss, std::int64_t items) override {
     return micro_step_impl(loss, items);
   }
+  MicroStepResult run_micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items) override {
+    return micro_step_pieces_impl(loss, items);
+  }
 
  private:
   static TrainerOptions validated(TrainerOptions options) {
@@ -589,37 +614,89 @@ class Trainer final : public AnyTrainer {
                   "micro_step(closure): the closure must take no arguments");
     static_assert(std::is_convertible_v<std::invoke_result_t<Closure&>, torch::Tensor>,
                   "micro_step(closure): the closure must return the loss as a torch::Tensor");
-    // 1. Forward + loss inside the precision policy's region (autocast for BF16/FP16); the
-    //    region closes before any backward bookkeeping.
+    const torch::Tensor loss = forward(closure);
+    // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items).
+    const bool opens = accumulation_.position() == 0;
+    backward(loss, accumulation_.weight(items), opens);
+    // 4. Data parallel: no communication inside the window.
+    const bool closes = accumulation_.closes();
+    if constexpr (Precision::master_weights)
+      if (!closes) half_.accumulate();
+    if (!closes) return {};
+    return {true, close_window()};
+  }
+
+  // micro_step_pieces: phases 1-3 once per piece, each weighted by its share of the
+  // micro-batch's weight; the position advances once (after the first piece's forward, as in
+  // micro_step, so a failing first forward leaves the window as it was).
+  template <class PieceLoss>
+  MicroStepResult micro_step_pieces_impl(PieceLoss& loss_of, const std::vector<std::int64_t>& items) {
+    TORCH_CHECK(!items.empty(), "micro_step_pieces: no pieces");
+    std::int64_t total = 0;
+    for (size_t j = 0; j < items.size(); ++j) {
+      TORCH_CHECK(items[j] >= 0, "micro_step_pieces: piece ", j, " has ", items[j], " items; counts must be >= 0");
+      total += items[j];
+    }
+    const bool opens = accumulation_.position() == 0;
+    double weight = 0;
+    for (size_t j = 0; j < items.size(); ++j) {
+      const auto piece = static_cast<std::int64_t>(j);
+      const torch::Tensor loss = forward([&] { return loss_of(piece); });
+      if (j == 0) weight = accumulation_.weight(total);
+      const double share = total > 0 ? static_cast<double>(items[j]) / static_cast<double>(total) : 0.0;
+      backward(loss, weight * share, opens && j == 0);
+      // Master weights: each piece's half gradient joins the fp32 sum, but the window's last.
+      if constexpr (Precision::master_weights)
+        if (j + 1 < items.size() || !accumulation_.closes()) half_.accumulate();
+    }
+    if (!accumulation_.closes()) return {};
+    return {true, close_window()};
+  }
+
+  // 1. Forward + loss inside the precision policy's region (autocast for BF16/FP16); the
+  //    region closes before any backward bookkeeping.
+  template <class Closure>
+  torch::Tensor forward(Closure&& closure) {
     torch::Tensor loss;
     {
       [[maybe_unused]] const auto region = precision_.region();
       loss = closure();
     }
     check_loss(loss);
-    // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items).
-    const bool opens = accumulation_.position() == 0;
-    const double weight = accumulation_.weight(items);
+    return loss;
+  }
+
+  // 2-3. The loss times its weight, added to the window's loss; FP16: times the loss scale.
+  //    Backward; gradients accumulate in fp32, in place, into the flat gradient storage.
+  //    (Master weights: into the half .grad, added to an fp32 sum after each micro-batch but
+  //    the window's last: detail::HalfStorage.)
+  void backward(const torch::Tensor& loss, double weight, bool first_of_window) {
     const auto as_float = loss.scalar_type() == torch::kFloat ? loss : loss.to(torch::kFloat);
     auto objective = (as_float.dim() == 0 ? as_float : as_float.reshape({})) * weight;
     {
       // The window's loss, a running sum outside the graph. The window's first micro-step
       // takes the objective's value itself (the last report may hold the previous sum).
       torch::NoGradGuard no_grad;
-      if (opens) window_loss_ = objective.detach();
+      if (first_of_window) window_loss_ = objective.detach();
       else window_loss_.add_(objective);
     }
-    // 3. FP16: times the loss scale. Backward; gradients accumulate in fp32, in place, into
-    //    the flat gradient storage. (Master weights: into the half .grad, added to an fp32 sum
-    //    after each micro-batch but the window's last: detail::HalfStorage.)
     if constexpr (Precision::scales_loss) objective = objective * precision_.scale();
     objective.backward();
-    // 4. Data parallel: no communication inside the window.
-    const bool closes = accumulation_.closes();
-    if constexpr (Precision::master_weights)
-      if (!closes) half_.accumulate();
-    if (!closes) return {};
-    return {true, optimizer_phase()};
+  }
+
+  // The optimizer phase of a closing micro-step. Memory that runs out here cannot be given
+  // back by replaying the window (the update may be half applied): it is reported as such,
+  // not as an out-of-memory error the fit loop would replay.
+  StepReport close_window() {
+    try {
+      return optimizer_phase();
+    } catch (const std::exception& e) {
+      if (!detail::is_out_of_memory(e)) throw;
+      throw std::runtime_error("out of memory in the optimizer phase of optimizer step " + std::to_string(windows_ + 1) +
+                               " (after the window's forward and backward passes); the step may be half applied, "
+                               "so training stops here: resume from the last checkpoint with a smaller micro-batch "
+                               "or TRAIN.MEMORY_BUDGET. " + detail::first_line_of(e));
+    }
   }
 
   void check_loss(const torch::Tensor& loss) const {

@@ -23,3 +23,4 @@
 #include <trainkit/callbacks.hpp>
 #include <trainkit/loss_loggers.hpp>
 #include <trainkit/recompute.hpp>
+#include <trainkit/memory.hpp>

@@ -57,7 +57,7 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 45);  // VL-BERT's 28 TRAIN keys and trainkit's 17
+  CHECK(t.size() == 47);  // VL-BERT's 28 TRAIN keys and trainkit's 19
   CHECK(t["NO_DECAY"] == json::array());
   CHECK(t["RESUME_CHANGES"] == "refuse");
   CHECK(t["NONFINITE_PATIENCE"] == 20);
@@ -77,6 +77,8 @@ TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   CHECK(t["LR_SCALING"] == "per_sample");
   CHECK(t["PARTIAL_WINDOW"] == "flush");
   CHECK(t["CHECKPOINT_KEEP"] == 3);
+  CHECK(t["MEMORY_BUDGET"] == 0.0);
+  CHECK(t["TARGET_BATCH"] == 0);
   CHECK(c.tree()["RNG_SEED"] == -1);
   CHECK(c.tree()["OUTPUT_PATH"] == "./output");
   CHECK(c.tree()["LOG_FREQUENT"] == 50);

@@ -6,7 +6,8 @@
 /// Free to change on resume: how long (TRAIN.END_EPOCH, BEGIN_EPOCH), how often and where
 /// (LOG_FREQUENT, VAL_FREQUENT, CHECKPOINT_FREQUENT, TRAIN.CHECKPOINT_KEEP, OUTPUT_PATH), how
 /// to resume (TRAIN.RESUME, AUTO_RESUME, RESUME_CHANGES), on which devices (GPUS, DIST_TIMEOUT,
-/// DIST_HEARTBEAT, NUM_WORKERS_PER_GPU), evaluation (VAL.*, TEST.*), reporting (TRAIN.LOSS_LOGGERS,
+/// DIST_HEARTBEAT, NUM_WORKERS_PER_GPU), how much memory (TRAIN.MEMORY_BUDGET: pieces of a
+/// micro-batch change rounding, not the step), evaluation (VAL.*, TEST.*), reporting (TRAIN.LOSS_LOGGERS,
 /// NONFINITE_PATIENCE) and the initial weights (NETWORK.PARTIAL_PRETRAIN and its prefix
 /// changes: a resume takes the weights from the checkpoint). Every other key, an application's
 /// included, is taken to change the trajectory.
@@ -28,7 +29,7 @@ struct ConfigChange {
 inline bool changes_freely(const std::string& key) {
   static const std::set<std::string> free = {
       "TRAIN.END_EPOCH", "TRAIN.BEGIN_EPOCH", "TRAIN.RESUME", "TRAIN.AUTO_RESUME", "TRAIN.RESUME_CHANGES",
-      "TRAIN.CHECKPOINT_KEEP", "TRAIN.NONFINITE_PATIENCE", "TRAIN.LOSS_LOGGERS", "OUTPUT_PATH", "LOG_FREQUENT",
+      "TRAIN.CHECKPOINT_KEEP", "TRAIN.MEMORY_BUDGET", "TRAIN.NONFINITE_PATIENCE", "TRAIN.LOSS_LOGGERS", "OUTPUT_PATH", "LOG_FREQUENT",
       "VAL_FREQUENT", "CHECKPOINT_FREQUENT", "GPUS", "DIST_TIMEOUT", "DIST_HEARTBEAT", "NUM_WORKERS_PER_GPU",
       "NETWORK.PARTIAL_PRETRAIN", "NETWORK.PARTIAL_PRETRAIN_PREFIX_CHANGES"};
   if (free.count(key)) return true;

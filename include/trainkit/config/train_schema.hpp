@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <stdexcept>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -34,6 +36,37 @@ inline nlohmann::json parse_epoch_list(const nlohmann::json& v) {
     from = comma + 1;
   }
   return out;
+}
+
+/// TRAIN.MEMORY_BUDGET written as a string: "12GiB", "800MiB", "16GB", "80%" (a fraction), or
+/// a plain number.
+inline nlohmann::json parse_memory_budget(const nlohmann::json& v) {
+  std::string s = v.get<std::string>();
+  s.erase(0, s.find_first_not_of(" \t"));
+  s.erase(s.find_last_not_of(" \t") + 1);
+  const auto fail = [&] {
+    return std::invalid_argument("expected a fraction of the device's memory (0.8, \"80%\"), bytes, or a size "
+                                 "such as \"12GiB\", \"800MiB\", \"16GB\", got the string " + dump_text(v));
+  };
+  std::size_t end = 0;
+  double x = 0;
+  try {
+    x = std::stod(s, &end);
+  } catch (const std::exception&) {
+    throw fail();
+  }
+  std::string unit = s.substr(end);
+  unit.erase(0, unit.find_first_not_of(" \t"));
+  static const std::pair<const char*, double> units[] = {
+      {"", 1.0}, {"B", 1.0}, {"%", 0.01}, {"KiB", 1024.0}, {"MiB", 1024.0 * 1024}, {"GiB", 1024.0 * 1024 * 1024},
+      {"TiB", 1024.0 * 1024 * 1024 * 1024}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12}};
+  for (const auto& [name, factor] : units)
+    if (unit == name) {
+      if (!std::isfinite(x) || x < 0 || (unit == "%" && x > 100)) throw fail();
+      if (factor > 1 && x * factor <= 1) throw fail();  // bytes must not read as a fraction
+      return x * factor;
+    }
+  throw fail();
 }
 
 inline std::string check_increasing(const nlohmann::json& epochs) {
@@ -137,6 +170,13 @@ inline Schema train_schema() {
   s.boolean("MASTER_WEIGHTS", false)
       .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
   s.integer("CHECKPOINT_KEEP", 3).min(1).doc("complete checkpoints kept (plus the best)");
+  s.add("MEMORY_BUDGET", Field::either({Field::number(0).min(0), Field::string("").transform(parse_memory_budget)}, 0.0))
+      .doc("memory for training (0: no plan): a fraction of the device's memory (0.8, \"80%\"), or bytes (\"12GiB\"); "
+           "the largest piece of each micro-batch that fits is measured and planned, the optimizer step unchanged "
+           "(needs a task that can split its batches)");
+  s.integer("TARGET_BATCH", 0).min(0).max(kMaxBatchImages)
+      .doc("> 0: the effective batch per optimizer step; sets the per-device batch to TARGET_BATCH / (world size x "
+           "GRAD_ACCUMULATE_STEPS) in place of BATCH_IMAGES (with MEMORY_BUDGET: the plan splits it to fit)");
 
   s.rule([](const nlohmann::json& t, const std::string& path) {
     if (t["FP16"].get<bool>() && t["BF16"].get<bool>())
