@@ -59,7 +59,8 @@
 /// Memory (memory.hpp), for a task with split and items:
 ///   - TRAIN.MEMORY_BUDGET (FitOptions::memory_budget): before training (and before resuming),
 ///     one forward+backward of micro-batch 0 of BEGIN_EPOCH is measured whole and in pieces of
-///     1, 1/8, 1/4 and 1/2 of its items (stopping at the first over the budget); the largest
+///     1, 1/8, 1/4 and 1/2 of its items, smallest first, stopping before a size the last two
+///     measurements predict over the budget (and after one that is over it); the largest
 ///     piece that fits with a 10% margin is planned (tk::plan_pieces), printed and logged, and
 ///     every micro-batch with more items runs as pieces of at most that size
 ///     (AnyTrainer::micro_step_pieces: the optimizer step is the whole micro-batch's, so the
@@ -670,6 +671,14 @@ class FitLoop {
       for (const auto& piece : pieces) counts.push_back(task_.items(piece));
       largest = static_cast<std::size_t>(std::max_element(counts.begin(), counts.end()) - counts.begin());
       if (!measured.empty() && counts[largest] <= measured.back().first) continue;
+      // Not a size the last two points say is over the budget: measuring it would take the
+      // process (or the device) past the budget it was given.
+      if (measured.size() >= 2) {
+        const auto& [x0, y0] = measured[measured.size() - 2];
+        const auto& [x1, y1] = measured.back();
+        const double predicted = y1 + (y1 - y0) / static_cast<double>(x1 - x0) * static_cast<double>(counts[largest] - x1);
+        if (predicted > budget * (1 - kMemoryMargin)) break;
+      }
       double bytes = 0;
       try {
         Metrics scratch;
@@ -690,7 +699,7 @@ class FitLoop {
       trainer_.discard_window();  // the measurement's gradient
       if (fails_from <= counts[largest]) break;
       measured.emplace_back(counts[largest], bytes);
-      if (bytes > budget) break;  // larger pieces need more
+      if (bytes > budget * (1 - kMemoryMargin)) break;  // larger pieces need more
     }
     {
       torch::NoGradGuard no_grad;

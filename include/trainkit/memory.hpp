@@ -127,10 +127,13 @@ inline double memory_budget_bytes(double budget, torch::Device device) {
   return budget <= 1 ? budget * device_memory_bytes(device) : budget;
 }
 
+/// The share of a memory budget that plans keep free.
+inline constexpr double kMemoryMargin = 0.1;
+
 /// A plan: the largest piece of a micro-batch (in items) whose forward+backward fits the budget.
 struct MemoryPlan {
-  double budget_bytes = 0;   ///< the budget
-  double margin = 0.1;       ///< the share of the budget kept free
+  double budget_bytes = 0;         ///< the budget
+  double margin = kMemoryMargin;   ///< the share of the budget kept free
   std::vector<std::pair<std::int64_t, double>> measured;  ///< (items of a piece, peak bytes), ascending
   double base_bytes = 0;     ///< the fitted line: peak ~ base_bytes + bytes_per_item x items
   double bytes_per_item = 0;
@@ -161,7 +164,7 @@ struct MemoryPlan {
 /// any order; at least one). Throws ConfigError(TRAIN.MEMORY_BUDGET) when not even one item
 /// fits, naming the budget and the measured need.
 inline MemoryPlan plan_pieces(std::int64_t batch_items, std::vector<std::pair<std::int64_t, double>> measured,
-                              double budget_bytes, double margin = 0.1) {
+                              double budget_bytes, double margin = kMemoryMargin) {
   TORCH_CHECK(batch_items >= 1, "plan_pieces: the micro-batch needs at least one item, got ", batch_items);
   TORCH_CHECK(!measured.empty(), "plan_pieces: no measurement");
   std::sort(measured.begin(), measured.end());
