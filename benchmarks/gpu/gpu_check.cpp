@@ -13,9 +13,12 @@
 // LibTorch loop (../compare/run_baselines.cpp) is measured alongside for comparison. Then the
 // resume check (resume_check.hpp): a save after step 6 of 12, loaded into a fresh model and
 // trainer, must give the uninterrupted run's steps 7-12 (FP32, FP16Dynamic, and FP16 with
-// master weights where trainkit has them).
+// master weights where trainkit has them). Then the memory check (memory_check.hpp): a fit
+// planned under TRAIN.MEMORY_BUDGET and one with an injected out-of-memory error must end at
+// an unplanned run's parameters, the planned one within its budget.
 #include "bench_features.hpp"  // generated: TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS (../compare/CMakeLists.txt)
 #include "harness.hpp"
+#include "memory_check.hpp"
 #include "resume_check.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -286,6 +289,8 @@ int main(int argc, char** argv) try {
     resume(tk::MasterWeights<tk::FP16Dynamic>{}, "fp16master");
 #endif
   }
+
+  bench::check_memory(device, dry, failed);  // the memory plan and the out-of-memory replay (memory_check.hpp)
 
   // The same model, weights and first batch: the first FP32 loss is the same computation.
   if (first_loss.count("trainkit/fp32") && first_loss.count("libtorch/fp32")) {
