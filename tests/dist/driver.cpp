@@ -9,6 +9,9 @@
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
 //       [--save PATH]                              rank 0 writes a checkpoint at the end
 //       [--fit DIR]                                train 2 epochs with tk::fit, output DIR/rank<r>
+//       [--oom-rank R]                             with --fit: rank R runs out of memory once, in
+//                                                  epoch 0's micro-batch 1 (a c10::OutOfMemoryError
+//                                                  from the loss), and replays its window in pieces
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/distributed.hpp>
@@ -37,7 +40,7 @@ namespace {
 struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
-  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0;
+  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
 };
 
@@ -62,7 +65,7 @@ Args parse(int argc, char** argv) {
   take("accum", a.accum), take("samples", a.samples), take("bucket-bytes", a.bucket_bytes);
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
   take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
-  take("heartbeat", a.heartbeat);
+  take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -118,11 +121,27 @@ int run(const Args& a) {
     throw std::invalid_argument("choose --samples, --batch and --accum so that windows do not span epochs");
   if (!a.fit.empty()) {  // tk::fit: only the main rank may write into its directory
     tk::Task<std::vector<std::int64_t>> task;
+    std::int64_t at_epoch = -1, at_index = -1;
+    bool oom_thrown = false;
     task.batches_per_epoch = [&](std::int64_t) { return per_epoch; };
-    task.batch = [&](std::int64_t epoch, std::int64_t index) { return sampler.batch(epoch, index); };
+    task.batch = [&](std::int64_t epoch, std::int64_t index) {
+      at_epoch = epoch, at_index = index;
+      return sampler.batch(epoch, index);
+    };
     task.loss = [&](const std::vector<std::int64_t>& b, tk::Metrics&) {
+      if (rank == a.oom_rank && !oom_thrown && at_epoch == 0 && at_index == 1 && static_cast<std::int64_t>(b.size()) == a.batch) {
+        oom_thrown = true;
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (the driver's --oom-rank)");
+      }
       const auto idx = torch::tensor(b, torch::kLong);
       return torch::mse_loss(model(x.index_select(0, idx)), y.index_select(0, idx));
+    };
+    // Pieces for a replay: the loss is the mean over the batch's samples.
+    task.items = [](const std::vector<std::int64_t>& b) { return static_cast<std::int64_t>(b.size()); };
+    task.split = [](const std::vector<std::int64_t>& b, std::int64_t parts) {
+      std::vector<std::vector<std::int64_t>> pieces(static_cast<size_t>(parts));
+      for (size_t i = 0; i < b.size(); ++i) pieces[i * static_cast<size_t>(parts) / b.size()].push_back(b[i]);
+      return pieces;
     };
     const auto result = tk::fit(trainer, task,
                                 tk::FitOptions()
@@ -132,7 +151,8 @@ int run(const Args& a) {
                                     .auto_resume(false)
                                     .handle_signals(false)
                                     .progress(false));
-    std::cout << "fit wrote " << result.checkpoints.size() << " checkpoints" << std::endl;
+    std::cout << "fit wrote " << result.checkpoints.size() << " checkpoints, replayed " << result.replays
+              << " window(s)" << std::endl;
   }
   const auto calls_before = counter->all_reduce_calls;
   const auto windows_before = trainer.windows();

@@ -198,6 +198,22 @@ TEST_CASE("data parallel: tk::fit writes checkpoints and logs on rank 0 only") {
   CHECK(torch::equal(params(dir / "fit", 0), params(dir / "fit", 1)));
 }
 
+TEST_CASE("data parallel: a rank that runs out of memory replays its window alone, and the ranks stay equal") {
+  testing::TempDir dir;
+  const std::vector<std::string> fit{"--steps", "0", "--batch", "4", "--accum", "2"};
+  auto with = [&](const std::string& out, std::vector<std::string> extra) {
+    extra.insert(extra.begin(), {"--fit", dir / out});
+    extra.insert(extra.end(), fit.begin(), fit.end());
+    return extra;
+  };
+  run_two(dir / "straight", with("straight-out", {}));
+  run_two(dir / "oom", with("oom-out", {"--oom-rank", "1"}));
+  CHECK(slurp(dir / "oom.log1.out").find("replayed 1 window(s)") != std::string::npos);
+  CHECK(slurp(dir / "oom.log0.out").find("replayed 0 window(s)") != std::string::npos);
+  CHECK(torch::equal(params(dir / "oom", 0), params(dir / "oom", 1)));  // one all-reduce per window still
+  CHECK(testing::relative_error(params(dir / "oom", 0), params(dir / "straight", 0)) < 1e-5);
+}
+
 TEST_CASE("data parallel: torchrun --no-python trains like the harness' launch") {
   const std::string launcher = torchrun();
   if (!testing::file_exists(launcher)) {
