@@ -134,7 +134,6 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  torch::set_num_threads(static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN))));
   if (!row.empty()) return run_row(row, s);
 
   char exe[4096];

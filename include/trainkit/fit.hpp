@@ -547,50 +547,58 @@ class FitLoop {
     samples_since_log_ += items >= 0 ? items : 1;
     samples_in_epoch_ += items >= 0 ? items : 1;
     last_piece_items_ = items;
-    if (task_.split && piece_items_ > 0 && items > piece_items_) {
-      try {
-        return micro_step_pieces(batch, items);
-      } catch (const NonFiniteGradient& e) {
-        throw NonFiniteGradient(position_text(epoch, index, batches) + ": " + e.what());
-      }
-    }
-    auto closure = [&] {
-      torch::Tensor loss = task_.loss(batch, metrics_);
-      TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
-      metrics_.add("Loss", loss, weight);
-      return loss;
-    };
     try {
+      if (task_.split && piece_items_ > 0 && items > piece_items_) return micro_step_pieces(batch, items);
+      auto closure = [&] { return counted_loss(batch, weight); };
       return items >= 0 ? trainer_.micro_step(closure, items) : trainer_.micro_step(closure);
     } catch (const NonFiniteGradient& e) {
       throw NonFiniteGradient(position_text(epoch, index, batches) + ": " + e.what());
     }
   }
 
+  // task.loss of a micro-batch (or a piece of one), its value added to the epoch's "Loss"
+  // with `weight`.
+  torch::Tensor counted_loss(const Batch& batch, double weight) {
+    torch::Tensor loss = task_.loss(batch, metrics_);
+    TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
+    metrics_.add("Loss", loss, weight);
+    return loss;
+  }
+
+  // `parts` pieces of a micro-batch of `items` items (task.split), with their item counts, and
+  // the index of the largest; an error when the pieces do not hold the micro-batch's items.
+  struct Pieces {
+    std::vector<Batch> batches;
+    std::vector<std::int64_t> items;
+    std::size_t largest = 0;
+  };
+  Pieces split(const Batch& batch, std::int64_t items, std::int64_t parts) const {
+    Pieces p;
+    p.batches = parts == 1 ? std::vector<Batch>{batch} : task_.split(batch, parts);
+    std::int64_t sum = 0;
+    for (const auto& piece : p.batches) {
+      p.items.push_back(task_.items(piece));
+      sum += p.items.back();
+    }
+    if (p.batches.empty() || sum != items)
+      throw std::runtime_error("fit: task.split(a micro-batch of " + std::to_string(items) + " items, " +
+                               std::to_string(parts) + ") returned " + std::to_string(p.batches.size()) + " pieces of " +
+                               std::to_string(sum) + " items in all; the pieces must hold the micro-batch's items");
+    p.largest = static_cast<std::size_t>(std::max_element(p.items.begin(), p.items.end()) - p.items.begin());
+    return p;
+  }
+
   // A micro-batch of `items` items as pieces of at most piece_items_ (task.split), each with
   // its own forward and backward; one micro-step of the trainer.
   MicroStepResult micro_step_pieces(const Batch& batch, std::int64_t items) {
-    const std::int64_t parts = (items + piece_items_ - 1) / piece_items_;
-    const std::vector<Batch> pieces = task_.split(batch, parts);
-    std::vector<std::int64_t> counts;
-    std::int64_t sum = 0;
-    for (const auto& piece : pieces) {
-      counts.push_back(task_.items(piece));
-      sum += counts.back();
-    }
-    if (pieces.empty() || sum != items)
-      throw std::runtime_error("fit: task.split(a micro-batch of " + std::to_string(items) + " items, " +
-                               std::to_string(parts) + ") returned " + std::to_string(pieces.size()) + " pieces of " +
-                               std::to_string(sum) + " items in all; the pieces must hold the micro-batch's items");
-    last_piece_items_ = *std::max_element(counts.begin(), counts.end());
+    const Pieces pieces = split(batch, items, (items + piece_items_ - 1) / piece_items_);
+    last_piece_items_ = pieces.items[pieces.largest];
     return trainer_.micro_step_pieces(
         [&](std::int64_t j) {
-          torch::Tensor loss = task_.loss(pieces[static_cast<size_t>(j)], metrics_);
-          TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
-          metrics_.add("Loss", loss, static_cast<double>(counts[static_cast<size_t>(j)]));
-          return loss;
+          const auto k = static_cast<std::size_t>(j);
+          return counted_loss(pieces.batches[k], static_cast<double>(pieces.items[k]));
         },
-        counts);
+        pieces.items);
   }
 
   // The window being filled: where it began and the loop's sums before it, for a replay.
@@ -634,10 +642,9 @@ class FitLoop {
   // a few piece sizes and plans the largest that fits ("Memory" above). The model's buffers,
   // the generators and the trainer's gradient are put back as they were.
   void plan_memory() {
-    if (!task_.split || !task_.items)
+    if (!task_.split)  // (fit() refuses a split without items)
       throw ConfigError("TRAIN.MEMORY_BUDGET", "planning the micro-batch needs a task that splits its batches "
-                                               "(tk::Task::split and items); this task has " +
-                                               std::string(task_.split ? "no items" : "no split") + ". Set TRAIN.MEMORY_BUDGET: 0");
+                                               "(tk::Task::split and items); this task has no split. Set TRAIN.MEMORY_BUDGET: 0");
     const auto started = Clock::now();
     const torch::Device device = trainer_.device();
     const double budget = memory_budget_bytes(options_.memory_budget(), device);
@@ -665,18 +672,15 @@ class FitLoop {
     std::vector<std::pair<std::int64_t, double>> measured;
     std::int64_t fails_from = total + 1;  // the smallest size that ran out of memory
     for (const std::int64_t size : sizes) {
-      const std::vector<Batch> pieces = size == total ? std::vector<Batch>{batch} : task_.split(batch, (total + size - 1) / size);
-      std::size_t largest = 0;
-      std::vector<std::int64_t> counts;
-      for (const auto& piece : pieces) counts.push_back(task_.items(piece));
-      largest = static_cast<std::size_t>(std::max_element(counts.begin(), counts.end()) - counts.begin());
-      if (!measured.empty() && counts[largest] <= measured.back().first) continue;
+      const Pieces pieces = split(batch, total, (total + size - 1) / size);
+      const std::int64_t items = pieces.items[pieces.largest];
+      if (!measured.empty() && items <= measured.back().first) continue;
       // Not a size the last two points say is over the budget: measuring it would take the
       // process (or the device) past the budget it was given.
       if (measured.size() >= 2) {
         const auto& [x0, y0] = measured[measured.size() - 2];
         const auto& [x1, y1] = measured.back();
-        const double predicted = y1 + (y1 - y0) / static_cast<double>(x1 - x0) * static_cast<double>(counts[largest] - x1);
+        const double predicted = y1 + (y1 - y0) / static_cast<double>(x1 - x0) * static_cast<double>(items - x1);
         if (predicted > budget * (1 - kMemoryMargin)) break;
       }
       double bytes = 0;
@@ -687,18 +691,18 @@ class FitLoop {
           torch::Tensor loss;
           {
             const auto region = trainer_.precision_region();
-            loss = task_.loss(pieces[largest], scratch);
+            loss = task_.loss(pieces.batches[pieces.largest], scratch);
           }
           loss.backward();
         }
         bytes = peak.bytes();
       } catch (const std::exception& e) {
         if (!detail::is_out_of_memory(e)) throw;
-        fails_from = counts[largest];
+        fails_from = items;
       }
       trainer_.discard_window();  // the measurement's gradient
-      if (fails_from <= counts[largest]) break;
-      measured.emplace_back(counts[largest], bytes);
+      if (fails_from <= items) break;
+      measured.emplace_back(items, bytes);
       if (bytes > budget * (1 - kMemoryMargin)) break;  // larger pieces need more
     }
     {

@@ -34,8 +34,8 @@
 #include <trainkit/detail/flat_layout.hpp>
 #include <trainkit/detail/master_weights.hpp>
 #include <trainkit/detail/module_of.hpp>
-#include <trainkit/memory.hpp>
 #include <trainkit/detail/rng_state.hpp>
+#include <trainkit/memory.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>

@@ -121,6 +121,13 @@ struct Rows {
 Rows rows_of(const testing::Regression& d, std::int64_t begin, std::int64_t n) {
   return {d.x.narrow(0, begin, n), d.y.narrow(0, begin, n)};
 }
+// Task::split for Rows: `parts` runs of consecutive rows.
+std::vector<Rows> split_rows(const Rows& b, std::int64_t parts) {
+  std::vector<Rows> out;
+  const auto xs = b.x.tensor_split(parts), ys = b.y.tensor_split(parts);
+  for (size_t k = 0; k < xs.size(); ++k) out.push_back({xs[k], ys[k]});
+  return out;
+}
 
 template <class T>
 struct PieceCase {
@@ -237,13 +244,7 @@ struct OomTask {
       return torch::mse_loss(out, b.y);
     };
     task.items = [](const Rows& b) { return b.size(); };
-    if (splits)
-      task.split = [](const Rows& b, std::int64_t parts) {
-        std::vector<Rows> out;
-        const auto xs = b.x.tensor_split(parts), ys = b.y.tensor_split(parts);
-        for (size_t k = 0; k < xs.size(); ++k) out.push_back({xs[k], ys[k]});
-        return out;
-      };
+    if (splits) task.split = split_rows;
   }
 };
 
@@ -373,12 +374,7 @@ TEST_CASE("fit: TRAIN.MEMORY_BUDGET measures this process's peak and plans piece
     task.batch = [&](std::int64_t, std::int64_t index) { return rows_of(data, 64 * index, 64); };
     task.loss = [&model](const Rows& b, tk::Metrics&) { return torch::mse_loss(model(b.x), b.y); };
     task.items = [](const Rows& b) { return b.size(); };
-    task.split = [](const Rows& b, std::int64_t parts) {
-      std::vector<Rows> out;
-      const auto xs = b.x.tensor_split(parts), ys = b.y.tensor_split(parts);
-      for (size_t k = 0; k < xs.size(); ++k) out.push_back({xs[k], ys[k]});
-      return out;
-    };
+    task.split = split_rows;
     return task;
   };
   const auto run = [&](double budget, const std::string& dir) {
