@@ -6,6 +6,12 @@
 //   build/benchmarks/memory_master_weights --config NAME   # one: fp32, autocast_fp16, autocast_bf16,
 //                                                          #      master_fp16, master_bf16
 //   options: --batch B (16) --seq S (128) --windows W (4) --repeat R (3: the median of R processes)
+//            --accumulate N (1: micro-batches per window), --master-chunk C (TrainerOptions::
+//            master_chunk, 16 Mi elements) and the model's shape: --vocab V
+//            --hidden H --heads A --ffn F --layers L. With a wide model and small batches
+//            (`--vocab 1000 --hidden 1024 --heads 8 --ffn 4096 --layers 4 --batch 1 --seq 16`,
+//            51 M parameters) the training memory is the parameters, gradients and optimizer
+//            state; its "B/param" column is then the bytes each parameter costs at the peak.
 //
 // Each configuration runs in a fresh process (a high-water mark cannot be reset), and reports
 // its peak RSS (getrusage) and the peak minus the RSS before the model was built (LibTorch's own
@@ -34,7 +40,7 @@ namespace {
 
 struct Settings {
   std::int64_t vocab = 30522, hidden = 128, heads = 2, ffn = 512, layers = 2, max_seq = 512;
-  std::int64_t batch = 16, seq = 128, windows = 4, repeat = 3;
+  std::int64_t batch = 16, seq = 128, windows = 4, repeat = 3, accumulate = 1, master_chunk = std::int64_t{1} << 24;
 };
 
 struct LayerImpl : torch::nn::Module {
@@ -99,20 +105,29 @@ long peak_kb() {
   return u.ru_maxrss;
 }
 
+std::int64_t parameter_count(const Settings& s) {
+  BertTiny model(s);
+  std::int64_t n = 0;
+  for (const auto& p : model->parameters()) n += p.numel();
+  return n;
+}
+
 template <class Precision>
 double run(const Settings& s) {
   torch::manual_seed(0);
   BertTiny model(s);
-  tk::Trainer<Precision, tk::AccumulationPolicy<1>, tk::ClipPolicy<tk::ClipNorm>> trainer(
-      model, tk::AdamW{1e-4, 1e-2}.eps(1e-6), tk::TrainerOptions().max_grad_norm(1.0));
+  tk::Trainer<Precision, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::ClipNorm>> trainer(
+      model, tk::AdamW{1e-4, 1e-2}.eps(1e-6),
+      tk::TrainerOptions().max_grad_norm(1.0).accumulation_steps(s.accumulate).master_chunk(s.master_chunk));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   const std::int64_t masked = s.batch * s.seq * 15 / 100;
   tk::StepReport last;
-  for (std::int64_t w = 0; w < s.windows; ++w) {
+  for (std::int64_t w = 0; w < s.windows * s.accumulate; ++w) {
     auto ids = torch::randint(s.vocab, {s.batch, s.seq}, gen, torch::kLong);
     auto where = torch::randperm(s.batch * s.seq, gen, torch::kLong).narrow(0, 0, masked);
     auto labels = torch::randint(s.vocab, {masked}, gen, torch::kLong);
-    last = trainer.micro_step([&] { return model->loss(ids, where, labels); }).report;
+    const auto result = trainer.micro_step([&] { return model->loss(ids, where, labels); });
+    if (result.window_closed) last = result.report;
   }
   return last.loss();
 }
@@ -145,8 +160,16 @@ int main(int argc, char** argv) {
     else if (a == "--seq") s.seq = std::stoll(v);
     else if (a == "--windows") s.windows = std::stoll(v);
     else if (a == "--repeat") s.repeat = std::max<std::int64_t>(1, std::stoll(v));
+    else if (a == "--accumulate") s.accumulate = std::max<std::int64_t>(1, std::stoll(v));
+    else if (a == "--vocab") s.vocab = std::stoll(v);
+    else if (a == "--hidden") s.hidden = std::stoll(v);
+    else if (a == "--heads") s.heads = std::stoll(v);
+    else if (a == "--ffn") s.ffn = std::stoll(v);
+    else if (a == "--layers") s.layers = std::stoll(v);
+    else if (a == "--master-chunk") s.master_chunk = std::stoll(v);
     else {
-      std::cerr << "usage: " << argv[0] << " [--config NAME] [--batch B] [--seq S] [--windows W]\n";
+      std::cerr << "usage: " << argv[0] << " [--config NAME] [--batch B] [--seq S] [--windows W] [--repeat R]"
+                << " [--accumulate N] [--vocab V] [--hidden H] [--heads A] [--ffn F] [--layers L] [--master-chunk C]\n";
       return 2;
     }
     if (a != "--config" && a != "--repeat") pass += " " + a + " " + v;
@@ -154,13 +177,14 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   if (!config.empty()) return run_one(config, s);
 
-  std::cout << "BERT-tiny-like (vocab " << s.vocab << ", hidden " << s.hidden << ", " << s.layers
-            << " layers), batch " << s.batch << " x seq " << s.seq << ", AdamW fused, " << s.windows
-            << " windows, CPU, one process per configuration and run, median of " << s.repeat
+  const auto parameters = parameter_count(s);
+  std::cout << "BERT-like (vocab " << s.vocab << ", hidden " << s.hidden << ", FFN " << s.ffn << ", " << s.layers
+            << " layers: " << parameters << " parameters), batch " << s.batch << " x seq " << s.seq
+            << ", AdamW fused, " << s.windows << " windows of " << s.accumulate << " micro-batches, CPU, one process per configuration and run, median of " << s.repeat
             << " runs (glibc's high-water mark varies by tens of MiB between identical runs)\n\n";
   std::cout << std::left << std::setw(16) << "configuration" << std::right << std::setw(12) << "peak MiB"
             << std::setw(14) << "baseline MiB" << std::setw(14) << "training MiB" << std::setw(12) << "vs fp32"
-            << std::setw(10) << "loss" << "\n";
+            << std::setw(10) << "B/param" << std::setw(10) << "loss" << "\n";
   double fp32_training = 0;
   char path[4096] = {};
   const ssize_t length = readlink("/proc/self/exe", path, sizeof(path) - 1);
@@ -189,6 +213,7 @@ int main(int argc, char** argv) {
     std::cout << std::left << std::setw(16) << name << std::right << std::fixed << std::setprecision(1)
               << std::setw(12) << peak / 1024.0 << std::setw(14) << baseline / 1024.0 << std::setw(14)
               << training << std::setw(12) << std::setprecision(2) << training / fp32_training
+              << std::setw(10) << std::setprecision(1) << delta * 1024.0 / static_cast<double>(parameters)
               << std::setw(10) << std::setprecision(3) << loss << "\n";
   }
   return 0;

@@ -521,6 +521,25 @@ class DataParallel final : public Replicas {
 
   GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) override {
     ++windows_;
+    const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
+    // A half gradient (master weights, TrainerOptions::reduce_precision) is summed as the
+    // mean, each rank's part weighted first: a sum of W loss-scaled fp16 gradients, or one
+    // weighted by its item count, would overflow where the mean does not. With item counts
+    // the weight is items / (the ranks' total), so the total is all-reduced first (a device
+    // scalar: the gradient's all-reduce waits for it on the device, not the host).
+    if (flat_grad.element_size() < 4) {
+      torch::Tensor weight;
+      if (window.items >= 0) {
+        auto total = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
+        group_.all_reduce(total, "all-reduce of the window's item count" + step);
+        weight = (window.rescale * static_cast<double>(window.items)) / total;  // total 0: non-finite, skipped
+      } else {
+        weight = torch::full({1}, 1.0 / world_size(), torch::dtype(torch::kFloat).device(group_.device()));
+      }
+      flat_grad.mul_(weight);  // (in fp32, rounded once to the half dtype)
+      all_reduce_buckets(flat_grad, c10d::ReduceOp::SUM, step);
+      return {window.items >= 0 ? 1.0 : window.rescale, {}};
+    }
     // With item counts the ranks' windows hold different numbers of items: send each rank's
     // sum over its items, and divide by the total over all ranks (exact global mean). The total
     // stays on the device (the trainer folds it into the optimizer's divisor): no host sync.
@@ -536,31 +555,7 @@ class DataParallel final : public Replicas {
         flat_grad.mul_(weight);
       items = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
     }
-    const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
-    // Equal buckets, each starting 64-byte aligned as the parameters in the flat storage do.
-    const auto element_size = static_cast<std::int64_t>(flat_grad.element_size());
-    const auto numel = flat_grad.numel();
-    const auto align = 64 / element_size;
-    auto n = buckets(numel, element_size);
-    const std::int64_t per = n == 0 ? 0 : ((numel + n - 1) / n + align - 1) / align * align;
-    if (n > 0) n = (numel + per - 1) / per;
-    works_.clear();
-    try {
-      for (std::int64_t b = 0; b < n; ++b) {
-        const auto begin = b * per;
-        works_.push_back(group_.start_all_reduce(
-            flat_grad.narrow(0, begin, std::min(per, numel - begin)), op));
-      }
-      if (items.defined()) works_.push_back(group_.start_all_reduce(items));
-    } catch (const std::exception& e) {
-      group_.fail("starting the gradient all-reduce" + step, detail::message_of(e));
-    }
-    for (size_t b = 0; b < works_.size(); ++b)
-      group_.wait(works_[b], b < static_cast<size_t>(n)
-                                 ? "all-reduce of gradient bucket " + std::to_string(b + 1) + "/" +
-                                       std::to_string(n) + step
-                                 : "all-reduce of the window's item count" + step);
-    works_.clear();
+    all_reduce_buckets(flat_grad, op, step, items);
     // Item counts are exact in float up to 2^24 per window.
     if (items.defined()) return {1.0, items.reshape({})};
     return {window.rescale / static_cast<double>(world_size()), {}};
@@ -595,6 +590,34 @@ class DataParallel final : public Replicas {
   void average(std::vector<double>& values) override { values = group_.average(std::move(values)); }
 
  private:
+  // The gradient's all-reduce in equal buckets, each starting 64-byte aligned as the
+  // parameters in the flat storage do, and `extra` (the item count) after them.
+  void all_reduce_buckets(torch::Tensor& flat_grad, const c10d::ReduceOp& op, const std::string& step,
+                          const torch::Tensor& extra = {}) {
+    const auto element_size = static_cast<std::int64_t>(flat_grad.element_size());
+    const auto numel = flat_grad.numel();
+    const auto align = 64 / element_size;
+    auto n = buckets(numel, element_size);
+    const std::int64_t per = n == 0 ? 0 : ((numel + n - 1) / n + align - 1) / align * align;
+    if (n > 0) n = (numel + per - 1) / per;
+    works_.clear();
+    try {
+      for (std::int64_t b = 0; b < n; ++b) {
+        const auto begin = b * per;
+        works_.push_back(group_.start_all_reduce(flat_grad.narrow(0, begin, std::min(per, numel - begin)), op));
+      }
+      if (extra.defined()) works_.push_back(group_.start_all_reduce(extra));
+    } catch (const std::exception& e) {
+      group_.fail("starting the gradient all-reduce" + step, detail::message_of(e));
+    }
+    for (size_t b = 0; b < works_.size(); ++b)
+      group_.wait(works_[b], b < static_cast<size_t>(n)
+                                 ? "all-reduce of gradient bucket " + std::to_string(b + 1) + "/" +
+                                       std::to_string(n) + step
+                                 : "all-reduce of the window's item count" + step);
+    works_.clear();
+  }
+
   void check_device(const torch::Tensor& t, const std::string& what) const {
     if (t.device() != group_.device())
       throw std::invalid_argument("trainkit::DataParallel: " + what + " are on " + t.device().str() +

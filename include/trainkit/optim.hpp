@@ -13,6 +13,8 @@
 ///   step(groups, divisor, found_inf, lr, applied)  device scalars. The true gradient is
 ///       grad / divisor; found_inf = 1 means: change nothing, bit for bit; applied: the count
 ///       of applied steps, this one included when it applies (a step count to follow).
+///       `groups` are the groups the rule was made with, or chunks of them (state_offset;
+///       undefined params: nothing of that group), called once per chunk with the same scalars.
 ///   save / load                           state (moments, step counts) for checkpoints.
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/flat_layout.hpp>
@@ -104,9 +106,20 @@ struct ParamGroup {
   double lr_mult = 1.0;
   bool decay = true;     ///< false: no weight decay (TrainerOptions::no_decay)
   FlatLayout layout;     ///< the parameters inside `params` (gaps between them are zeros)
+  /// A chunk of the group (the chunked optimizer phase of master weights): where `params`
+  /// starts inside the whole group; the update rule's state is sliced the same way. 0 for a
+  /// whole group. A chunk that misses the group has undefined `params` and is skipped.
+  std::int64_t state_offset = 0;
   /// The optimizer's weight decay for this group.
   double weight_decay(double optimizer_decay) const { return decay ? optimizer_decay : 0.0; }
 };
+
+/// The part of a group's state tensor (moments, momentum) that `group` covers: all of it, or
+/// the slice of a chunk.
+inline torch::Tensor state_of(const torch::Tensor& state, const ParamGroup& group) {
+  const auto n = group.params.numel();
+  return n == state.numel() ? state : state.narrow(0, group.state_offset, n);
+}
 
 class UpdateRule {
  public:
@@ -173,17 +186,18 @@ class FusedAdam final : public UpdateRule {
     // kernel skip and takes the count back: the same value, in one call).
     step_as_1d_.copy_(applied);
     for (size_t g = 0; g < groups.size(); ++g) {
+      const ParamGroup& group = groups[g];
+      if (!group.params.defined()) continue;
       const torch::Tensor& lr = lrs[g];
+      const auto m = state_of(exp_avg_[g], group), v = state_of(exp_avg_sq_[g], group);
       if constexpr (Decoupled)
-        at::_fused_adamw_({groups[g].params}, {groups[g].grads}, {exp_avg_[g]}, {exp_avg_sq_[g]},
-                          {}, {step_}, lr, options_.beta1(), options_.beta2(),
-                          groups[g].weight_decay(options_.weight_decay()), options_.eps(), /*amsgrad=*/false,
-                          /*maximize=*/false, divisor, found_inf);
+        at::_fused_adamw_({group.params}, {group.grads}, {m}, {v}, {}, {step_}, lr, options_.beta1(),
+                          options_.beta2(), group.weight_decay(options_.weight_decay()), options_.eps(),
+                          /*amsgrad=*/false, /*maximize=*/false, divisor, found_inf);
       else
-        at::_fused_adam_({groups[g].params}, {groups[g].grads}, {exp_avg_[g]}, {exp_avg_sq_[g]},
-                         {}, {step_}, lr, options_.beta1(), options_.beta2(),
-                         groups[g].weight_decay(options_.weight_decay()), options_.eps(), /*amsgrad=*/false,
-                         /*maximize=*/false, divisor, found_inf);
+        at::_fused_adam_({group.params}, {group.grads}, {m}, {v}, {}, {step_}, lr, options_.beta1(),
+                         options_.beta2(), group.weight_decay(options_.weight_decay()), options_.eps(),
+                         /*amsgrad=*/false, /*maximize=*/false, divisor, found_inf);
     }
   }
   double base_lr() const override { return options_.lr(); }
@@ -228,10 +242,11 @@ class FusedSGD final : public UpdateRule {
             const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs,
             const torch::Tensor& /*applied*/) override {
     for (size_t g = 0; g < groups.size(); ++g) {
+      if (!groups[g].params.defined()) continue;
       // A zero-initialised buffer with dampening 0 equals torch's "buffer = grad on the first
       // step", without the host needing to know which step was the first applied one.
       const auto buffers = momentum_.empty() ? std::vector<torch::Tensor>{}
-                                             : std::vector<torch::Tensor>{momentum_[g]};
+                                             : std::vector<torch::Tensor>{state_of(momentum_[g], groups[g])};
       at::_fused_sgd_({groups[g].params}, {groups[g].grads}, buffers, groups[g].weight_decay(options_.weight_decay()),
                       options_.momentum(), lrs[g], /*dampening=*/0.0, options_.nesterov(),
                       /*maximize=*/false, /*is_first_step=*/false, divisor, found_inf);

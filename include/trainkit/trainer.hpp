@@ -209,6 +209,7 @@ class Trainer final : public AnyTrainer {
                 accumulation_.position(), " micro-batches); attach between windows");
     replicas->attach(*module_, flat_params_);
     if constexpr (Precision::master_weights) half_.write_back(flat_params_);  // rank 0's masters
+    single_process_ = dynamic_cast<const SingleProcess*>(replicas.get()) != nullptr;
     replicas_ = std::move(replicas);
   }
   /// rank(), world_size(), is_main() for the loop; average() for its metrics.
@@ -249,6 +250,9 @@ class Trainer final : public AnyTrainer {
   const torch::Tensor& half_parameters() const { return half_.params(); }
   const torch::Tensor& half_gradients() const { return half_.grad(); }
   const torch::Tensor& kept_gradients() const { return half_.kept_grad(); }
+  /// Master weights: how many chunks the last optimizer phase cast its fp32 gradient in
+  /// (TrainerOptions::master_chunk); 0 when it was cast whole (or without master weights).
+  std::int64_t phase_chunks() const { return phase_chunks_; }
   const std::vector<detail::ParamGroup>& groups() const override { return groups_; }
 
   // --- AnyTrainer: what the loop asks of any configuration --------------------------------
@@ -445,6 +449,10 @@ class Trainer final : public AnyTrainer {
  private:
   static TrainerOptions validated(TrainerOptions options) {
     options.validate();
+    if (!Precision::master_weights && options.reduce_precision() == ReducePrecision::half)
+      throw std::invalid_argument(
+          "trainkit::TrainerOptions: reduce_precision half needs master weights (PrecisionPolicy<MasterWeights<T>>): "
+          "without them the gradient is fp32, and " + name() + " all-reduces it as it is");
     return options;
   }
 
@@ -599,6 +607,43 @@ class Trainer final : public AnyTrainer {
     }
   }
 
+  // Whether this optimizer phase runs chunk by chunk (master weights only): one process (no
+  // all-reduce wants the whole gradient), no fp32 sum in the window (one micro-batch, one
+  // piece), and more parameters than one chunk.
+  bool master_chunked(bool reduced_in_half) const {
+    return (single_process_ || reduced_in_half) && !half_.summed().defined() &&
+           flat_params_.numel() > options_.master_chunk();
+  }
+  // Whether this phase all-reduces the half gradient (TrainerOptions::reduce_precision): data
+  // parallel, master weights, and no fp32 sum in the window.
+  bool reduce_half() const {
+    if constexpr (!Precision::master_weights) {
+      return false;
+    } else {
+      const auto p = options_.reduce_precision();
+      const bool half = p == ReducePrecision::half ||
+                        (p == ReducePrecision::automatic && Precision::storage_dtype == at::kHalf);
+      return half && !single_process_ && !half_.summed().defined();
+    }
+  }
+  // The groups restricted to flat elements [begin, begin + part.numel()), their gradients in
+  // `part` (the chunked phase); a group outside the range has undefined params.
+  std::vector<detail::ParamGroup> groups_in(std::int64_t begin, const torch::Tensor& part) const {
+    const auto end = begin + part.numel();
+    std::vector<detail::ParamGroup> out(groups_.size());
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const auto first = groups_[g].params.storage_offset(), last = first + groups_[g].params.numel();
+      const auto lo = std::max(begin, first), hi = std::min(end, last);
+      if (lo >= hi) continue;
+      out[g].params = flat_params_.narrow(0, lo, hi - lo);
+      out[g].grads = part.narrow(0, lo - begin, hi - lo);
+      out[g].lr_mult = groups_[g].lr_mult;
+      out[g].decay = groups_[g].decay;
+      out[g].state_offset = lo - first;
+    }
+    return out;
+  }
+
   // What a checkpoint holds for a parameter: its fp32 master where there is one, else itself.
   const torch::Tensor& stored(const std::string& name, const torch::Tensor& param) const {
     if constexpr (Precision::master_weights) {
@@ -717,24 +762,39 @@ class Trainer final : public AnyTrainer {
     const double rescale = accumulation_.rescale();
     // Master weights: the window's fp32 gradient, cast from the half one in one pass (into a
     // buffer that lives only for this phase); from here on the phase runs on fp32 gradients
-    // and masters exactly as without (so phase 5 reduces fp32 gradients).
+    // and masters exactly as without (so phase 5 reduces fp32 gradients). Or, in one process
+    // with one micro-batch and a model over TrainerOptions::master_chunk, chunk by chunk: the
+    // norm (6) and the update (8-9) each cast a chunk at a time into `chunk` (master_chunked()).
+    //    Data parallel with ReducePrecision half: the half gradient is all-reduced first (5),
+    //    and the phase runs in chunks as in one process.
+    torch::Tensor chunk;
+    const auto acc = accumulation_.state();
+    const WindowWeights weights{rescale, acc.counted ? acc.items : -1, acc.position};
+    std::optional<GradientFactor> reduced;
     if constexpr (Precision::master_weights) {
-      flat_grad_ = half_.gather();
-      for (auto& g : groups_)
-        g.grads = flat_grad_.narrow(0, g.params.storage_offset(), g.params.numel());
+      if (reduce_half())
+        reduced = half_.reduce_in_half([&](torch::Tensor& half) { return replicas_->reduce_gradients(half, weights); });
+      if (master_chunked(reduced.has_value())) {
+        const auto size = (options_.master_chunk() + 63) / 64 * 64;
+        chunk = torch::empty({size}, flat_params_.options());
+      } else {
+        flat_grad_ = half_.gather();
+        for (auto& g : groups_)
+          g.grads = flat_grad_.narrow(0, g.params.storage_offset(), g.params.numel());
+      }
     }
     // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat storage, once per
     //    window); `factor` makes it the mean over every rank's micro-batches or items.
-    const auto acc = accumulation_.state();
-    const GradientFactor factor = replicas_->reduce_gradients(
-        flat_grad_, {rescale, acc.counted ? acc.items : -1, acc.position});
+    const GradientFactor factor = reduced                ? *reduced
+                                  : chunk.defined() ? GradientFactor{rescale, {}}  // (one process)
+                                                    : replicas_->reduce_gradients(flat_grad_, weights);
     // 6+7. One pass over the gradient: the global L2 norm of the still-scaled gradient, both
     //    the overflow check and, divided by the divisor, the logged and clipped norm. A
     //    non-finite gradient has a non-finite norm. So has a finite one whose norm overflows
     //    fp32 (the squares are summed in fp32: elements from ~1.8e19 on), and it is skipped as
     //    an overflow too, where torch.amp.GradScaler checks elements and applies it (clipped by
     //    max_norm / inf = 0): a norm beyond fp32 is as unusable as an inf (tests: test_skip).
-    const auto scaled_norm = at::linalg_vector_norm(flat_grad_, 2);
+    const auto scaled_norm = chunk.defined() ? half_.norm_in_chunks(chunk) : at::linalg_vector_norm(flat_grad_, 2);
     // The accumulated gradient is the true gradient times `divisor` (no ATen call where it is
     // the loss scale or a constant: the phase is ~15 calls, each a few microseconds).
     torch::Tensor divisor;
@@ -750,7 +810,10 @@ class Trainer final : public AnyTrainer {
     const auto found_inf =
         at::nan_to_num((factor.total.defined() ? true_norm : scaled_norm) * 0.0, /*nan=*/1.0);
     // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
-    const auto optimizer_divisor = clip_.divisor(flat_grad_, divisor, true_norm);
+    //    (ClipValue clamps the gradient itself: in the chunked phase, chunk by chunk, below.)
+    constexpr bool clip_per_element = std::is_same_v<clip_mode, ClipValue>;
+    torch::Tensor optimizer_divisor;
+    if (!clip_per_element || !chunk.defined()) optimizer_divisor = clip_.divisor(flat_grad_, divisor, true_norm);
     // 9. The update, skipped on the device when found_inf (parameters and optimizer state
     //    unchanged, bit for bit). The LR comes from the schedule at the applied-step position;
     //    the counters (10) are advanced first, as the update rule's step count follows them.
@@ -760,7 +823,19 @@ class Trainer final : public AnyTrainer {
     for (const auto& g : groups_) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
     skipped_ = skipped_ + found_inf.to(torch::kLong);  // new tensors: the report keeps this window's values
     applied_ = at::rsub(skipped_, windows_ + 1);       // applied + skipped = optimizer phases run
-    rule_->step(groups_, optimizer_divisor, found_inf, lrs_, applied_);
+    phase_chunks_ = 0;
+    if (chunk.defined()) {
+      const auto total = flat_params_.numel(), size = chunk.numel();
+      for (std::int64_t begin = 0; begin < total; begin += size, ++phase_chunks_) {
+        const auto n = std::min(size, total - begin);
+        auto part = chunk.narrow(0, 0, n);
+        half_.gradient_chunk(begin, n, part);
+        if constexpr (clip_per_element) optimizer_divisor = clip_.divisor(part, divisor, true_norm);
+        rule_->step(groups_in(begin, part), optimizer_divisor, found_inf, lrs_, applied_);
+      }
+    } else {
+      rule_->step(groups_, optimizer_divisor, found_inf, lrs_, applied_);
+    }
     // Master weights: the model's half parameters from the masters, one copy. A skipped step
     // left the masters unchanged, so it rewrites the same values (no host sync to tell).
     if constexpr (Precision::master_weights) half_.write_back(flat_params_);
@@ -864,6 +939,8 @@ class Trainer final : public AnyTrainer {
   std::unique_ptr<detail::UpdateRule> rule_;
   std::shared_ptr<Schedule> schedule_;
   std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
+  bool single_process_ = true;  // replicas_ is a SingleProcess
+  std::int64_t phase_chunks_ = 0;  // phase_chunks()
 
   detail::FlatLayout layout_;                            // where each parameter lives in them
   torch::Tensor flat_params_, flat_grad_;

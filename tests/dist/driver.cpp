@@ -2,8 +2,9 @@
 // torchrun: trains a tiny MLP data-parallel on a synthetic regression set and writes its final
 // parameters and a summary. Launched without launcher variables it is one process.
 //
-//   trainkit_dist_driver --out PREFIX [--steps K] [--batch B] [--accum N] [--precision fp32|fp16]
-//       [--model mlp|affine] [--bucket-bytes X] [--timeout S] [--heartbeat S] [--sleep-ms M] [--samples M]
+//   trainkit_dist_driver --out PREFIX [--steps K] [--batch B] [--accum N]
+//       [--precision fp32|fp16|fp16master|bf16master] [--reduce auto|fp32|half] (master weights)
+//       [--model mlp|mlp-ln|affine] [--bucket-bytes X] [--timeout S] [--heartbeat S] [--sleep-ms M] [--samples M]
 //       [--overflow-rank R --overflow-window W]   inject an inf loss on rank R in window W (1-based)
 //       [--items 1]                                 item-weighted windows (uneven counts per rank)
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
@@ -38,7 +39,7 @@ namespace tk = trainkit;
 namespace {
 
 struct Args {
-  std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp";
+  std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -65,7 +66,7 @@ Args parse(int argc, char** argv) {
   take("accum", a.accum), take("samples", a.samples), take("bucket-bytes", a.bucket_bytes);
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
   take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
-  take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank);
+  take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank), take("reduce", a.reduce);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -74,22 +75,33 @@ Args parse(int argc, char** argv) {
 // `mlp`: Linear(8, 16), tanh, Linear(16, 4). `affine`: elementwise only (no op that autocast
 // runs in fp16), for comparisons that fp16 rounding of batch-size-dependent matmuls would blur.
 struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(bool affine)
-      : affine(affine),
+  explicit MlpImpl(const std::string& kind)
+      : affine(kind == "affine"),
         fc1(register_module("fc1", torch::nn::Linear(8, 16))),
-        fc2(register_module("fc2", torch::nn::Linear(16, 4))) {}
+        fc2(register_module("fc2", torch::nn::Linear(16, 4))) {
+    // `mlp-ln`: a LayerNorm between them (master weights keep it fp32).
+    if (kind == "mlp-ln") ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+  }
   torch::Tensor forward(const torch::Tensor& x) {
     if (affine) {  // 8 inputs -> 4 outputs from the same 212 parameters, elementwise
       const auto w = fc1->weight.reshape({-1}).narrow(0, 0, 8), b = fc1->bias.narrow(0, 0, 8);
       const auto h = torch::tanh(x * w + b).reshape({-1, 4, 2}).sum(2);
       return h * fc2->weight.reshape({-1}).narrow(0, 0, 4) + fc2->bias;
     }
-    return fc2(torch::tanh(fc1(x)));
+    return fc2(torch::tanh(ln ? ln(fc1(x)) : fc1(x)));
   }
   bool affine;
   torch::nn::Linear fc1, fc2;
+  torch::nn::LayerNorm ln{nullptr};
 };
 TORCH_MODULE(Mlp);
+
+tk::ReducePrecision reduce_precision(const Args& a) {
+  if (a.reduce == "auto") return tk::ReducePrecision::automatic;
+  if (a.reduce == "fp32") return tk::ReducePrecision::fp32;
+  if (a.reduce == "half") return tk::ReducePrecision::half;
+  throw std::invalid_argument("--reduce must be auto, fp32 or half");
+}
 
 template <class Trainer>
 int run(const Args& a) {
@@ -102,14 +114,15 @@ int run(const Args& a) {
 
   // Every rank starts from other weights: the broadcast at attach makes them rank 0's.
   torch::manual_seed(1000 + rank);
-  if (a.model != "mlp" && a.model != "affine") throw std::invalid_argument("--model must be mlp or affine");
-  Mlp model(a.model == "affine");
+  if (a.model != "mlp" && a.model != "affine" && a.model != "mlp-ln")
+    throw std::invalid_argument("--model must be mlp, mlp-ln or affine");
+  Mlp model(a.model);
   auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
   const auto x = torch::randn({a.samples, 8}, data_gen);
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
 
   Trainer trainer(model, tk::AdamW{1e-2, 1e-2},
-                  tk::TrainerOptions().accumulation_steps(a.accum).max_grad_norm(0.05));
+                  tk::TrainerOptions().accumulation_steps(a.accum).max_grad_norm(0.05).reduce_precision(reduce_precision(a)));
   auto replicas = std::make_shared<tk::DataParallel>(group, a.bucket_bytes);
   trainer.set_replicas(replicas);
   const std::string load = rank == 1 && !a.load_rank1.empty() ? a.load_rank1 : a.load;
@@ -154,7 +167,7 @@ int run(const Args& a) {
     std::cout << "fit wrote " << result.checkpoints.size() << " checkpoints, replayed " << result.replays
               << " window(s)" << std::endl;
   }
-  const auto calls_before = counter->all_reduce_calls;
+  const auto calls_before = counter->all_reduce_calls, bytes_before = counter->all_reduce_bytes;
   const auto windows_before = trainer.windows();
   std::int64_t m = trainer.windows() * a.accum;  // micro-batches so far: the sampler's position
   tk::StepReport last;
@@ -180,6 +193,7 @@ int run(const Args& a) {
     if (a.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.sleep_ms));
   }
   const auto training_calls = counter->all_reduce_calls - calls_before;
+  const auto training_bytes = counter->all_reduce_bytes - bytes_before;
   if (!a.save.empty() && group.is_main()) trainer.save(a.save);
 
   const auto params = trainer.parameters().contiguous();
@@ -196,8 +210,9 @@ int run(const Args& a) {
                       {"skipped", trainer.skipped_steps().template item<std::int64_t>()},
                       {"scale", trainer.loss_scale().template item<double>()},
                       {"allreduce_calls", training_calls},
-                      {"buckets", replicas->buckets(trainer.gradients().numel())},
-                      {"numel", trainer.gradients().numel()},
+                      {"allreduce_bytes", training_bytes},
+                      {"buckets", replicas->buckets(trainer.parameters().numel())},
+                      {"numel", trainer.parameters().numel()},
                       {"mean_loss", mean[0]}};
   std::ofstream(prefix + ".json") << j.dump() << "\n";
   return 0;
@@ -212,7 +227,10 @@ int main(int argc, char** argv) {
     using Clip = tk::ClipPolicy<tk::ClipNorm>;
     if (a.precision == "fp16") return run<tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, Acc, Clip>>(a);
     if (a.precision == "fp32") return run<tk::Trainer<tk::PrecisionPolicy<tk::FP32>, Acc, Clip>>(a);
-    throw std::invalid_argument("--precision must be fp32 or fp16");
+    if (a.precision == "fp16master")
+      return run<tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>, Acc, Clip>>(a);
+    if (a.precision == "bf16master") return run<tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>, Acc, Clip>>(a);
+    throw std::invalid_argument("--precision must be fp32, fp16, fp16master or bf16master");
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;

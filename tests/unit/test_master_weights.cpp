@@ -333,3 +333,99 @@ TEST_CASE_TEMPLATE("master weights sum a window's micro-batch gradients in fp32,
   CHECK(fp32_error < 1e-5);
   CHECK(half_error > 20 * fp32_error);  // what summing in half would have cost: the check can tell
 }
+
+// The chunked optimizer phase (one process, one micro-batch per window, a model over
+// TrainerOptions::master_chunk): the fp32 gradient is cast chunk by chunk, so chunk bounds
+// fall inside parameters, groups (LR multipliers, no-decay) and the kept fp32 LayerNorm. It
+// must update exactly as the whole-gradient phase: bit for bit where the norm only decides
+// skips, to rounding (the norm is a norm of chunk norms) where ClipNorm scales by it.
+template <class Mode, class ClipTag>
+struct ChunkCase {
+  using trainer = tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<Mode>>, tk::AccumulationPolicy<1>,
+                              tk::ClipPolicy<ClipTag>>;
+  static constexpr bool exact = !std::is_same_v<ClipTag, tk::ClipNorm>;
+};
+#define CHUNK_CASES ChunkCase<tk::FP16Dynamic, tk::NoClip>, ChunkCase<tk::BF16, tk::ClipNorm>, \
+                    ChunkCase<tk::FP16Static, tk::ClipValue>
+
+TEST_CASE_TEMPLATE("the chunked master-weight phase updates as the whole one (AdamW, SGD; groups, kept fp32)", T,
+                   CHUNK_CASES) {
+  struct NetImpl : torch::nn::Module {
+    torch::nn::Linear fc1{register_module("fc1", torch::nn::Linear(8, 24))};
+    torch::nn::LayerNorm ln{register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({24})))};
+    torch::nn::Linear fc2{register_module("fc2", torch::nn::Linear(24, 3))};
+    torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(ln(fc1(x)))); }
+  };
+  const auto data = testing::clusters(256, 8, 3, 3);
+  struct Run {
+    torch::Tensor masters, half, state;
+    std::vector<double> norms;
+    std::vector<bool> applied;
+    std::int64_t chunks = 0;
+  };
+  auto run = [&](bool adam, std::int64_t chunk) {
+    torch::manual_seed(11);
+    auto net = std::make_shared<NetImpl>();
+    auto options = tk::TrainerOptions()
+                       .master_chunk(chunk)
+                       .lr_mult({{"fc2", 2.0}})
+                       .no_decay({"bias"})
+                       .clip_value(0.05)
+                       .max_grad_norm(0.5)
+                       .loss_scale(tk::LossScaleOptions().init_scale(1024).static_scale(256));
+    auto make = [&] {
+      return adam ? std::make_unique<typename T::trainer>(net, tk::AdamW{1e-2, 0.1}, options)
+                  : std::make_unique<typename T::trainer>(net, tk::SGD{0.1, 0.9, 0.01}, options);
+    };
+    auto trainer = make();
+    Run out;
+    for (int i = 0; i < 8; ++i) {
+      const double factor = i == 3 ? std::numeric_limits<double>::infinity() : 1.0;  // one skipped window
+      const auto r = trainer->micro_step([&] {
+        return torch::cross_entropy_loss(net->forward(data.x.narrow(0, i * 32, 32)), data.y.narrow(0, i * 32, 32)) *
+               factor;
+      });
+      REQUIRE(r.window_closed);
+      out.norms.push_back(r.report.grad_norm());
+      out.applied.push_back(r.report.applied());
+      out.chunks = std::max(out.chunks, trainer->phase_chunks());
+    }
+    out.masters = trainer->parameters().clone();
+    out.half = testing::flat(*net).to(torch::kFloat);
+    auto& rule = trainer->update_rule();
+    out.state = torch::cat(adam ? dynamic_cast<tk::detail::FusedAdam<tk::AdamW, true>&>(rule).exp_avg_sq()
+                                : dynamic_cast<tk::detail::FusedSGD&>(rule).momentum_buffers());
+    return out;
+  };
+  for (bool adam : {true, false}) {
+    CAPTURE(adam);
+    const auto whole = run(adam, std::int64_t{1} << 24);
+    const auto chunked = run(adam, 40);  // rounded up to 64 elements: 7 chunks of the 416
+    CHECK(whole.chunks == 0);
+    CHECK(chunked.chunks >= 6);
+    CHECK(chunked.applied == whole.applied);
+    CHECK(whole.applied == std::vector<bool>{true, true, true, false, true, true, true, true});
+    for (size_t i = 0; i < whole.norms.size(); ++i)
+      if (std::isfinite(whole.norms[i])) CHECK(chunked.norms[i] == doctest::Approx(whole.norms[i]).epsilon(1e-6));
+    if (T::exact) {
+      CHECK(torch::equal(chunked.masters, whole.masters));
+      CHECK(torch::equal(chunked.half, whole.half));
+      CHECK(torch::equal(chunked.state, whole.state));
+    } else {
+      CHECK(torch::allclose(chunked.masters, whole.masters, 1e-5, 1e-7));
+      CHECK(torch::allclose(chunked.state, whole.state, 1e-4, 1e-9));
+    }
+  }
+}
+
+TEST_CASE("master_chunk: below 1 is refused, naming the option") {
+  CHECK_THROWS_WITH(tk::TrainerOptions().master_chunk(0).validate(),
+                    doctest::Contains("master_chunk must be >= 1"));
+}
+
+TEST_CASE("reduce_precision half without master weights is refused, naming the option") {
+  auto model = make_mlp(1);
+  CHECK_THROWS_WITH_AS(
+      tk::Trainer<>(model, tk::AdamW{1e-3}, tk::TrainerOptions().reduce_precision(tk::ReducePrecision::half)),
+      doctest::Contains("reduce_precision half needs master weights"), std::invalid_argument);
+}

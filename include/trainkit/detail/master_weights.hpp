@@ -8,6 +8,7 @@
 #include <torch/nn/modules/normalization.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <unordered_set>
 #include <vector>
@@ -61,6 +62,9 @@ inline void store_untrained_in(torch::nn::Module& model, at::ScalarType dtype, b
 /// by about 1%; trainkit's test measures it). With one micro-batch per window the fp32 gradient
 /// exists only during the optimizer phase, so between windows the model costs 4 (master) + 2 +
 /// 2 bytes per parameter plus the optimizer's state; with several, the fp32 sum stays: + 4.
+/// With one micro-batch per window and one process, a model larger than
+/// TrainerOptions::master_chunk runs its optimizer phase in chunks (norm_in_chunks,
+/// gradient_chunk): the phase adds one chunk, not 4 bytes per parameter.
 class HalfStorage {
  public:
   /// The half parameters, before the model's parameters are moved into them; the gradients
@@ -83,7 +87,10 @@ class HalfStorage {
   }
   /// After the last add_kept().
   void finish() {
-    if (!kept_positions_.empty()) kept_index_ = torch::cat(kept_positions_).to(grad_.device());
+    if (!kept_positions_.empty()) {
+      kept_index_host_ = torch::cat(kept_positions_);  // ascending: add_kept() runs in layout order
+      kept_index_ = kept_index_host_.to(grad_.device());
+    }
     kept_positions_.clear();
   }
 
@@ -91,7 +98,7 @@ class HalfStorage {
   /// (a copy for the window's first, else an add), and the half gradient to 0. No host sync.
   void accumulate() {
     ensure_sum();
-    if (summed_) sum_.add_(grad_);
+    if (summed_) add_into_sum();
     else sum_.copy_(grad_);
     summed_ = true;
     grad_.zero_();
@@ -100,10 +107,61 @@ class HalfStorage {
   /// buffer (one micro-batch), or added to the fp32 sum (several; the sum is returned), plus one
   /// scatter of the kept parameters' fp32 gradients. The phase may change it in place.
   torch::Tensor gather() {
-    auto flat = summed_ ? sum_.add_(grad_) : grad_.to(torch::kFloat);
+    auto flat = summed_ ? add_into_sum() : grad_.to(torch::kFloat);
     if (kept_index_.defined()) flat.index_copy_(0, kept_index_, kept_grad_);
     return flat;
   }
+  /// The chunked optimizer phase (one micro-batch in the window, so no fp32 sum): the window's
+  /// fp32 gradient is never whole, only `chunk` elements at a time in a buffer of that size.
+  /// norm_in_chunks: the L2 norm of the window's gradient (half and kept), each chunk cast
+  /// into `buffer` (its norm in fp32, as the whole gradient's would be), then the norm of those
+  /// norms. No host sync.
+  torch::Tensor norm_in_chunks(torch::Tensor& buffer) const {
+    const auto chunk = buffer.numel(), total = grad_.numel();
+    const auto count = (total + chunk - 1) / chunk;
+    auto norms = torch::zeros({count + 1}, buffer.options());
+    for (std::int64_t i = 0; i < count; ++i) {
+      const auto n = std::min(chunk, total - i * chunk);
+      auto part = buffer.narrow(0, 0, n);
+      part.copy_(grad_.narrow(0, i * chunk, n));
+      auto out = norms.select(0, i);
+      at::linalg_vector_norm_out(out, part, 2);
+    }
+    if (kept_grad_.defined()) {
+      auto out = norms.select(0, count);
+      at::linalg_vector_norm_out(out, kept_grad_, 2);
+    }
+    return at::linalg_vector_norm(norms, 2);
+  }
+  /// Elements [begin, begin + n) of the window's fp32 gradient in master layout, into `out`
+  /// (n elements): the half gradient cast, and the kept parameters' gradients in their places.
+  void gradient_chunk(std::int64_t begin, std::int64_t n, torch::Tensor& out) {
+    out.copy_(grad_.narrow(0, begin, n));
+    if (!kept_index_host_.defined()) return;
+    // The kept positions in [begin, begin + n): a range of the ascending kept index.
+    const auto* first = kept_index_host_.data_ptr<std::int64_t>();
+    const auto* last = first + kept_index_host_.numel();
+    const auto lo = std::lower_bound(first, last, begin) - first;
+    const auto hi = std::lower_bound(first, last, begin + n) - first;
+    if (hi == lo) return;
+    auto local = kept_index_.narrow(0, lo, hi - lo) - begin;
+    out.index_copy_(0, local, kept_grad_.narrow(0, lo, hi - lo));
+  }
+
+  /// Data parallel in half precision: `reduce(half_gradient)` on the whole window's gradient.
+  /// The kept parameters' fp32 gradients join it in their (otherwise unused, zero) slices,
+  /// rounded to the half dtype as every other gradient, and come back after.
+  template <class Reduce>
+  auto reduce_in_half(Reduce&& reduce) {
+    if (kept_index_.defined()) grad_.index_copy_(0, kept_index_, kept_grad_.to(grad_.scalar_type()));
+    auto result = reduce(grad_);
+    if (kept_index_.defined()) {
+      kept_grad_.copy_(grad_.index_select(0, kept_index_));
+      grad_.index_fill_(0, kept_index_, 0);
+    }
+    return result;
+  }
+
   /// The fp32 sum of the window's micro-batches before the current half gradient; undefined
   /// when there is none (at a window's start, or one micro-batch per window). Checkpoints.
   torch::Tensor summed() const { return summed_ ? sum_ : torch::Tensor(); }
@@ -131,11 +189,26 @@ class HalfStorage {
   const torch::Tensor& kept_grad() const { return kept_grad_; }
 
  private:
+  // sum_ += grad_ (fp32 += half). On the CPU, ATen casts a half input to fp32 as a whole
+  // temporary first (4 bytes per parameter: measured, +191 MiB for 50 M elements); slices of
+  // 1 Mi elements keep that temporary at 4 MiB (larger ones, 16 MiB, stayed in glibc's heap).
+  // CUDA kernels cast as they read: one call.
+  torch::Tensor& add_into_sum() {
+    if (!grad_.is_cpu()) return sum_.add_(grad_);
+    constexpr std::int64_t slice = std::int64_t{1} << 20;
+    const auto total = grad_.numel();
+    for (std::int64_t begin = 0; begin < total; begin += slice) {
+      const auto n = std::min(slice, total - begin);
+      sum_.narrow(0, begin, n).add_(grad_.narrow(0, begin, n));
+    }
+    return sum_;
+  }
   void ensure_sum() {  // (zeros: the flat layout's gaps must stay 0)
     if (!sum_.defined()) sum_ = torch::zeros({grad_.numel()}, grad_.options().dtype(torch::kFloat));
   }
 
   torch::Tensor params_, grad_, kept_grad_, kept_index_;
+  torch::Tensor kept_index_host_;  // kept_index_ on the host (chunk bounds, no device read)
   torch::Tensor sum_;    // fp32 sum of the window's earlier micro-batches (accumulate())
   bool summed_ = false;  // sum_ holds this window's micro-batches
   std::int64_t kept_used_ = 0;
