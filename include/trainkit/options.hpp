@@ -61,8 +61,8 @@ struct TrainerOptions {
   /// fp32; each rank's part weighted to the mean first, so loss-scaled sums do not overflow),
   /// and the optimizer phase then runs in chunks as in one process. `fp32`: the gradient cast
   /// to fp32 whole first (4 more bytes per parameter at the phase's peak). `automatic`: half
-  /// with FP16 (its error, measured, is that of one more fp16 rounding: 1.5-2.4e-4 relative),
-  /// fp32 with BF16 (8 significant bits: 1-2e-3, growing with the ranks). A window of several
+  /// with FP16 (its error, measured against the fp32 sum: 1.5e-4 relative at 2 ranks to 3.3e-4
+  /// at 8, about one more fp16 rounding), fp32 with BF16 (1.0e-3 to 2.1e-3; docs/guide/memory.md). A window of several
   /// micro-batches holds an fp32 sum, which is all-reduced in fp32 whatever this says.
   /// Without master weights the gradient is fp32 and only `automatic` or `fp32` are accepted.
   TORCH_ARG(ReducePrecision, reduce_precision) = ReducePrecision::automatic;
