@@ -11,9 +11,13 @@
 ///                     window with plain weighting, N/k for a partial one (flush)
 ///   reset()           after the optimizer phase (or a dropped window)
 ///   discard()         Trainer::discard_window(): the open window forgotten
+///   save / load       the window's counts and the running mean, for checkpoints
 /// Guarantees: with item counts, the window's gradient is the gradient of the mean over all
 /// its items, exactly, whatever the counts; every factor is a host double (no device work).
+#include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/options.hpp>
+
+#include <torch/serialize/archive.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -129,6 +133,28 @@ class AccumulationPolicy {
     counted_ = s.counted;
     seen_items_ = s.seen_items;
     seen_batches_ = s.seen_batches;
+  }
+  /// Whether the open window's micro-batches gave item counts.
+  bool counted() const { return counted_; }
+
+  void save(torch::serialize::OutputArchive& archive) const {
+    detail::write_value(archive, "window.position", position_);
+    detail::write_value(archive, "window.items", items_);
+    detail::write_value(archive, "window.reference", reference_);
+    detail::write_value(archive, "window.counted", counted_);
+    detail::write_value(archive, "window.seen_items", seen_items_);
+    detail::write_value(archive, "window.seen_batches", seen_batches_);
+  }
+  void load(torch::serialize::InputArchive& archive) {
+    State s{};
+    s.position = detail::read_value(archive, "window.position").toInt();
+    s.items = detail::read_value(archive, "window.items").toInt();
+    s.reference = detail::read_value(archive, "window.reference").toDouble();
+    s.counted = detail::read_value(archive, "window.counted").toBool();
+    c10::IValue seen;  // (absent from older checkpoints: the running mean starts again)
+    if (archive.try_read("window.seen_items", seen)) s.seen_items = seen.toInt();
+    if (archive.try_read("window.seen_batches", seen)) s.seen_batches = seen.toInt();
+    load_state(s);
   }
 
  private:

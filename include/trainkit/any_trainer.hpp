@@ -14,14 +14,20 @@
 ///   run_micro_step(loss, items)  exactly Trainer::micro_step(loss[, items]) (items < 0: none);
 ///                                the loss closure runs inside the precision region
 ///   run_micro_step_pieces        exactly Trainer::micro_step_pieces
-///   flush, discard_window, save, load, set_schedule, on_epoch_end, set_replicas
+///   flush, discard_window, set_schedule, on_epoch_end, set_replicas
 ///                                exactly the Trainer members of the same names
+///   save(archive), load(archive, source)
+///                                every record of the training state; load checks what it can
+///                                before changing anything (type, optimizer, shapes)
+///   restore(snapshot)            a snapshot of this trainer's own save() back, with no checks
+///                                and no collectives (the rollback of a failed load)
 ///   type_name()                  Trainer<P, A, C>::name(), the name checkpoints record
 ///   window_length()              micro-batches per window (AccumulationPolicy's N, or the
 ///                                run-time count of AccumulationPolicy<Dynamic>)
 ///   autocast_dtype()             the dtype of the forward's autocast region; none for FP32
 /// Costs: one indirect call and one std::function call per micro-step (nanoseconds against a
 /// forward and backward); nothing per optimizer phase beyond what Trainer does.
+#include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
 #include <trainkit/replicas.hpp>
@@ -50,8 +56,6 @@ class AnyTrainer {
  public:
   /// The forward of one micro-batch: returns the loss as a scalar tensor.
   using LossClosure = std::function<torch::Tensor()>;
-  using SaveExtra = std::function<void(torch::serialize::OutputArchive&)>;
-  using LoadExtra = std::function<void(torch::serialize::InputArchive&)>;
 
   AnyTrainer() = default;
   AnyTrainer(const AnyTrainer&) = delete;
@@ -120,12 +124,27 @@ class AnyTrainer {
   virtual const torch::Tensor& skipped_steps() const = 0;
   virtual const torch::Tensor& loss_scale() const = 0;
 
-  /// Trainer::save / Trainer::load: the whole training state, atomically written.
-  virtual void save(const std::string& path, const SaveExtra& extra = {}) const = 0;
-  virtual void load(const std::string& path, const LoadExtra& extra = {}) = 0;
-  /// load() from an archive already opened (and checked) from `path`, which names it in errors:
-  /// a caller that looked inside the file first does not read it twice.
-  virtual void load(torch::serialize::InputArchive& archive, const std::string& path, const LoadExtra& extra = {}) = 0;
+  /// The whole training state as records of `archive` (Trainer::save).
+  virtual void save(torch::serialize::OutputArchive& archive) const = 0;
+  /// The state from `archive`, opened from `source` (named in errors): Trainer::load.
+  virtual void load(torch::serialize::InputArchive& archive, const std::string& source) = 0;
+  /// A snapshot written by this trainer's save() back, unchecked (the rollback of a load).
+  virtual void restore(torch::serialize::InputArchive& snapshot) = 0;
+
+  /// The state written to `path` atomically (a temporary file in the same directory, flushed,
+  /// renamed): a crash never leaves a partial file under that name.
+  void save(const std::string& path) const {
+    torch::serialize::OutputArchive archive;
+    save(archive);
+    detail::write_archive_atomically(archive, path);
+  }
+  /// The state read from `path` (its CRCs checked). Changes nothing when it fails: a mismatch
+  /// is refused before anything changes, and a later failure puts the previous state back.
+  void load(const std::string& path) {
+    torch::serialize::InputArchive archive;
+    detail::read_archive(archive, path);
+    detail::load_or_restore(*this, archive, path);
+  }
 
  protected:
   /// The compiled micro-step; items < 0 means no item count.

@@ -6,16 +6,23 @@
 ///   checkpoints.save(trainer, state, /*epoch_end*/ true);   // model-0004.ckpt
 ///   if (auto resumed = checkpoints.resume_newest(trainer)) start = resumed->state.position;
 ///
+///   // or in two steps, to look at the loop's state before the trainer changes:
+///   if (auto opened = checkpoints.open_newest()) {
+///     check(opened->state.config_json);               // throws: nothing has changed
+///     checkpoints.restore(*opened, trainer, callbacks);
+///   }
+///
 /// Names (the position is where training resumes from the file):
 ///   <prefix>-<epoch:04d>.ckpt               written after epoch `epoch` completed
 ///                                           (VL-BERT's numbering: RESUME at BEGIN_EPOCH = e + 1)
 ///   <prefix>-<epoch:04d>-<index:06d>.ckpt   written inside epoch `epoch` (a signal, a request)
 ///                                           after micro-batches [0, index); resumes at `index`
-/// A file is written by Trainer::save, which is atomic (temporary file in the same directory,
-/// fsync, rename, directory fsync): a file under one of these names is always complete. Next to
-/// the trainer's state it holds the loop's (LoopState: position, seed, resolved configuration,
-/// best metric) and whatever the caller adds; the RNG states (CPU, and CUDA on a GPU) are the
-/// trainer's (detail/rng_state.hpp).
+/// Each part writes its own records: the trainer (AnyTrainer::save), the loop's state (one
+/// LoopState: position, seed, resolved configuration, best metric, running sums...) and each
+/// callback's (CallbackState). The file is written atomically (temporary file in the same
+/// directory, fsync, rename, directory fsync): a file under one of these names is always
+/// complete. The RNG states (CPU, and CUDA on a GPU) are the trainer's (detail/rng_state.hpp).
+/// A restore that fails puts the trainer's previous state back (detail::load_or_restore).
 ///
 /// Retention: after a new file is in place, the newest `keep` files (by position) stay, and the
 /// best one (by the validation metric recorded in LoopState); older ones are deleted. Stale
@@ -29,6 +36,7 @@
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/zip_check.hpp>
+#include <trainkit/metrics.hpp>
 
 #include <ATen/Context.h>
 #include <torch/serialize/archive.h>
@@ -71,7 +79,8 @@ struct FitPosition {
   }
 };
 
-/// The fit loop's state stored with the trainer's in every checkpoint.
+/// The fit loop's state stored with the trainer's in every checkpoint: one record set, written
+/// and read by save() / read().
 struct LoopState {
   FitPosition position;           ///< where training resumes (the data sampler's state)
   std::int64_t seed = -1;         ///< the run's RNG_SEED (the data order depends on it)
@@ -80,6 +89,71 @@ struct LoopState {
   bool higher_is_better = true;
   double best_value = std::numeric_limits<double>::quiet_NaN();  ///< NaN: none yet
   std::string best_path;          ///< the checkpoint holding the best value ("" = none)
+  std::string finished;           ///< why a callback finished training ("": it goes on)
+  std::int64_t piece_items = 0;   ///< the largest piece of a micro-batch run (0: whole ones)
+  Metrics metrics;                ///< the epoch's running sums ("Loss" and the task's metrics)
+  Metrics::Totals logged;         ///< the sums at the last log window
+
+  /// The records, "fit.*"; `path` is the file's own name.
+  void save(torch::serialize::OutputArchive& a, const std::string& path) const {
+    detail::write_value(a, "fit.epoch", position.epoch);
+    detail::write_value(a, "fit.index", position.index);
+    detail::write_value(a, "fit.seed", seed);
+    detail::write_value(a, "fit.config", config_json);
+    detail::write_value(a, "fit.best_metric", best_metric);
+    detail::write_value(a, "fit.higher_is_better", higher_is_better);
+    detail::write_value(a, "fit.best_value", best_value);
+    detail::write_value(a, "fit.best_path", best_path);
+    detail::write_value(a, "fit.path", path);
+    detail::write_value(a, "fit.finished", finished);
+    detail::write_value(a, "fit.piece_items", piece_items);
+    metrics.save(a, "fit.metrics");
+    std::vector<std::string> names;
+    std::vector<double> sums, weights;
+    for (const auto& [name, sw] : logged.of) {
+      names.push_back(name);
+      sums.push_back(sw.first);
+      weights.push_back(sw.second);
+    }
+    a.write("fit.logged.names", c10::IValue(c10::List<std::string>(names)));
+    a.write("fit.logged.sums", c10::IValue(c10::List<double>(sums)));
+    a.write("fit.logged.weights", c10::IValue(c10::List<double>(weights)));
+  }
+  /// The records save() wrote (those after fit.path may be absent: files of older versions,
+  /// whose loop wrote them itself when it did).
+  static LoopState read(torch::serialize::InputArchive& a) {
+    LoopState s;
+    s.position.epoch = detail::read_value(a, "fit.epoch").toInt();
+    s.position.index = detail::read_value(a, "fit.index").toInt();
+    s.seed = detail::read_value(a, "fit.seed").toInt();
+    s.config_json = detail::read_value(a, "fit.config").toStringRef();
+    s.best_metric = detail::read_value(a, "fit.best_metric").toStringRef();
+    s.higher_is_better = detail::read_value(a, "fit.higher_is_better").toBool();
+    s.best_value = detail::read_value(a, "fit.best_value").toDouble();
+    s.best_path = detail::read_value(a, "fit.best_path").toStringRef();
+    c10::IValue v;
+    if (a.try_read("fit.finished", v)) s.finished = v.toStringRef();
+    if (a.try_read("fit.piece_items", v)) s.piece_items = v.toInt();
+    if (a.try_read("fit.metrics.count", v)) s.metrics.load(a, "fit.metrics");
+    if (a.try_read("fit.logged.names", v)) {
+      const auto names = v.toListRef();
+      const auto sums = detail::read_value(a, "fit.logged.sums").toDoubleList();
+      const auto weights = detail::read_value(a, "fit.logged.weights").toDoubleList();
+      for (size_t i = 0; i < names.size(); ++i) s.logged.of[names[i].toStringRef()] = {sums.get(i), weights.get(i)};
+    }
+    return s;
+  }
+};
+
+/// State a callback keeps across a resume (an EMA of the weights, early stopping's counters):
+/// `save` writes it into every checkpoint the loop writes (as "fit.callback.<name>"), `load`
+/// reads it back when the loop resumes from one. A checkpoint without it (written before the
+/// callback existed) is said once, and `load` is not called. Data parallel: the main rank's
+/// state is saved, and every rank loads it.
+struct CallbackState {
+  std::string name;
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(torch::serialize::InputArchive&)> load;
 };
 
 /// A checkpoint file found in the directory.
@@ -142,9 +216,6 @@ class DirectoryLock {
 
 class CheckpointManager {
  public:
-  using SaveExtra = std::function<void(torch::serialize::OutputArchive&)>;
-  using LoadExtra = std::function<void(torch::serialize::InputArchive&)>;
-
   /// `keep` >= 1: complete checkpoints kept besides the best.
   CheckpointManager(std::string directory, std::string prefix = "model", std::int64_t keep = 3)
       : directory_(std::move(directory)), prefix_(std::move(prefix)), keep_(keep) {
@@ -211,16 +282,23 @@ class CheckpointManager {
     return files;
   }
 
-  /// Writes a checkpoint of `trainer` and `state` (epoch_end: named after the completed epoch
-  /// state.position.epoch - 1; else after the position), then applies the retention rule.
-  /// Returns the path. Throws CheckpointError naming the file; files already written stay.
-  std::string save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end, const SaveExtra& extra = {}) {
+  /// Writes a checkpoint of `trainer`, `state` and the callbacks' states (epoch_end: named
+  /// after the completed epoch state.position.epoch - 1; else after the position), then
+  /// applies the retention rule. Returns the path. Throws CheckpointError naming the file;
+  /// files already written stay.
+  std::string save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+                   const std::vector<CallbackState>& callbacks = {}) {
     const std::string path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
     try {
-      trainer.save(path, [&](torch::serialize::OutputArchive& archive) {
-        write_state(archive, state, path);
-        if (extra) extra(archive);
-      });
+      torch::serialize::OutputArchive archive;
+      trainer.save(archive);
+      state.save(archive, path);
+      for (const auto& c : callbacks) {
+        torch::serialize::OutputArchive nested;
+        c.save(nested);
+        archive.write("fit.callback." + c.name, nested);
+      }
+      detail::write_archive_atomically(archive, path);
     } catch (const std::exception& e) {
       throw CheckpointError(e.what());
     }
@@ -237,36 +315,67 @@ class CheckpointManager {
     remove_stale_temporaries();
   }
 
+  /// A checkpoint opened and checked (its CRCs, the loop's records), nothing loaded yet.
+  struct Opened {
+    std::string path;
+    LoopState state;
+    torch::serialize::InputArchive archive;
+  };
+  /// Opens `path`. Throws when the file is damaged or is not a fit checkpoint.
+  Opened open(const std::string& path) const {
+    Opened o{path, {}, {}};
+    if (const std::string why = open_checkpoint(o.archive, path); !why.empty())
+      throw std::runtime_error("checkpoint '" + path + "': " + why);
+    o.state = LoopState::read(o.archive);
+    return o;
+  }
+  /// Opens the newest complete checkpoint; std::nullopt when there is none. Damaged files are
+  /// reported on `report` (stderr by default) and skipped.
+  std::optional<Opened> open_newest(std::ostream& report = std::cerr) const {
+    const auto files = list();
+    for (auto it = files.rbegin(); it != files.rend(); ++it) {
+      Opened o{it->path, {}, {}};
+      if (const std::string why = open_checkpoint(o.archive, it->path); !why.empty()) {
+        report << "trainkit: skipping checkpoint '" << it->path << "': " << why;
+        report << (std::next(it) != files.rend() ? "; trying the previous one\n" : "; no older checkpoint\n");
+        continue;
+      }
+      o.state = LoopState::read(o.archive);
+      return o;
+    }
+    return std::nullopt;
+  }
+  /// Loads an opened checkpoint into `trainer` (a failure puts its previous state back and
+  /// throws, naming the file), then into each callback. Returns the names of the callbacks
+  /// the checkpoint has no state for (written without them): they are not loaded.
+  std::vector<std::string> restore(Opened& opened, AnyTrainer& trainer, const std::vector<CallbackState>& callbacks = {}) const {
+    detail::load_or_restore(trainer, opened.archive, opened.path);
+    std::vector<std::string> missing;
+    for (const auto& c : callbacks) {
+      torch::serialize::InputArchive nested;
+      if (opened.archive.try_read("fit.callback." + c.name, nested)) c.load(nested);
+      else missing.push_back(c.name);
+    }
+    return missing;
+  }
+
   /// What load() and resume_newest() give back.
   struct Loaded {
     std::string path;
     LoopState state;
   };
-
-  /// Loads `path` into `trainer` (and the caller's extra state). Throws when the file is
-  /// damaged, is not a fit checkpoint, or does not match the trainer. Reads the file once.
-  Loaded load(AnyTrainer& trainer, const std::string& path, const LoadExtra& extra = {}) const {
-    torch::serialize::InputArchive archive;
-    if (const std::string why = open_checkpoint(archive, path); !why.empty())
-      throw std::runtime_error("checkpoint '" + path + "': " + why);
-    return load(trainer, archive, path, extra);
+  /// open() and restore() in one: `path` into `trainer`.
+  Loaded load(AnyTrainer& trainer, const std::string& path) const {
+    Opened o = open(path);
+    restore(o, trainer);
+    return {o.path, std::move(o.state)};
   }
-
-  /// Loads the newest complete checkpoint; std::nullopt when there is none. Damaged files are
-  /// reported on `report` (stderr by default) and skipped. Reads the file it loads once.
-  std::optional<Loaded> resume_newest(AnyTrainer& trainer, const LoadExtra& extra = {},
-                                      std::ostream& report = std::cerr) const {
-    const auto files = list();
-    for (auto it = files.rbegin(); it != files.rend(); ++it) {
-      torch::serialize::InputArchive archive;
-      if (const std::string why = open_checkpoint(archive, it->path); !why.empty()) {
-        report << "trainkit: skipping checkpoint '" << it->path << "': " << why;
-        report << (std::next(it) != files.rend() ? "; trying the previous one\n" : "; no older checkpoint\n");
-        continue;
-      }
-      return load(trainer, archive, it->path, extra);
-    }
-    return std::nullopt;
+  /// open_newest() and restore() in one; std::nullopt when there is no complete checkpoint.
+  std::optional<Loaded> resume_newest(AnyTrainer& trainer, std::ostream& report = std::cerr) const {
+    auto o = open_newest(report);
+    if (!o) return std::nullopt;
+    restore(*o, trainer);
+    return Loaded{o->path, std::move(o->state)};
   }
 
   /// Whether `path` is a complete, undamaged archive written by this manager (every record
@@ -294,16 +403,6 @@ class CheckpointManager {
     } catch (const std::exception& e) {
       return first_line(e.what());
     }
-  }
-
-  Loaded load(AnyTrainer& trainer, torch::serialize::InputArchive& archive, const std::string& path,
-              const LoadExtra& extra) const {
-    Loaded loaded{path, {}};
-    trainer.load(archive, path, [&](torch::serialize::InputArchive& a) {
-      loaded.state = read_state(a);
-      if (extra) extra(a);
-    });
-    return loaded;
   }
 
   static std::string first_line(const std::string& s) {
@@ -356,30 +455,6 @@ class CheckpointManager {
   static bool process_is_gone(pid_t pid) {
     if (pid <= 0) return false;
     return ::kill(pid, 0) != 0 && errno == ESRCH;
-  }
-
-  static void write_state(torch::serialize::OutputArchive& a, const LoopState& s, const std::string& path) {
-    detail::write_value(a, "fit.epoch", s.position.epoch);
-    detail::write_value(a, "fit.index", s.position.index);
-    detail::write_value(a, "fit.seed", s.seed);
-    detail::write_value(a, "fit.config", s.config_json);
-    detail::write_value(a, "fit.best_metric", s.best_metric);
-    detail::write_value(a, "fit.higher_is_better", s.higher_is_better);
-    detail::write_value(a, "fit.best_value", s.best_value);
-    detail::write_value(a, "fit.best_path", s.best_path);
-    detail::write_value(a, "fit.path", path);
-  }
-  static LoopState read_state(torch::serialize::InputArchive& a) {
-    LoopState s;
-    s.position.epoch = detail::read_value(a, "fit.epoch").toInt();
-    s.position.index = detail::read_value(a, "fit.index").toInt();
-    s.seed = detail::read_value(a, "fit.seed").toInt();
-    s.config_json = detail::read_value(a, "fit.config").toStringRef();
-    s.best_metric = detail::read_value(a, "fit.best_metric").toStringRef();
-    s.higher_is_better = detail::read_value(a, "fit.higher_is_better").toBool();
-    s.best_value = detail::read_value(a, "fit.best_value").toDouble();
-    s.best_path = detail::read_value(a, "fit.best_path").toStringRef();
-    return s;
   }
 
   std::string directory_, prefix_;

@@ -174,16 +174,6 @@ struct EpochEnd {
   bool request_finish = false;
   std::string finish_reason;
 };
-/// State a callback keeps across a resume (an EMA of the weights, early stopping's counters):
-/// `save` writes it into every checkpoint the loop writes (as "fit.callback.<name>"), `load`
-/// reads it back when the loop resumes from one. A checkpoint without it (written before the
-/// callback existed) is said once, and `load` is not called. Data parallel: the main rank's
-/// state is saved, and every rank loads it.
-struct CallbackState {
-  std::string name;
-  std::function<void(torch::serialize::OutputArchive&)> save;
-  std::function<void(torch::serialize::InputArchive&)> load;
-};
 struct Callbacks {
   std::function<void(BatchEnd&)> batch_end;
   std::function<void(EpochEnd&)> epoch_end;
@@ -372,7 +362,7 @@ class FitLoop {
         // current window" is this condition becoming true. Ranks must stop and checkpoint at the
         // same window: they agree at log windows, in the collective that logging does anyway
         // (no sync of its own), so a data-parallel stop or checkpoint waits for the next log
-        // window (where the checkpoint's running sums are every rank's: save_loop_extra).
+        // window (where the checkpoint's running sums are every rank's: write_checkpoint).
         const bool at_boundary = trainer_.window_position() == 0 && index + 1 < batches;
         const bool single = trainer_.replicas().world_size() == 1;
         const bool stop_now = single ? stop_requested : agreed.stop;
@@ -390,7 +380,7 @@ class FitLoop {
       any_rank(stop_requested);
       if (stop_requested) {  // every micro-batch ran; the epoch's end runs after resuming
         state_.position = {epoch, batches};
-        if (trainer_.replicas().world_size() > 1) {  // the sums over every rank (save_loop_extra)
+        if (trainer_.replicas().world_size() > 1) {  // the sums over every rank (write_checkpoint)
           logged_ = metrics_.totals();
           total_over_ranks(logged_);
         }
@@ -492,24 +482,36 @@ class FitLoop {
     return means;
   }
 
-  // 1. Resume, by TRAIN.RESUME / AUTO_RESUME. Returns where training starts.
+  // 1. Resume, by TRAIN.RESUME / AUTO_RESUME. Returns where training starts. The checkpoint's
+  // configuration is checked before anything is loaded.
   FitPosition resume() {
     const FitPosition begin{options_.begin_epoch(), 0};
     if (!options_.resume() && !options_.auto_resume()) return begin;
-    const auto extra = [&](torch::serialize::InputArchive& a) { load_loop_extra(a); };
-    std::optional<CheckpointManager::Loaded> loaded;
+    std::optional<CheckpointManager::Opened> opened;
     if (options_.resume() && options_.begin_epoch() > 0) {
-      loaded = checkpoints_.load(trainer_, checkpoints_.epoch_path(options_.begin_epoch() - 1), extra);
+      opened = checkpoints_.open(checkpoints_.epoch_path(options_.begin_epoch() - 1));
     } else {
-      loaded = checkpoints_.resume_newest(trainer_, extra);
-      if (!loaded && options_.resume())
+      opened = checkpoints_.open_newest();
+      if (!opened && options_.resume())
         throw std::runtime_error("TRAIN.RESUME: no complete checkpoint '" + options_.prefix() + "-*.ckpt' in '" +
                                  options_.output_path() + "' to resume from");
     }
-    if (!loaded) return begin;
-    const LoopState saved = loaded->state;
+    if (!opened) return begin;
+    const LoopState& saved = opened->state;
+    check_resume_changes(saved.config_json);  // before anything changes
+    for (const auto& name : checkpoints_.restore(*opened, trainer_, callbacks_.state))
+      say("trainkit: the checkpoint has no state for the callback '" + name + "' (written without it): it starts afresh");
+    finished_ = saved.finished;
+    // The piece size the checkpoint's run ended with (0: whole micro-batches).
+    if (!planned_ && saved.piece_items > 0 && (piece_items_ == 0 || saved.piece_items < piece_items_)) {
+      piece_items_ = saved.piece_items;
+      say("trainkit: micro-batches run as pieces of at most " + detail::items_text(piece_items_) +
+          ", as the checkpoint's run did (it ran out of memory with larger ones; TRAIN.MEMORY_BUDGET plans afresh)");
+    }
+    metrics_ = saved.metrics;
+    logged_ = saved.logged;
     if (saved.seed != options_.seed())
-      std::cerr << "trainkit: warning: '" << loaded->path << "' was written by a run with RNG_SEED " << saved.seed
+      std::cerr << "trainkit: warning: '" << opened->path << "' was written by a run with RNG_SEED " << saved.seed
                 << ", this run has " << options_.seed() << "; data drawn from the seed will differ from the "
                 << "interrupted run's (set RNG_SEED: " << saved.seed << " to continue it exactly)\n";
     state_.position = saved.position;
@@ -517,8 +519,8 @@ class FitLoop {
       state_.best_value = saved.best_value;
       state_.best_path = saved.best_path;
     }
-    result_.resumed_from = loaded->path;
-    say("trainkit: resumed from '" + loaded->path + "' at epoch " + std::to_string(saved.position.epoch) +
+    result_.resumed_from = opened->path;
+    say("trainkit: resumed from '" + opened->path + "' at epoch " + std::to_string(saved.position.epoch) +
         ", micro-batch " + std::to_string(saved.position.index) + " (optimizer step " +
         std::to_string(trainer_.windows()) + ")");
     return saved.position;
@@ -896,9 +898,17 @@ class FitLoop {
 
   void write_checkpoint(bool epoch_end) {
     if (!writes()) return;
+    // The loop's running sums, so that a resumed epoch's means and logs equal the straight
+    // run's. Data parallel, inside an epoch: the mean over the ranks of their running sums,
+    // which the log window this checkpoint follows has just computed (logged_). Every rank
+    // resumes with it, and every later mean over the ranks is then the uninterrupted run's.
+    state_.finished = finished_;
+    state_.piece_items = piece_items_;
+    state_.metrics = trainer_.replicas().world_size() > 1 && state_.position.index > 0 ? Metrics::from_totals(logged_)
+                                                                                        : metrics_;
+    state_.logged = logged_;
     try {
-      const auto path = checkpoints_.save(trainer_, state_, epoch_end,
-                                          [&](torch::serialize::OutputArchive& a) { save_loop_extra(a); });
+      const auto path = checkpoints_.save(trainer_, state_, epoch_end, callbacks_.state);
       result_.checkpoints.push_back(path);
       report("checkpoint '" + path + "' written");
     } catch (const CheckpointError& e) {
@@ -906,61 +916,6 @@ class FitLoop {
                             std::to_string(state_.position.index) + " (optimizer step " +
                             std::to_string(trainer_.windows()) + "): " + e.what());
     }
-  }
-
-  // The loop's running sums, so that a resumed epoch's means and logs equal the straight run's.
-  void save_loop_extra(torch::serialize::OutputArchive& a) const {
-    a.write("fit.finished", c10::IValue(finished_));  // "": training goes on
-    a.write("fit.piece_items", c10::IValue(piece_items_));
-    for (const auto& s : callbacks_.state) {
-      torch::serialize::OutputArchive nested;
-      s.save(nested);
-      a.write("fit.callback." + s.name, nested);
-    }
-    // Data parallel, inside an epoch: the mean over the ranks of their running sums, which the
-    // log window this checkpoint follows has just computed (logged_). Every rank resumes with
-    // it, and every later mean over the ranks is then the uninterrupted run's.
-    if (trainer_.replicas().world_size() > 1 && state_.position.index > 0)
-      Metrics::from_totals(logged_).save(a, "fit.metrics");
-    else
-      metrics_.save(a, "fit.metrics");
-    std::vector<std::string> names;
-    std::vector<double> sums, weights;
-    for (const auto& [name, sw] : logged_.of) {
-      names.push_back(name);
-      sums.push_back(sw.first);
-      weights.push_back(sw.second);
-    }
-    a.write("fit.logged.names", c10::IValue(c10::List<std::string>(names)));
-    a.write("fit.logged.sums", c10::IValue(c10::List<double>(sums)));
-    a.write("fit.logged.weights", c10::IValue(c10::List<double>(weights)));
-  }
-  void load_loop_extra(torch::serialize::InputArchive& a) {
-    check_resume_changes(detail::read_value(a, "fit.config").toStringRef());  // before anything changes
-    c10::IValue finished;
-    finished_ = a.try_read("fit.finished", finished) ? finished.toStringRef() : std::string();
-    c10::IValue pieces;  // the piece size the checkpoint's run ended with (absent: whole micro-batches)
-    if (!planned_ && a.try_read("fit.piece_items", pieces) && pieces.toInt() > 0 &&
-        (piece_items_ == 0 || pieces.toInt() < piece_items_)) {
-      piece_items_ = pieces.toInt();
-      say("trainkit: micro-batches run as pieces of at most " + detail::items_text(piece_items_) +
-          ", as the checkpoint's run did (it ran out of memory with larger ones; TRAIN.MEMORY_BUDGET plans afresh)");
-    }
-    for (const auto& s : callbacks_.state) {
-      torch::serialize::InputArchive nested;
-      if (a.try_read("fit.callback." + s.name, nested)) s.load(nested);
-      else say("trainkit: the checkpoint has no state for the callback '" + s.name + "' (written without it): it starts afresh");
-    }
-    metrics_.load(a, "fit.metrics");
-    c10::IValue names, sums, weights;
-    a.read("fit.logged.names", names);
-    a.read("fit.logged.sums", sums);
-    a.read("fit.logged.weights", weights);
-    logged_ = {};
-    const auto n = names.toListRef();
-    const auto s = sums.toDoubleList();
-    const auto w = weights.toDoubleList();
-    for (size_t i = 0; i < n.size(); ++i) logged_.of[n[i].toStringRef()] = {s.get(i), w.get(i)};
   }
 
   // The checkpoint's resolved configuration against this run's: a key that changes the

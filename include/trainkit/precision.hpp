@@ -11,8 +11,10 @@
 ///   check(step)         the host-side checks that need a value (the collapse error); called
 ///                       by the trainer only at windows where it reads values anyway
 ///   save / load         the scaler's state, for checkpoints
-///   master_weights      constexpr; when true, the model's parameters are stored in
-///                       storage_dtype and the trainer keeps fp32 master copies (below)
+///   storage             the parameter storage the trainer holds (storage.hpp): FlatStorage,
+///                       or MasterStorage with master weights; built with storage_dtype, the
+///                       dtype of the model's parameters
+///   master_weights      constexpr; true when the trainer keeps fp32 master copies (below)
 /// Guarantees: scale() and every counter stay on the device; with all extras of
 /// LossScaleOptions off, FP16Dynamic's scale follows torch.amp.GradScaler exactly.
 /// The one run-time branch of a policy inside the step: FP16Dynamic's update() chooses, by a
@@ -22,10 +24,9 @@
 ///
 /// Master weights (Apex O2): `PrecisionPolicy<MasterWeights<FP16Dynamic>>` (or FP16Static,
 /// BF16) is the wrapped mode's scaler and autocast region, with the model stored in half
-/// precision. The trainer keeps the fp32 masters in its flat parameter storage, gathers the
-/// half gradients into its fp32 gradient storage at the start of the optimizer phase (one
-/// cast pass), runs the unchanged phases 6-9 on fp32, and rewrites the half parameters from
-/// the masters (one copy). See trainer.hpp ("Storage") for what the model then holds.
+/// precision. Its storage, MasterStorage (master_storage.hpp), keeps the fp32 masters, sums
+/// the window's gradient in fp32, runs phases 6-9 on fp32 gradients, and rewrites the half
+/// parameters from the masters (one copy).
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/type_traits.hpp>
 #include <trainkit/options.hpp>
@@ -40,6 +41,9 @@
 #include <type_traits>
 
 namespace trainkit {
+
+class FlatStorage;    // storage.hpp
+class MasterStorage;  // master_storage.hpp
 
 /// Precision tags: plain types naming a mode, used as `PrecisionPolicy<Tag>`.
 struct FP32 {
@@ -131,6 +135,8 @@ class UnitScale {
  public:
   static constexpr bool scales_loss = false;
   static constexpr bool master_weights = false;
+  using storage = FlatStorage;
+  static constexpr at::ScalarType storage_dtype = at::kFloat;
   UnitScale(const LossScaleOptions&, torch::Device device)
       : device_(device), one_(torch::ones({}, torch::dtype(torch::kFloat).device(device))) {}
   const torch::Tensor& scale() const { return one_; }
@@ -173,6 +179,8 @@ class PrecisionPolicy<FP16Static> {
   using mode = FP16Static;
   static constexpr bool scales_loss = true;
   static constexpr bool master_weights = false;
+  using storage = FlatStorage;
+  static constexpr at::ScalarType storage_dtype = at::kFloat;
   PrecisionPolicy(const LossScaleOptions& options, torch::Device device)
       : device_(device),
         scale_(torch::full({}, options.static_scale(),
@@ -201,6 +209,8 @@ class PrecisionPolicy<FP16Dynamic> {
   using mode = FP16Dynamic;
   static constexpr bool scales_loss = true;
   static constexpr bool master_weights = false;
+  using storage = FlatStorage;
+  static constexpr at::ScalarType storage_dtype = at::kFloat;
 
   PrecisionPolicy(const LossScaleOptions& options, torch::Device device)
       : options_(options), device_(device) {
@@ -320,6 +330,7 @@ class PrecisionPolicy<MasterWeights<Mode>>
  public:
   using mode = MasterWeights<Mode>;
   static constexpr bool master_weights = true;
+  using storage = MasterStorage;
   static constexpr at::ScalarType storage_dtype =
       std::is_same_v<Mode, BF16> ? at::kBFloat16 : at::kHalf;
   using Base::Base;

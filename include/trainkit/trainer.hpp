@@ -14,27 +14,24 @@
 /// phases numbered as in step.md. Each policy is a member whose calls compile to straight-line
 /// code for its configuration: there is no branch on a policy inside the step.
 ///
-/// Storage: at construction the trainable parameters are moved into one flat fp32 buffer per
-/// trainer (parameters become views into it, grouped by LR multiplier), and their .grad into a
-/// second flat buffer that autograd accumulates into in place. The optimizer phase therefore
-/// reads the gradient as one tensor (norm, update, zeroing, a bucketed all-reduce). Move the
+/// Storage: the trainer holds its precision's parameter storage (storage.hpp): at construction
+/// the trainable parameters are moved into one flat fp32 buffer (parameters become views into
+/// it, grouped by LR multiplier), and their .grad into a flat gradient; with master weights
+/// the model holds half views and the buffer the fp32 masters (master_storage.hpp). Move the
 /// model to its device *before* constructing the trainer, and do not replace parameters or
 /// their .grad afterwards (the trainer checks and says so).
 ///
-/// Master weights (PrecisionPolicy<MasterWeights<T>>): the flat fp32 buffer holds the masters,
-/// and the model's parameters become views into a flat half buffer of the same layout (their
-/// .grad into a flat half gradient buffer), except normalisation layers with
-/// TrainerOptions::keep_norm_fp32, which stay views into the fp32 buffers. The model then
-/// receives its inputs as they are (the autocast region casts fp32 inputs for matmul-like
-/// ops). Checkpoints hold the masters; loading restores the half parameters from them.
+/// State: save(archive) writes every part's records (the model through the storage, the
+/// update rule, the precision's scaler, the accumulation's window, the counters, the schedule,
+/// the generators); load(archive) checks the type, the optimizer and every parameter's shape
+/// before it changes anything. save(path) and load(path) add the atomic file and the rollback.
 #include <trainkit/accumulation.hpp>
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/clip.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
-#include <trainkit/detail/flat_layout.hpp>
-#include <trainkit/detail/master_weights.hpp>
 #include <trainkit/detail/module_of.hpp>
 #include <trainkit/detail/rng_state.hpp>
+#include <trainkit/master_storage.hpp>
 #include <trainkit/memory.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
@@ -42,28 +39,22 @@
 #include <trainkit/replicas.hpp>
 #include <trainkit/schedule.hpp>
 #include <trainkit/step_report.hpp>
+#include <trainkit/storage.hpp>
 #include <trainkit/version.hpp>
 
 #include <torch/nn/module.h>
-#include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
-#include <c10/core/CachingDeviceAllocator.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
-#include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -92,6 +83,8 @@ class Trainer final : public AnyTrainer {
   using clip = Clip;
   using precision_mode = typename Precision::mode;
   using clip_mode = typename Clip::mode;
+  /// The parameter storage of the precision (storage.hpp).
+  using storage_type = typename Precision::storage;
   /// Micro-batches per window; tk::Dynamic when chosen at run time.
   static constexpr int accumulation_steps = Accumulation::steps;
   static constexpr bool scales_loss = Precision::scales_loss;
@@ -113,13 +106,13 @@ class Trainer final : public AnyTrainer {
         device_(first_device(*module_)),
         precision_(options_.loss_scale(), device_),
         accumulation_(options_),
-        clip_(options_) {
-    static_assert(!Precision::master_weights || !detail::is_torch_optimizer<Optimizer>::value,
+        clip_(options_),
+        storage_(*module_, options_, device_, Precision::storage_dtype) {
+    static_assert(storage_type::accepts_torch_optimizer || !detail::is_torch_optimizer<Optimizer>::value,
                   "trainkit::Trainer with MasterWeights<T>: a torch::optim::Optimizer would update "
                   "the model's half parameters, not the fp32 masters; use the fused tk::SGD, "
                   "tk::Adam or tk::AdamW, or PrecisionPolicy<T> without MasterWeights");
-    flatten_parameters();
-    rule_ = detail::make_rule(std::move(optimizer), groups_);
+    rule_ = detail::make_rule(std::move(optimizer), storage_.groups());
     const auto long_opts = torch::dtype(torch::kLong).device(device_);
     applied_ = torch::zeros({1}, long_opts);
     skipped_ = torch::zeros({1}, long_opts);
@@ -161,7 +154,7 @@ class Trainer final : public AnyTrainer {
   /// micro-batches had run (the fit loop, before replaying a window after an out-of-memory
   /// error). Parameters, optimizer state, counters and the schedule are untouched.
   void discard_window() override {
-    zero_gradients();
+    storage_.zero();
     accumulation_.discard();
   }
 
@@ -175,7 +168,7 @@ class Trainer final : public AnyTrainer {
       case PartialWindow::span:
         return std::nullopt;
       case PartialWindow::drop:
-        zero_gradients();
+        storage_.zero();
         window_loss_.zero_();
         accumulation_.reset();
         return std::nullopt;
@@ -201,18 +194,16 @@ class Trainer final : public AnyTrainer {
   }
 
   /// Data parallel (replicas.hpp): attaches the other ranks; every rank's parameters and
-  /// buffers become rank 0's now, and phase 5 averages the gradients once per window. Call it
-  /// on every rank, between windows, before load(). The default is SingleProcess.
+  /// buffers become rank 0's now, and phase 5 sums the gradients once per window. Call it on
+  /// every rank, between windows, before load(). The default is SingleProcess.
   void set_replicas(std::shared_ptr<Replicas> replicas) override {
     TORCH_CHECK(replicas != nullptr, "set_replicas: the replicas are null (use tk::SingleProcess)");
     TORCH_CHECK(accumulation_.position() == 0, "set_replicas: a window is open (",
                 accumulation_.position(), " micro-batches); attach between windows");
-    replicas->attach(*module_, flat_params_);
-    if constexpr (Precision::master_weights) half_.write_back(flat_params_);  // rank 0's masters
-    single_process_ = dynamic_cast<const SingleProcess*>(replicas.get()) != nullptr;
+    storage_.attach(*replicas, *module_);
     replicas_ = std::move(replicas);
   }
-  /// rank(), world_size(), is_main() for the loop; average() for its metrics.
+  /// rank(), world_size(), is_main() for the loop; all_reduce() for its metrics.
   Replicas& replicas() override { return *replicas_; }
   const Replicas& replicas() const override { return *replicas_; }
 
@@ -230,30 +221,23 @@ class Trainer final : public AnyTrainer {
   Accumulation& accumulation_policy() { return accumulation_; }
   const Clip& clip_policy() const { return clip_; }
   detail::UpdateRule& update_rule() { return *rule_; }
+  /// Where the parameters, gradients and masters live (storage.hpp, master_storage.hpp).
+  const storage_type& storage() const { return storage_; }
   const TrainerOptions& options() const override { return options_; }
   torch::nn::Module& model() override { return *module_; }
   torch::Device device() const override { return device_; }
-  /// The flat gradient storage (every trainable parameter's .grad is a view into it). With
-  /// master weights: the fp32 gradient of the optimizer phase, undefined between windows (the
-  /// .grad are views into half_gradients(), or kept_gradients() for kept fp32 parameters).
-  const torch::Tensor& gradients() const { return flat_grad_; }
+  /// The flat gradient (every trainable parameter's .grad is a view into it). With master
+  /// weights: the fp32 gradient of the optimizer phase, undefined between windows.
+  const torch::Tensor& gradients() const { return storage_.gradients(); }
   /// The flat fp32 parameter storage: the model's parameters, or with master weights the
   /// masters. Each parameter starts 64-byte aligned; the gaps between them are zeros
   /// (layout().pack(parameters()) gives the parameters back to back, as checkpoints hold them).
-  const torch::Tensor& parameters() const { return flat_params_; }
-  /// Where each parameter lives in parameters(), gradients() and the half storage.
-  const detail::FlatLayout& layout() const { return layout_; }
+  const torch::Tensor& parameters() const { return storage_.parameters(); }
+  /// Where each parameter lives in parameters() and the storage's other flat buffers.
+  const detail::FlatLayout& layout() const { return storage_.layout(); }
   /// Trainable parameters (elements), without the gaps.
-  std::int64_t parameter_count() const { return layout_.packed(); }
-  /// Master weights: the flat half storage the model's parameters and .grad are views into
-  /// (same layout as parameters()); undefined tensors otherwise.
-  const torch::Tensor& half_parameters() const { return half_.params(); }
-  const torch::Tensor& half_gradients() const { return half_.grad(); }
-  const torch::Tensor& kept_gradients() const { return half_.kept_grad(); }
-  /// Master weights: how many chunks the last optimizer phase cast its fp32 gradient in
-  /// (TrainerOptions::master_chunk); 0 when it was cast whole (or without master weights).
-  std::int64_t phase_chunks() const { return phase_chunks_; }
-  const std::vector<detail::ParamGroup>& groups() const override { return groups_; }
+  std::int64_t parameter_count() const { return storage_.parameter_count(); }
+  const std::vector<detail::ParamGroup>& groups() const override { return storage_.groups(); }
 
   // --- AnyTrainer: what the loop asks of any configuration --------------------------------
   std::string type_name() const override { return name(); }
@@ -264,29 +248,43 @@ class Trainer final : public AnyTrainer {
     return detail::autocast_dtype_of<precision_mode>();
   }
 
-  /// Writes the whole trainer state to `path` atomically (temporary file in the same
-  /// directory, flushed, renamed). `extra` adds the caller's state (epoch, sampler...).
-  void save(const std::string& path, const SaveExtra& extra = {}) const override {
-    torch::serialize::OutputArchive archive;
-    write_state(archive);
-    if (extra) extra(archive);
-    detail::write_archive_atomically(archive, path);
+  using AnyTrainer::load;
+  using AnyTrainer::save;
+  /// Every record of the trainer's state: each part writes its own.
+  void save(torch::serialize::OutputArchive& archive) const override {
+    detail::write_value(archive, "meta.trainer", name());
+    detail::write_value(archive, "meta.version", std::string(TRAINKIT_VERSION_STRING));
+    detail::write_value(archive, "meta.optimizer", rule_->name());
+    detail::write_value(archive, "meta.config", options_.config_json());
+    {
+      torch::NoGradGuard no_grad;
+      for (const auto& p : module_->named_parameters(true))
+        archive.write("model.param." + p.key(), storage_.stored(p.key(), p.value()), /*is_buffer=*/true);
+      for (const auto& b : module_->named_buffers(true))
+        archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
+    }
+    rule_->save(archive);
+    precision_.save(archive);
+    detail::write_tensor(archive, "counters.applied", applied_);
+    detail::write_tensor(archive, "counters.skipped", skipped_);
+    detail::write_value(archive, "counters.windows", windows_);
+    accumulation_.save(archive);
+    // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
+    if (accumulation_.position() > 0) {
+      storage_.save_window(archive);
+      detail::write_tensor(archive, "window.loss", window_loss_);
+    }
+    detail::write_value(archive, "schedule.state", schedule_->state());
+    detail::save_rng_states(archive, device_);
   }
 
-  /// Restores the state written by save(). Changes nothing when it fails: a checkpoint of
-  /// another trainer type or optimizer, or with other parameter names or shapes, is refused
-  /// before anything changes (the message names the first mismatch), and `extra` (the caller's
-  /// state and checks) runs first; a failure after that (an optimizer state that does not fit,
-  /// ranks that loaded different states) puts the previous state back.
-  void load(const std::string& path, const LoadExtra& extra = {}) override {
-    torch::serialize::InputArchive archive;
-    detail::read_archive(archive, path);
-    load(archive, path, extra);
-  }
-  /// load() from an archive opened from `path` (detail::read_archive: its CRCs checked).
-  void load(torch::serialize::InputArchive& archive, const std::string& path, const LoadExtra& extra = {}) override {
-    const auto what = [&](const std::string& s) { return "checkpoint '" + path + "': " + s; };
-    if (extra) extra(archive);  // the caller's state and checks (the fit loop's: the configuration)
+  /// Restores the state save() wrote. A checkpoint of another trainer type or optimizer, or
+  /// with other parameter names or shapes, is refused before anything changes (the message
+  /// names `source` and the first mismatch). A failure after that (an optimizer state that
+  /// does not fit, ranks that loaded different states) leaves the trainer partly loaded:
+  /// load(path) and the checkpoint manager put the previous state back.
+  void load(torch::serialize::InputArchive& archive, const std::string& source) override {
+    const auto what = [&](const std::string& s) { return "checkpoint '" + source + "': " + s; };
     c10::IValue type;
     if (!archive.try_read("meta.trainer", type))
       throw std::runtime_error(what("not a trainkit checkpoint (no meta.trainer record)"));
@@ -299,67 +297,40 @@ class Trainer final : public AnyTrainer {
                                     rule_->name() + "; resume with the checkpoint's optimizer (TRAIN.OPTIMIZER), or "
                                     "start a new run (tk::load_weights takes its weights alone)"));
     check_model_records(archive, what);
-    // The previous state, in host memory, to put back if anything below fails.
-    std::stringstream previous;
-    {
-      torch::serialize::OutputArchive snapshot;
-      write_state(snapshot);
-      snapshot.save_to(previous);
-    }
-    try {
-      read_state(archive, what);
-      // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
-      replicas_->check_same_state({flat_params_, applied_, skipped_, precision_.scale(),
-                                   torch::tensor({static_cast<double>(windows_),
-                                                  static_cast<double>(accumulation_.state().position)},
-                                                 torch::kDouble)},
-                                  what("the ranks loaded different training states"));
-    } catch (...) {
-      torch::serialize::InputArchive snapshot;
-      snapshot.load_from(previous, torch::Device(torch::kCPU));
-      read_state(snapshot, [](const std::string& s) { return "restoring the state before a failed load: " + s; });
-      throw;
-    }
+    read_state(archive, what);
+    // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
+    replicas_->check_same_state({storage_.parameters(), applied_, skipped_, precision_.scale(),
+                                 torch::tensor({static_cast<double>(windows_),
+                                                static_cast<double>(accumulation_.position())},
+                                               torch::kDouble)},
+                                what("the ranks loaded different training states"));
+  }
+  /// A snapshot of this trainer's own save() back (the rollback of a failed load): no checks,
+  /// no collectives.
+  void restore(torch::serialize::InputArchive& snapshot) override {
+    read_state(snapshot, [](const std::string& s) { return "restoring the state before a failed load: " + s; });
+  }
+
+ protected:
+  MicroStepResult run_micro_step(const LossClosure& loss, std::int64_t items) override {
+    return micro_step_impl(loss, items);
+  }
+  MicroStepResult run_micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items) override {
+    return micro_step_pieces_impl(loss, items);
   }
 
  private:
-  // Every record of the trainer's state (save() and the snapshot a load can go back to).
-  void write_state(torch::serialize::OutputArchive& archive) const {
-    detail::write_value(archive, "meta.trainer", name());
-    detail::write_value(archive, "meta.version", std::string(TRAINKIT_VERSION_STRING));
-    detail::write_value(archive, "meta.optimizer", rule_->name());
-    detail::write_value(archive, "meta.config", options_.config_json());
-    torch::NoGradGuard no_grad;
-    for (const auto& p : module_->named_parameters(true))
-      archive.write("model.param." + p.key(), stored(p.key(), p.value()), /*is_buffer=*/true);
-    for (const auto& b : module_->named_buffers(true))
-      archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
-    rule_->save(archive);
-    precision_.save(archive);
-    detail::write_tensor(archive, "counters.applied", applied_);
-    detail::write_tensor(archive, "counters.skipped", skipped_);
-    detail::write_value(archive, "counters.windows", windows_);
-    const auto acc = accumulation_.state();
-    detail::write_value(archive, "window.position", acc.position);
-    detail::write_value(archive, "window.items", acc.items);
-    detail::write_value(archive, "window.reference", acc.reference);
-    detail::write_value(archive, "window.counted", acc.counted);
-    detail::write_value(archive, "window.seen_items", acc.seen_items);
-    detail::write_value(archive, "window.seen_batches", acc.seen_batches);
-    // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
-    if (acc.position > 0) {
-      if constexpr (Precision::master_weights) {
-        layout_.write(archive, "window.gradient_half", half_.grad());
-        if (half_.summed().defined()) layout_.write(archive, "window.gradient_sum", half_.summed());
-        if (half_.kept_grad().defined())
-          detail::write_tensor(archive, "window.gradient_kept", half_.kept_grad());
-      } else {
-        layout_.write(archive, "window.gradient", flat_grad_);
-      }
-      detail::write_tensor(archive, "window.loss", window_loss_);
-    }
-    detail::write_value(archive, "schedule.state", schedule_->state());
-    detail::save_rng_states(archive, device_);
+  static TrainerOptions validated(TrainerOptions options) {
+    options.validate();
+    storage_type::validate(options, name());
+    return options;
+  }
+
+  static torch::Device first_device(torch::nn::Module& module) {
+    for (const auto& p : module.parameters(true))
+      if (p.requires_grad()) return p.device();
+    throw std::invalid_argument(
+        "Trainer: the model has no trainable parameters (none has requires_grad=true)");
   }
 
   // Every parameter and buffer of the model is in the archive with its shape; throws naming the
@@ -376,20 +347,20 @@ class Trainer final : public AnyTrainer {
                                       detail::shape_string(saved.sizes()) + ", the model's is " +
                                       detail::shape_string(target.sizes())));
     };
-    for (const auto& p : module_->named_parameters(true)) check("model.param.", p.key(), stored(p.key(), p.value()));
+    for (const auto& p : module_->named_parameters(true)) check("model.param.", p.key(), storage_.stored(p.key(), p.value()));
     for (const auto& b : module_->named_buffers(true)) check("model.buffer.", b.key(), b.value());
   }
 
-  // Sets the trainer's state from the records write_state() wrote (checked by
-  // check_model_records first).
+  // Sets the trainer's state from the records save() wrote (checked by check_model_records
+  // first, or a snapshot of this trainer's).
   template <class What>
   void read_state(torch::serialize::InputArchive& archive, const What& what) {
     {
       torch::NoGradGuard no_grad;
       for (const auto& p : module_->named_parameters(true))
-        detail::read_into(archive, "model.param." + p.key(), stored(p.key(), p.value()));
+        detail::read_into(archive, "model.param." + p.key(), storage_.stored(p.key(), p.value()));
       for (const auto& b : module_->named_buffers(true)) detail::read_into(archive, "model.buffer." + b.key(), b.value());
-      if constexpr (Precision::master_weights) half_.write_back(flat_params_);
+      storage_.parameters_loaded();
     }
     try {
       rule_->load(archive);
@@ -404,253 +375,17 @@ class Trainer final : public AnyTrainer {
     detail::read_into(archive, "counters.applied", applied_);
     detail::read_into(archive, "counters.skipped", skipped_);
     windows_ = detail::read_value(archive, "counters.windows").toInt();
-    typename Accumulation::State acc{};
-    acc.position = detail::read_value(archive, "window.position").toInt();
-    acc.items = detail::read_value(archive, "window.items").toInt();
-    acc.reference = detail::read_value(archive, "window.reference").toDouble();
-    acc.counted = detail::read_value(archive, "window.counted").toBool();
-    c10::IValue seen;  // (absent from older checkpoints: the running mean starts again)
-    if (archive.try_read("window.seen_items", seen)) acc.seen_items = seen.toInt();
-    if (archive.try_read("window.seen_batches", seen)) acc.seen_batches = seen.toInt();
-    accumulation_.load_state(acc);
-    if (acc.position > 0) {
-      if constexpr (Precision::master_weights) {
-        layout_.read_into(archive, "window.gradient_half", half_.grad());
-        // The fp32 sum of the window's earlier micro-batches, when it has some.
-        torch::Tensor sum;
-        if (archive.try_read("window.gradient_sum", sum, /*is_buffer=*/true)) {
-          layout_.unpack_into(sum, half_.summed_for_load(), "checkpoint record 'window.gradient_sum'");
-        } else {
-          half_.drop_sum();
-        }
-        if (half_.kept_grad().defined())
-          detail::read_into(archive, "window.gradient_kept", half_.kept_grad());
-      } else {
-        layout_.read_into(archive, "window.gradient", flat_grad_);
-      }
+    accumulation_.load(archive);
+    if (accumulation_.position() > 0) {
+      storage_.load_window(archive);
       window_loss_ = torch::zeros_like(window_loss_);  // (the last report may hold the old one)
       detail::read_into(archive, "window.loss", window_loss_);
     } else {
-      zero_gradients();
+      storage_.zero();
     }
     schedule_->load_state(detail::read_value(archive, "schedule.state").toStringRef());
     schedule_changed();
     detail::load_rng_states(archive, device_);
-  }
-
- protected:
-  MicroStepResult run_micro_step(const LossClosure& loss, std::int64_t items) override {
-    return micro_step_impl(loss, items);
-  }
-  MicroStepResult run_micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items) override {
-    return micro_step_pieces_impl(loss, items);
-  }
-
- private:
-  static TrainerOptions validated(TrainerOptions options) {
-    options.validate();
-    if (!Precision::master_weights && options.reduce_precision() == ReducePrecision::half)
-      throw std::invalid_argument(
-          "trainkit::TrainerOptions: reduce_precision half needs master weights (PrecisionPolicy<MasterWeights<T>>): "
-          "without them the gradient is fp32, and " + name() + " all-reduces it as it is");
-    return options;
-  }
-
-  // Bytes per element of the narrowest storage the layout serves (the half one, with master
-  // weights).
-  static std::int64_t narrowest_element_size() {
-    if constexpr (Precision::master_weights)
-      return static_cast<std::int64_t>(c10::elementSize(Precision::storage_dtype));
-    else
-      return 4;
-  }
-
-  static torch::Device first_device(torch::nn::Module& module) {
-    for (const auto& p : module.parameters(true))
-      if (p.requires_grad()) return p.device();
-    throw std::invalid_argument(
-        "Trainer: the model has no trainable parameters (none has requires_grad=true)");
-  }
-
-  // Moves every trainable parameter into one flat fp32 buffer (grouped by LR multiplier and
-  // weight decay, each parameter 64-byte aligned) and points its .grad at a slice of a flat
-  // gradient buffer.
-  void flatten_parameters() {
-    struct Entry {
-      std::string name;
-      torch::Tensor param;
-      double mult;
-      bool decay;
-    };
-    std::vector<bool> no_decay_used(options_.no_decay().size(), false);
-    std::vector<Entry> entries;
-    for (const auto& p : module_->named_parameters(true)) {
-      if (!p.value().requires_grad()) continue;
-      const auto& t = p.value();
-      TORCH_CHECK(t.device() == device_, "Trainer: parameter '", p.key(), "' is on ", t.device(),
-                  ", the others on ", device_, "; move the whole model to one device first");
-      if constexpr (Precision::master_weights) {
-        TORCH_CHECK(t.is_floating_point(), "Trainer: parameter '", p.key(), "' is ",
-                    t.scalar_type(), "; master weights need floating-point parameters");
-      } else {
-        TORCH_CHECK(t.scalar_type() == torch::kFloat, "Trainer: parameter '", p.key(), "' is ",
-                    t.scalar_type(), "; trainkit keeps parameters in fp32 (mixed precision comes "
-                    "from the precision policy)");
-      }
-      double mult = 1.0;
-      for (const auto& [substring, m] : options_.lr_mult())
-        if (p.key().find(substring) != std::string::npos) {
-          mult = m;
-          break;
-        }
-      bool decay = true;
-      for (size_t k = 0; k < options_.no_decay().size(); ++k)
-        if (p.key().find(options_.no_decay()[k]) != std::string::npos) decay = false, no_decay_used[k] = true;
-      entries.push_back({p.key(), t, mult, decay});
-    }
-    for (size_t k = 0; k < no_decay_used.size(); ++k)
-      TORCH_CHECK(no_decay_used[k], "Trainer: no_decay (TRAIN.NO_DECAY) '", options_.no_decay()[k],
-                  "' is in no trainable parameter's name (they look like '",
-                  entries.empty() ? std::string() : entries.front().name, "')");
-    // Groups (LR multiplier, decay) in order of first appearance; a stable sort keeps the
-    // model's order inside each.
-    using Key = std::pair<double, bool>;
-    std::vector<Key> order;
-    for (const auto& e : entries)
-      if (std::find(order.begin(), order.end(), Key{e.mult, e.decay}) == order.end()) order.push_back({e.mult, e.decay});
-    const auto rank = [&](const Entry& e) { return std::find(order.begin(), order.end(), Key{e.mult, e.decay}); };
-    std::stable_sort(entries.begin(), entries.end(), [&](const Entry& a, const Entry& b) { return rank(a) < rank(b); });
-
-    // Offsets: each parameter 64-byte aligned in the narrowest storage (the half one with
-    // master weights); detail/flat_layout.hpp.
-    layout_ = detail::FlatLayout(detail::aligned_elements(narrowest_element_size()));
-    std::vector<std::int64_t> offsets;
-    for (const auto& e : entries) offsets.push_back(layout_.add(e.param.numel()));
-    const std::int64_t total = layout_.padded();
-    const auto f32 = torch::dtype(torch::kFloat).device(device_);
-    // Construction peak: the parameters' old storage is released one parameter at a time as
-    // it is copied in; the gradients are allocated only after that (below), so the model is
-    // never held three times over.
-    flat_params_ = torch::empty({total}, f32);
-    layout_.zero_gaps(flat_params_);
-    // Master weights: which parameters stay fp32 (views into the masters); the fp32 gradient
-    // is made in each optimizer phase (HalfStorage::gather), not kept.
-    std::unordered_set<const c10::TensorImpl*> kept;
-    if constexpr (Precision::master_weights) {
-      if (options_.keep_norm_fp32()) kept = detail::normalisation_parameters(*module_);
-      half_.allocate_parameters(total, Precision::storage_dtype, device_);
-      detail::store_untrained_in(*module_, Precision::storage_dtype, options_.keep_norm_fp32());
-    }
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < entries.size(); ++i) {
-      auto& e = entries[i];
-      const auto view = flat_params_.narrow(0, offsets[i], e.param.numel()).view(e.param.sizes());
-      view.copy_(e.param);
-      // (set_data releases the parameter's old storage.)
-      if (Precision::master_weights && kept.count(e.param.unsafeGetTensorImpl()) == 0) {
-        master_views_.emplace(e.name, view);
-        e.param.set_data(half_.param_view(offsets[i], e.param.numel()).view(e.param.sizes()));
-      } else {
-        e.param.set_data(view);
-      }
-    }
-    // The old blocks back to the device (CUDA's caching allocator would keep them, and the
-    // gradients cannot reuse a model's worth of small blocks).
-    if (!device_.is_cpu()) c10::getDeviceAllocator(device_.type())->emptyCache();
-    if constexpr (Precision::master_weights) {
-      std::int64_t kept_numel = 0;
-      for (const auto& e : entries)
-        if (kept.count(e.param.unsafeGetTensorImpl())) kept_numel += e.param.numel();
-      half_.allocate_gradients(kept_numel);
-    } else {
-      flat_grad_ = torch::zeros({total}, f32);
-    }
-    std::int64_t group_begin = 0;
-    for (size_t i = 0; i < entries.size(); ++i) {
-      auto& e = entries[i];
-      const auto n = e.param.numel();
-      const auto offset = offsets[i];
-      if (i == 0 || entries[i - 1].mult != e.mult || entries[i - 1].decay != e.decay) group_begin = offset;
-      if (Precision::master_weights && kept.count(e.param.unsafeGetTensorImpl()) == 0)
-        e.param.mutable_grad() = half_.grad_view(offset, n).view(e.param.sizes());
-      else if (Precision::master_weights)
-        e.param.mutable_grad() = half_.add_kept(offset, n).view(e.param.sizes());
-      else
-        e.param.mutable_grad() = flat_grad_.narrow(0, offset, n).view(e.param.sizes());
-      grad_views_.push_back({e.param, e.param.grad().data_ptr(), e.param.data_ptr(), e.name});
-      const bool group_ends = i + 1 == entries.size() || entries[i + 1].mult != e.mult || entries[i + 1].decay != e.decay;
-      if (group_ends) {
-        // (Master weights: the group's gradient is bound in each optimizer phase.)
-        const auto end = offset + n;
-        groups_.push_back({flat_params_.narrow(0, group_begin, end - group_begin),
-                           Precision::master_weights
-                               ? torch::Tensor()
-                               : flat_grad_.narrow(0, group_begin, end - group_begin),
-                           e.mult, e.decay, layout_.slice(group_begin, end)});
-      }
-    }
-    if constexpr (Precision::master_weights) {
-      half_.finish();
-      half_.write_back(flat_params_);
-    }
-  }
-
-  // Phase 11 (and a dropped window): one fill of the flat gradient storage. Master weights:
-  // the half and kept gradients are zeroed, the phase's fp32 gradient is released.
-  void zero_gradients() {
-    if constexpr (Precision::master_weights) {
-      half_.zero_grad();
-      flat_grad_ = torch::Tensor();
-      for (auto& g : groups_) g.grads = torch::Tensor();
-    } else {
-      flat_grad_.zero_();
-    }
-  }
-
-  // Whether this optimizer phase runs chunk by chunk (master weights only): one process (no
-  // all-reduce wants the whole gradient), no fp32 sum in the window (one micro-batch, one
-  // piece), and more parameters than one chunk.
-  bool master_chunked(bool reduced_in_half) const {
-    return (single_process_ || reduced_in_half) && !half_.summed().defined() &&
-           flat_params_.numel() > options_.master_chunk();
-  }
-  // Whether this phase all-reduces the half gradient (TrainerOptions::reduce_precision): data
-  // parallel, master weights, and no fp32 sum in the window.
-  bool reduce_half() const {
-    if constexpr (!Precision::master_weights) {
-      return false;
-    } else {
-      const auto p = options_.reduce_precision();
-      const bool half = p == ReducePrecision::half ||
-                        (p == ReducePrecision::automatic && Precision::storage_dtype == at::kHalf);
-      return half && !single_process_ && !half_.summed().defined();
-    }
-  }
-  // The groups restricted to flat elements [begin, begin + part.numel()), their gradients in
-  // `part` (the chunked phase); a group outside the range has undefined params.
-  std::vector<detail::ParamGroup> groups_in(std::int64_t begin, const torch::Tensor& part) const {
-    const auto end = begin + part.numel();
-    std::vector<detail::ParamGroup> out(groups_.size());
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      const auto first = groups_[g].params.storage_offset(), last = first + groups_[g].params.numel();
-      const auto lo = std::max(begin, first), hi = std::min(end, last);
-      if (lo >= hi) continue;
-      out[g].params = flat_params_.narrow(0, lo, hi - lo);
-      out[g].grads = part.narrow(0, lo - begin, hi - lo);
-      out[g].lr_mult = groups_[g].lr_mult;
-      out[g].decay = groups_[g].decay;
-      out[g].state_offset = lo - first;
-    }
-    return out;
-  }
-
-  // What a checkpoint holds for a parameter: its fp32 master where there is one, else itself.
-  const torch::Tensor& stored(const std::string& name, const torch::Tensor& param) const {
-    if constexpr (Precision::master_weights) {
-      const auto it = master_views_.find(name);
-      if (it != master_views_.end()) return it->second;
-    }
-    return param;
   }
 
   template <class Closure>
@@ -665,8 +400,7 @@ class Trainer final : public AnyTrainer {
     backward(loss, accumulation_.weight(items), opens);
     // 4. Data parallel: no communication inside the window.
     const bool closes = accumulation_.closes();
-    if constexpr (Precision::master_weights)
-      if (!closes) half_.accumulate();
+    storage_.backward_done(closes);
     if (!closes) return {};
     return {true, close_window()};
   }
@@ -690,9 +424,7 @@ class Trainer final : public AnyTrainer {
       if (j == 0) weight = accumulation_.weight(total);
       const double share = total > 0 ? static_cast<double>(items[j]) / static_cast<double>(total) : 0.0;
       backward(loss, weight * share, opens && j == 0);
-      // Master weights: each piece's half gradient joins the fp32 sum, but the window's last.
-      if constexpr (Precision::master_weights)
-        if (j + 1 < items.size() || !accumulation_.closes()) half_.accumulate();
+      storage_.backward_done(j + 1 == items.size() && accumulation_.closes());
     }
     if (!accumulation_.closes()) return {};
     return {true, close_window()};
@@ -712,9 +444,8 @@ class Trainer final : public AnyTrainer {
   }
 
   // 2-3. The loss times its weight, added to the window's loss; FP16: times the loss scale.
-  //    Backward; gradients accumulate in fp32, in place, into the flat gradient storage.
-  //    (Master weights: into the half .grad, added to an fp32 sum after each micro-batch but
-  //    the window's last: detail::HalfStorage.)
+  //    Backward; gradients accumulate in fp32 in the storage (master weights: the half
+  //    gradient of each backward joins an fp32 sum, storage_.backward_done()).
   void backward(const torch::Tensor& loss, double weight, bool first_of_window) {
     const auto as_float = loss.scalar_type() == torch::kFloat ? loss : loss.to(torch::kFloat);
     auto objective = (as_float.dim() == 0 ? as_float : as_float.reshape({})) * weight;
@@ -758,43 +489,19 @@ class Trainer final : public AnyTrainer {
 
   // The optimizer phase, after the window's last micro-step (step.md, phases 5-11).
   StepReport optimizer_phase() {
-    check_grad_storage();
+    storage_.check();  // the parameters and their .grad are still the storage's views
     const double rescale = accumulation_.rescale();
-    // Master weights: the window's fp32 gradient, cast from the half one in one pass (into a
-    // buffer that lives only for this phase); from here on the phase runs on fp32 gradients
-    // and masters exactly as without (so phase 5 reduces fp32 gradients). Or, in one process
-    // with one micro-batch and a model over TrainerOptions::master_chunk, chunk by chunk: the
-    // norm (6) and the update (8-9) each cast a chunk at a time into `chunk` (master_chunked()).
-    //    Data parallel with ReducePrecision half: the half gradient is all-reduced first (5),
-    //    and the phase runs in chunks as in one process.
-    torch::Tensor chunk;
-    const auto acc = accumulation_.state();
-    const WindowWeights weights{rescale, acc.counted ? acc.items : -1, acc.position};
-    std::optional<GradientFactor> reduced;
-    if constexpr (Precision::master_weights) {
-      if (reduce_half())
-        reduced = half_.reduce_in_half([&](torch::Tensor& half) { return replicas_->reduce_gradients(half, weights); });
-      if (master_chunked(reduced.has_value())) {
-        const auto size = (options_.master_chunk() + 63) / 64 * 64;
-        chunk = torch::empty({size}, flat_params_.options());
-      } else {
-        flat_grad_ = half_.gather();
-        for (auto& g : groups_)
-          g.grads = flat_grad_.narrow(0, g.params.storage_offset(), g.params.numel());
-      }
-    }
-    // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat storage, once per
-    //    window); `factor` makes it the mean over every rank's micro-batches or items.
-    const GradientFactor factor = reduced                ? *reduced
-                                  : chunk.defined() ? GradientFactor{rescale, {}}  // (one process)
-                                                    : replicas_->reduce_gradients(flat_grad_, weights);
+    // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat gradient, once
+    //    per window); `factor` makes it the mean over every rank's micro-batches or items.
+    const GradientFactor factor = storage_.reduce(
+        *replicas_, {rescale, accumulation_.counted() ? accumulation_.items() : -1, accumulation_.position()});
     // 6+7. One pass over the gradient: the global L2 norm of the still-scaled gradient, both
     //    the overflow check and, divided by the divisor, the logged and clipped norm. A
     //    non-finite gradient has a non-finite norm. So has a finite one whose norm overflows
     //    fp32 (the squares are summed in fp32: elements from ~1.8e19 on), and it is skipped as
     //    an overflow too, where torch.amp.GradScaler checks elements and applies it (clipped by
     //    max_norm / inf = 0): a norm beyond fp32 is as unusable as an inf (tests: test_skip).
-    const auto scaled_norm = chunk.defined() ? half_.norm_in_chunks(chunk) : at::linalg_vector_norm(flat_grad_, 2);
+    const auto scaled_norm = storage_.norm();
     // The accumulated gradient is the true gradient times `divisor` (no ATen call where it is
     // the loss scale or a constant: the phase is ~15 calls, each a few microseconds).
     torch::Tensor divisor;
@@ -810,35 +517,21 @@ class Trainer final : public AnyTrainer {
     const auto found_inf =
         at::nan_to_num((factor.total.defined() ? true_norm : scaled_norm) * 0.0, /*nan=*/1.0);
     // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
-    //    (ClipValue clamps the gradient itself: in the chunked phase, chunk by chunk, below.)
-    constexpr bool clip_per_element = std::is_same_v<clip_mode, ClipValue>;
-    torch::Tensor optimizer_divisor;
-    if (!clip_per_element || !chunk.defined()) optimizer_divisor = clip_.divisor(flat_grad_, divisor, true_norm);
-    // 9. The update, skipped on the device when found_inf (parameters and optimizer state
-    //    unchanged, bit for bit). The LR comes from the schedule at the applied-step position;
-    //    the counters (10) are advanced first, as the update rule's step count follows them.
+    const torch::Tensor optimizer_divisor = clip_.divisor(divisor, true_norm);
+    // 9. The update over the storage's chunks, skipped on the device when found_inf
+    //    (parameters and optimizer state unchanged, bit for bit). The LR comes from the
+    //    schedule at the applied-step position; the counters (10) are advanced first, as the
+    //    update rule's step count follows them.
     ensure_lr_table();
     const auto lr = lr_table_.index_select(0, applied_);
     lrs_.clear();
-    for (const auto& g : groups_) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
+    for (const auto& g : storage_.groups()) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
     skipped_ = skipped_ + found_inf.to(torch::kLong);  // new tensors: the report keeps this window's values
     applied_ = at::rsub(skipped_, windows_ + 1);       // applied + skipped = optimizer phases run
-    phase_chunks_ = 0;
-    if (chunk.defined()) {
-      const auto total = flat_params_.numel(), size = chunk.numel();
-      for (std::int64_t begin = 0; begin < total; begin += size, ++phase_chunks_) {
-        const auto n = std::min(size, total - begin);
-        auto part = chunk.narrow(0, 0, n);
-        half_.gradient_chunk(begin, n, part);
-        if constexpr (clip_per_element) optimizer_divisor = clip_.divisor(part, divisor, true_norm);
-        rule_->step(groups_in(begin, part), optimizer_divisor, found_inf, lrs_, applied_);
-      }
-    } else {
-      rule_->step(groups_, optimizer_divisor, found_inf, lrs_, applied_);
-    }
-    // Master weights: the model's half parameters from the masters, one copy. A skipped step
-    // left the masters unchanged, so it rewrites the same values (no host sync to tell).
-    if constexpr (Precision::master_weights) half_.write_back(flat_params_);
+    storage_.update([&](const std::vector<detail::ParamGroup>& groups, torch::Tensor& gradient) {
+      clip_.apply(gradient, divisor);  // (ClipValue clamps the true gradient itself)
+      rule_->step(groups, optimizer_divisor, found_inf, lrs_, applied_);
+    });
     // 10. Loss-scale update; the schedule advances (through applied_) only on applied steps.
     StepReport report;
     report.values_ = std::make_shared<StepReport::Values>();
@@ -855,9 +548,9 @@ class Trainer final : public AnyTrainer {
     report.window_ = windows_;
     report.micro_batches_ = accumulation_.position();
     report.items_ = accumulation_.items();
-    // 11. Zero the gradient: one fill of the flat storage (master weights: of the half one).
-    //     (The window's loss is not zeroed: the next window's first micro-step replaces it.)
-    zero_gradients();
+    // 11. Zero the gradient: one fill of the flat storage. (The window's loss is not zeroed:
+    //     the next window's first micro-step replaces it.)
+    storage_.zero();
     accumulation_.reset();
     host_checks(report);
     return report;
@@ -878,25 +571,6 @@ class Trainer final : public AnyTrainer {
         throw NonFiniteGradient(msg.str());
       }
     }
-  }
-
-  // The flat-storage contract: every trainable parameter and its .grad are still our views.
-  // Once per window, a pointer compare per parameter.
-  void check_grad_storage() const {
-    for (const auto& g : grad_views_)
-      if (g.param.data_ptr() != g.param_data)
-        throw std::logic_error(
-            "Trainer: parameter '" + g.name + "' no longer lives in the trainer's storage: its data were replaced "
-            "after the trainer was built (torch::load(model, file), param.set_data(...), model->to(...)), so the "
-            "optimizer would update a copy the model does not read and the loss would never change. Load weights "
-            "or move the model before building the trainer, or use trainer.load(path) or tk::load_weights(model, "
-            "path), which copy into the parameters");
-    for (const auto& g : grad_views_)
-      if (!g.param.grad().defined() || g.param.grad().data_ptr() != g.data)
-        throw std::logic_error(
-            "Trainer: the .grad of parameter '" + g.name +
-            "' was replaced or reset (model->zero_grad() or an optimizer's zero_grad()?); the "
-            "trainer owns gradients and zeroes them itself after each optimizer step");
   }
 
   // The phase's divisor without loss scaling, a device scalar remade only when its value
@@ -923,31 +597,16 @@ class Trainer final : public AnyTrainer {
     lr_table_ = torch::tensor(values, torch::kDouble).to(torch::dtype(dtype).device(device_));
   }
 
-  struct GradView {
-    torch::Tensor param;
-    const void* data;        // the .grad's storage (our flat gradient)
-    const void* param_data;  // the parameter's (our flat parameters, or the half copy)
-    std::string name;
-  };
-
   TrainerOptions options_;
   std::shared_ptr<torch::nn::Module> module_;
   torch::Device device_;
   Precision precision_;
   Accumulation accumulation_;
   Clip clip_;
+  storage_type storage_;
   std::unique_ptr<detail::UpdateRule> rule_;
   std::shared_ptr<Schedule> schedule_;
   std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
-  bool single_process_ = true;  // replicas_ is a SingleProcess
-  std::int64_t phase_chunks_ = 0;  // phase_chunks()
-
-  detail::FlatLayout layout_;                            // where each parameter lives in them
-  torch::Tensor flat_params_, flat_grad_;
-  detail::HalfStorage half_;                             // master weights only
-  std::map<std::string, torch::Tensor> master_views_;   // master weights: name -> fp32 master
-  std::vector<detail::ParamGroup> groups_;
-  std::vector<GradView> grad_views_;
   std::vector<torch::Tensor> lrs_;
   torch::Tensor lr_table_;
   torch::Tensor applied_, skipped_, window_loss_;

@@ -133,7 +133,7 @@ TEST_CASE("the loop's state round-trips, and resume_newest loads the newest") {
 
   Trained other;
   std::ostringstream report;
-  const auto loaded = m.resume_newest(other.trainer, {}, report);
+  const auto loaded = m.resume_newest(other.trainer, report);
   REQUIRE(loaded.has_value());
   CHECK(loaded->path == dir / "model-0004-000006.ckpt");
   CHECK(loaded->state.position == tk::FitPosition{4, 6});
@@ -204,7 +204,7 @@ TEST_CASE("a damaged newest checkpoint is reported with its name and why, and th
     CHECK(why.find(d.why) != std::string::npos);
     Trained other;
     std::ostringstream report;
-    const auto loaded = m.resume_newest(other.trainer, {}, report);
+    const auto loaded = m.resume_newest(other.trainer, report);
     REQUIRE(loaded.has_value());
     CHECK(loaded->path == dir / "model-0001.ckpt");
     CHECK(torch::equal(testing::flat(*other.model), good));

@@ -119,8 +119,8 @@ TEST_CASE_TEMPLATE("the model's parameters are stored in half precision: half of
   }
   // The masters: fp32, the same values as the model's initial weights (which were fp32).
   CHECK(dtype_of(trainer.parameters()) == "Float");
-  CHECK(trainer.half_parameters().nbytes() * 2 == trainer.parameters().nbytes());
-  CHECK(torch::equal(trainer.half_parameters(), trainer.parameters().to(T::half)));
+  CHECK(trainer.storage().half_parameters().nbytes() * 2 == trainer.parameters().nbytes());
+  CHECK(torch::equal(trainer.storage().half_parameters(), trainer.parameters().to(T::half)));
   // After a step the model holds the updated masters, rounded.
   const auto data = testing::clusters(64);
   for (int i = 0; i < (T::master::accumulation_steps == tk::Dynamic ? 3 : T::master::accumulation_steps); ++i)
@@ -159,7 +159,7 @@ TEST_CASE("keep_norm_fp32: normalisation layers stay fp32 views into the masters
       (i == 0 ? first : last) = r.report.loss();
     }
     CHECK(last < 0.5 * first);
-    CHECK(trainer.kept_gradients().defined() == keep);
+    CHECK(trainer.storage().kept_gradients().defined() == keep);
     // The kept parameters are the masters themselves; the others their rounded copies.
     CHECK(torch::equal(testing::flat(*net).to(torch::kFloat).to(at::kHalf),
                        trainer.layout().pack(trainer.parameters()).to(at::kHalf)));
@@ -236,7 +236,7 @@ TEST_CASE_TEMPLATE("a skipped step changes nothing: masters, half parameters, op
     CHECK(torch::equal(adam.exp_avg_sq()[0], v));
     CHECK(torch::equal(adam.step_count(), step));
     CHECK_FALSE(trainer.gradients().defined());  // the phase's fp32 gradient is released
-    CHECK(trainer.half_gradients().abs().sum().template item<double>() == 0.0);
+    CHECK(trainer.storage().half_gradients().abs().sum().template item<double>() == 0.0);
   }
   CHECK(window(1.0).applied());
   CHECK_FALSE(torch::equal(trainer.parameters(), masters));
@@ -388,7 +388,7 @@ TEST_CASE_TEMPLATE("the chunked master-weight phase updates as the whole one (Ad
       REQUIRE(r.window_closed);
       out.norms.push_back(r.report.grad_norm());
       out.applied.push_back(r.report.applied());
-      out.chunks = std::max(out.chunks, trainer->phase_chunks());
+      out.chunks = std::max(out.chunks, trainer->storage().phase_chunks());
     }
     out.masters = trainer->parameters().clone();
     out.half = testing::flat(*net).to(torch::kFloat);

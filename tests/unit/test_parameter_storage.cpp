@@ -113,7 +113,7 @@ TEST_CASE("master weights: the half parameters and gradients are 64-byte aligned
   auto model = odd_mlp(3);
   tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>> trainer(model, tk::AdamW{1e-2});
   check_aligned(*model);
-  CHECK(trainer.half_parameters().numel() == trainer.parameters().numel());
+  CHECK(trainer.storage().half_parameters().numel() == trainer.parameters().numel());
 }
 
 TEST_CASE("checkpoints hold the flat records packed: a window's gradient and the optimizer state") {

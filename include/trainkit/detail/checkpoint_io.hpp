@@ -196,4 +196,26 @@ inline void read_archive(torch::serialize::InputArchive& archive, const std::str
   }
 }
 
+/// Loads `archive` into `part` (part.load(archive, source), which checks what it can before
+/// changing anything); when that throws, the state `part` had before is put back from a
+/// snapshot in host memory (part.save, then part.restore) and the error goes on. The one
+/// rollback of trainer.load(path) and of the checkpoint manager.
+template <class Part>
+void load_or_restore(Part& part, torch::serialize::InputArchive& archive, const std::string& source) {
+  std::stringstream previous;
+  {
+    torch::serialize::OutputArchive snapshot;
+    part.save(snapshot);
+    snapshot.save_to(previous);
+  }
+  try {
+    part.load(archive, source);
+  } catch (...) {
+    torch::serialize::InputArchive snapshot;
+    snapshot.load_from(previous, torch::Device(torch::kCPU));
+    part.restore(snapshot);
+    throw;
+  }
+}
+
 }  // namespace trainkit::detail
