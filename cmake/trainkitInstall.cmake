@@ -11,8 +11,8 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/" DESTINATION "${CMAKE_INSTALL_
 install(TARGETS trainkit EXPORT trainkitTargets)
 install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" DESTINATION "${CMAKE_INSTALL_DATADIR}/doc/trainkit")
 
-# The registry's shards as sources: the package builds trainkit::registry from them on demand.
-install(FILES ${TRAINKIT_REGISTRY_SOURCES} DESTINATION "${CMAKE_INSTALL_DATADIR}/trainkit/registry")
+# The registry's shard as a source: the package builds trainkit::registry from it on demand.
+install(FILES "${PROJECT_SOURCE_DIR}/src/registry/shard.hpp" DESTINATION "${CMAKE_INSTALL_DATADIR}/trainkit/registry")
 install(FILES "${CMAKE_CURRENT_LIST_DIR}/trainkitRegistry.cmake" DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 install(EXPORT trainkitTargets NAMESPACE trainkit:: DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 

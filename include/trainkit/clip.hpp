@@ -17,20 +17,11 @@
 /// result, and the trainer skips the update then; nothing is read back to the host.
 #include <trainkit/detail/type_traits.hpp>
 #include <trainkit/options.hpp>
+#include <trainkit/tags.hpp>
 
 #include <torch/types.h>
 
 namespace trainkit {
-
-struct NoClip {
-  static constexpr const char* name = "NoClip";
-};
-struct ClipNorm {
-  static constexpr const char* name = "ClipNorm";
-};
-struct ClipValue {
-  static constexpr const char* name = "ClipValue";
-};
 
 template <class Mode>
 class ClipPolicy {

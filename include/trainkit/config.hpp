@@ -21,7 +21,7 @@
 ///
 /// The parts, one file each: config/error.hpp (ConfigError), config/text.hpp, config/json_reader.hpp,
 /// config/schema.hpp (Field, Schema), config/train_schema.hpp (TRAIN and the top level),
-/// config/trainer_key.hpp (TrainerKey, OptimizerSettings), command_line.hpp (CommandLine); this
+/// config/optimizer_settings.hpp, trainer_key.hpp (TrainerKey), command_line.hpp (CommandLine); this
 /// header is Config itself and includes them all.
 #include <trainkit/command_line.hpp>
 #include <trainkit/config/error.hpp>
@@ -29,8 +29,9 @@
 #include <trainkit/config/schema.hpp>
 #include <trainkit/config/text.hpp>
 #include <trainkit/config/train_schema.hpp>
-#include <trainkit/config/trainer_key.hpp>
+#include <trainkit/config/optimizer_settings.hpp>
 #include <trainkit/schedule.hpp>
+#include <trainkit/trainer_key.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -30,6 +30,7 @@
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/type_traits.hpp>
 #include <trainkit/options.hpp>
+#include <trainkit/tags.hpp>
 
 #include <ATen/autocast_mode.h>
 #include <torch/serialize/archive.h>
@@ -44,45 +45,6 @@ namespace trainkit {
 
 class FlatStorage;    // storage.hpp
 class MasterStorage;  // master_storage.hpp
-
-/// Precision tags: plain types naming a mode, used as `PrecisionPolicy<Tag>`.
-struct FP32 {
-  static constexpr const char* name = "FP32";
-};
-struct BF16 {
-  static constexpr const char* name = "BF16";
-};
-struct FP16Static {
-  static constexpr const char* name = "FP16Static";
-};
-struct FP16Dynamic {
-  static constexpr const char* name = "FP16Dynamic";
-};
-
-namespace detail {
-template <class Mode>
-inline constexpr bool is_half_mode =
-    std::is_same_v<Mode, BF16> || std::is_same_v<Mode, FP16Static> || std::is_same_v<Mode, FP16Dynamic>;
-template <class Mode>
-inline constexpr const char* master_weights_name = "MasterWeights<?>";
-template <>
-inline constexpr const char* master_weights_name<BF16> = "MasterWeights<BF16>";
-template <>
-inline constexpr const char* master_weights_name<FP16Static> = "MasterWeights<FP16Static>";
-template <>
-inline constexpr const char* master_weights_name<FP16Dynamic> = "MasterWeights<FP16Dynamic>";
-}  // namespace detail
-
-/// Master-weights modifier of a half-precision tag: `PrecisionPolicy<MasterWeights<BF16>>`,
-/// `<MasterWeights<FP16Static>>`, `<MasterWeights<FP16Dynamic>>`. The wrapped tag still says
-/// which half type and which loss scaling; the modifier says where the weights live (half in
-/// the model, fp32 masters in the trainer). A wrapper rather than three new tags, so that the
-/// scaling choice stays one axis and `MasterWeights<FP32>` is a readable compile error.
-template <class Mode>
-struct MasterWeights {
-  using wrapped = Mode;
-  static constexpr const char* name = detail::master_weights_name<Mode>;
-};
 
 /// Thrown when the dynamic loss scale has collapsed (see LossScaleOptions::collapse_windows).
 class LossScaleCollapsed : public std::runtime_error {
@@ -352,10 +314,12 @@ namespace detail {
 /// The autocast dtype of a precision tag's forward region; std::nullopt for FP32.
 template <class Mode>
 std::optional<at::ScalarType> autocast_dtype_of() {
-  using M = scaling_mode_t<Mode>;
-  if constexpr (std::is_same_v<M, FP32>) return std::nullopt;
-  else if constexpr (std::is_same_v<M, BF16>) return at::kBFloat16;
-  else return at::kHalf;
+  switch (Mode::autocast) {
+    case HalfType::bfloat16: return at::kBFloat16;
+    case HalfType::float16: return at::kHalf;
+    case HalfType::none: break;
+  }
+  return std::nullopt;
 }
 }  // namespace detail
 

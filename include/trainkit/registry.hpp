@@ -14,13 +14,14 @@
 /// benchmarks/RESULTS.md), so the registry compiles Dynamic only and takes the count from
 /// TrainerOptions::accumulation_steps. Fixed counts stay for programs that name their type.
 ///
-/// Compiled once, in shards: make_trainer is declared here and defined per precision in
-/// src/registry/<precision>.cpp (the CMake target trainkit::registry), so a program that
-/// includes this header compiles no Trainer type at all; the shards build in parallel.
+/// Compiled once, in shards: make_trainer is declared here and defined per precision in a
+/// translation unit that CMake generates from the list below (the target trainkit::registry,
+/// src/registry/shard.hpp), so a program that includes this header compiles no Trainer type
+/// at all; the shards build in parallel.
 ///
-/// Adding a type: add its precision to TRAINKIT_REGISTRY_PRECISIONS (and a shard file
-/// src/registry/<name>.cpp with TRAINKIT_REGISTRY_SHARD(<tag>), else the link fails naming
-/// detail::make_registered<tag>), or its clip tag to TRAINKIT_REGISTRY_CLIPS.
+/// Adding a type: add its precision tag to TRAINKIT_REGISTRY_PRECISIONS (its shard follows), or
+/// its clip tag to TRAINKIT_REGISTRY_CLIPS. What a tag means (its kind, whether it scales the
+/// loss...) is the tag's own constants (tags.hpp).
 #include <trainkit/accumulation.hpp>
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/clip.hpp>
@@ -57,8 +58,6 @@ struct TypeTag {
 
 namespace detail {
 
-template <class... T>
-struct TypeList {};
 template <class First, class... Rest>
 struct DropFirst {
   using type = TypeList<Rest...>;
@@ -71,43 +70,17 @@ using RegisteredTrainers = typename DropFirst<void TRAINKIT_REGISTRY_PRECISIONS(
 #undef TRAINKIT_REGISTRY_TYPES_OF_
 #undef TRAINKIT_REGISTRY_TYPE_
 
-// Tags as the values of a TrainerKey.
-template <class Tag>
-struct precision_key;
-template <>
-struct precision_key<FP32> : std::integral_constant<PrecisionKind, PrecisionKind::FP32> {};
-template <>
-struct precision_key<BF16> : std::integral_constant<PrecisionKind, PrecisionKind::BF16> {};
-template <>
-struct precision_key<FP16Static> : std::integral_constant<PrecisionKind, PrecisionKind::FP16Static> {};
-template <>
-struct precision_key<FP16Dynamic> : std::integral_constant<PrecisionKind, PrecisionKind::FP16Dynamic> {};
-template <class Mode>
-struct precision_key<MasterWeights<Mode>> : precision_key<Mode> {};
-template <class Tag>
-struct clip_key;
-template <>
-struct clip_key<NoClip> : std::integral_constant<ClipKind, ClipKind::NoClip> {};
-template <>
-struct clip_key<ClipNorm> : std::integral_constant<ClipKind, ClipKind::ClipNorm> {};
-template <>
-struct clip_key<ClipValue> : std::integral_constant<ClipKind, ClipKind::ClipValue> {};
-
 template <class PrecisionTag>
 constexpr bool matches_precision(const TrainerKey& key) {
-  return key.precision == precision_key<PrecisionTag>::value &&
-         key.master_weights == !std::is_same_v<scaling_mode_t<PrecisionTag>, PrecisionTag>;
+  return key.precision == PrecisionTag::kind && key.master_weights == PrecisionTag::master_weights;
 }
 
-/// The key of a registered type.
+/// The key of a registered type (from its arguments: the Trainer is not compiled here).
 template <class T>
 struct key_of;
 template <class P, int N, class C>
 struct key_of<Trainer<PrecisionPolicy<P>, AccumulationPolicy<N>, ClipPolicy<C>>> {
-  static TrainerKey value() {
-    return TrainerKey{precision_key<P>::value, N == Dynamic ? TrainerKey::dynamic : N, clip_key<C>::value,
-                      !std::is_same_v<scaling_mode_t<P>, P>};
-  }
+  static constexpr TrainerKey value() { return TrainerKey::of<P, N, C>(); }
 };
 
 template <class... T>
@@ -116,8 +89,8 @@ std::vector<std::string> names_of(TypeList<T...>) {
 }
 
 /// A shard of the registry: builds TrainerOf<PrecisionTag, Dynamic, clip> over `model` with
-/// `optimizer`. Declared only; defined in detail/registry_shard.hpp and compiled once per
-/// precision in src/registry/ (trainkit::registry).
+/// `optimizer`. Declared only; defined in src/registry/shard.hpp and compiled once per
+/// precision (trainkit::registry).
 template <class PrecisionTag>
 std::unique_ptr<AnyTrainer> make_registered(ClipKind clip, std::shared_ptr<torch::nn::Module> model,
                                             const OptimizerSettings& optimizer, TrainerOptions options);

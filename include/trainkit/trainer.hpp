@@ -40,6 +40,7 @@
 #include <trainkit/schedule.hpp>
 #include <trainkit/step_report.hpp>
 #include <trainkit/storage.hpp>
+#include <trainkit/trainer_key.hpp>
 #include <trainkit/version.hpp>
 
 #include <torch/nn/module.h>
@@ -89,13 +90,10 @@ class Trainer final : public AnyTrainer {
   static constexpr int accumulation_steps = Accumulation::steps;
   static constexpr bool scales_loss = Precision::scales_loss;
 
+  /// The configuration as values (trainer_key.hpp).
+  static constexpr TrainerKey key() { return TrainerKey::of<precision_mode, accumulation_steps, clip_mode>(); }
   /// "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>": for logs, and checked on load().
-  static std::string name() {
-    const std::string n = accumulation_steps == Dynamic ? std::string("Dynamic")
-                                                        : std::to_string(accumulation_steps);
-    return std::string("Trainer<") + precision_mode::name + ", Accumulate<" + n + ">, " +
-           clip_mode::name + ">";
-  }
+  static std::string name() { return key().name(); }
 
   /// `optimizer`: tk::SGD, tk::Adam, tk::AdamW (fused), or a std::shared_ptr to any
   /// torch::optim::Optimizer built over the model's parameters (unfused).

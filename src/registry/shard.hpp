@@ -1,7 +1,8 @@
 #pragma once
 /// One shard of the registry (registry.hpp): the definition of detail::make_registered<P> and
 /// the explicit instantiations of TrainerOf<P, Dynamic, C> for every registered clip C.
-/// Included only by the shard files, src/registry/<precision>.cpp, each of which says
+/// Included only by the shard files that trainkit_add_registry (cmake/trainkitRegistry.cmake)
+/// generates from the list in registry.hpp, each of which says
 ///   TRAINKIT_REGISTRY_SHARD(FP16Dynamic)
 /// once: every registered Trainer type is compiled in exactly one translation unit.
 #include <trainkit/dispatch.hpp>
@@ -23,7 +24,7 @@ std::unique_ptr<AnyTrainer> make_registered(ClipKind clip, std::shared_ptr<torch
     });
   };
 #define TRAINKIT_SHARD_CASE_(P, C) \
-  if (clip == clip_key<C>::value) return build(TypeTag<C>{});
+  if (clip == C::kind) return build(TypeTag<C>{});
   TRAINKIT_REGISTRY_CLIPS(TRAINKIT_SHARD_CASE_, P)
 #undef TRAINKIT_SHARD_CASE_
   throw ConfigError("TRAIN.CLIP_GRAD_NORM", std::string("no registered clipping '") + to_string(clip) + "'");

@@ -1,4 +1,0 @@
-// The registry's FP16Static shard: make_trainer's trainers of this precision (registry.hpp).
-#include <trainkit/detail/registry_shard.hpp>
-
-TRAINKIT_REGISTRY_SHARD(FP16Static)
