@@ -91,7 +91,7 @@ int run_row(const std::string& row, const Settings& s) {
   if (mode == "planned") {
     tk::Config c;
     c.load_string("{\"TRAIN\": {\"MEMORY_BUDGET\": \"" + s.budget + "\"}, \"RNG_SEED\": 1}", tk::Config::Format::json, {}, "--budget");
-    options.memory_budget(tk::fit_options(c).memory_budget());
+    options.memory_budget(tk::RunPlan::from(c, 1).fit.memory_budget());
   }
   const auto t0 = std::chrono::steady_clock::now();
   const tk::FitResult r = tk::fit(trainer, task, options);

@@ -15,6 +15,7 @@
 //
 // Needs no torch: the trainer type's name comes from the key, as tk::dispatch would choose it.
 #include <trainkit/config.hpp>
+#include <trainkit/plan.hpp>
 #if defined(TRAINKIT_WITH_YAML)
 #include <trainkit/config_yaml.hpp>
 #endif
@@ -155,7 +156,7 @@ int check(const std::vector<std::string>& args) {
 
   tk::Config config;
   config.load(file, sets);
-  const tk::Derived d = config.derived(world_size);
+  const tk::RunPlan d = tk::RunPlan::from(config, world_size);
   const tk::TrainerKey runs = d.trainer.dispatched();
 
   json notes = config.notes();
@@ -172,20 +173,20 @@ int check(const std::vector<std::string>& args) {
       {"batch_images", d.batch_images},
       {"accumulation_steps", d.accumulation_steps},
       {"total_batch", d.total_batch},
-      {"lr_scaling", config.get<std::string>("TRAIN.LR_SCALING")},
+      {"lr_scaling", d.lr_scaling},
       {"base_lr", d.base_lr},
       {"trainer", runs.name()},
       {"precision", tk::to_string(d.trainer.precision)},
       {"clip", tk::to_string(d.trainer.clip)},
       {"optimizer", optimizer},
       {"schedule", tk::describe(d.schedule)},
-      {"trainable", config.get<std::int64_t>("TRAIN.END_EPOCH") > config.get<std::int64_t>("TRAIN.BEGIN_EPOCH")},
+      {"trainable", d.fit.end_epoch() > d.fit.begin_epoch()},
   };
   if (batches_per_epoch) {
-    const tk::EpochClock clock = config.epoch_clock(*batches_per_epoch);
+    const tk::EpochClock clock = d.epoch_clock(*batches_per_epoch);
     derived["windows_per_epoch"] = clock.windows_per_epoch();
-    derived["total_steps"] = clock.step_at(static_cast<double>(config.get<std::int64_t>("TRAIN.END_EPOCH")));
-    derived["schedule_in_steps"] = config.make_schedule(*batches_per_epoch)->describe();
+    derived["total_steps"] = clock.step_at(static_cast<double>(d.fit.end_epoch()));
+    derived["schedule_in_steps"] = d.make_schedule(*batches_per_epoch)->describe();
   }
   const json out = {{"config", config.tree()},
                     {"derived", derived},

@@ -89,7 +89,7 @@ stopped with a checkpoint, 2 a configuration or command-line error, 1 any other 
     vlbert::register_sections(config);
     config.strict_sections();  // a section this program does not know (TRAINING for TRAIN) is an error
     config.load(cl.cfg, cl.overrides());
-    config.require_training();  // END_EPOCH > BEGIN_EPOCH (an empty file has END_EPOCH 0): exit 2, naming it
+    tk::RunPlan::from(config, /*world_size=*/1).require_training();  // END_EPOCH > BEGIN_EPOCH (an empty file has END_EPOCH 0): exit 2, naming it
     const tk::Launch launch = tk::Launch::from_config(config);  // device (GPUS), ranks (torchrun)
     if (launch.is_main()) {
       for (const auto& note : config.notes()) std::cerr << "[vlbert] " << note << "\n";

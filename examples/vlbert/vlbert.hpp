@@ -258,9 +258,10 @@ inline std::vector<std::int64_t> validation_batches(std::int64_t batches, const 
 /// builds, through tk::fit (resume, validation, checkpoints, logs, progress line). With `eval`
 /// (--eval FILE): the weights in that file, validated in the configured precision, no training.
 template <class Model, class MakeTask>
-RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const tk::Launch& launch, Model& model,
-                  const std::string& name, const std::string& eval, MakeTask&& make_task) {
-  const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(config, model, launch.world_size());
+RunResult run_fit(const tk::RunPlan& plan, const tk::Launch& launch, Model& model, const std::string& name,
+                  const std::string& eval, MakeTask&& make_task) {
+  const tk::FitOptions& options = plan.fit;
+  const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(plan, model);
   tk::AnyTrainer& trainer = *made;
   launch.attach(trainer);  // data parallel: rank 0's weights to every rank, one all-reduce per window
   if (launch.is_main())
@@ -276,7 +277,7 @@ RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const
     f();
   };
   tk::Task<Batch> task = make_task(in_precision);
-  trainer.set_schedule(config.make_schedule(task.batches_per_epoch(options.begin_epoch())));
+  trainer.set_schedule(plan.make_schedule(task.batches_per_epoch(options.begin_epoch())));
   // Time per sample counts training only: the loss counts samples, validation its own time.
   double val_seconds = 0;
   const auto loss = task.loss;
@@ -324,12 +325,13 @@ RunResult run_fit(const tk::Config& config, const tk::FitOptions& options, const
 /// Pre-training: MLM + MVRC on captioned scenes; validation: MLM and MVRC accuracy (over every
 /// rank's share of the validation split).
 inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, const std::string& eval = {}) {
-  const tk::FitOptions options = tk::fit_options(config, launch);
+  const tk::RunPlan plan = tk::plan(config, launch);
+  const tk::FitOptions& options = plan.fit;
   const SyntheticData data(data_options(config, options.seed()));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
   VLBertForPretraining model(model_config(config), 6);
   model->to(launch.device());
-  const auto bs = config.derived(launch.world_size()).batch_images, val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
+  const auto bs = plan.batch_images, val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
   const auto loggers = tk::LossLoggers::from(config).require({"mlm_loss", "mvrc_loss"});  // TRAIN.LOSS_LOGGERS
   // Each rank its shard of every epoch's order; W ranks x batch B see, window for window, the
@@ -337,7 +339,7 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
   const tk::DistributedSampler sampler(data.samples(false, false), bs, launch.rank(), launch.world_size(),
                                        static_cast<std::uint64_t>(options.seed()), config.get<bool>("TRAIN.SHUFFLE"));
   const torch::Device device = launch.device();
-  return run_fit(config, options, launch, model, "pretrain", eval, [&](const InPrecision& in_precision) {
+  return run_fit(plan, launch, model, "pretrain", eval, [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
     task.batches_per_epoch = [&](std::int64_t) { return sampler.batches_per_epoch(); };
     task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch_of(false, false, e, sampler.batch(e, i)).to(device); };
@@ -370,7 +372,8 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
 /// VQA fine-tuning: the answer classifier over the [MASK] token, from PARTIAL_PRETRAIN's weights;
 /// validation: accuracy, overall and per question type (over every rank's share).
 inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, const std::string& eval = {}) {
-  const tk::FitOptions options = tk::fit_options(config, launch);
+  const tk::RunPlan plan = tk::plan(config, launch);
+  const tk::FitOptions& options = plan.fit;
   const SyntheticData data(data_options(config, options.seed()));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
   const auto& n = config.tree()["NETWORK"];
@@ -383,12 +386,12 @@ inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, co
     if (launch.is_main()) print_partial_load(partial, pretrained);
   }
   model->to(launch.device());
-  const auto bs = config.derived(launch.world_size()).batch_images, val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
+  const auto bs = plan.batch_images, val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const tk::DistributedSampler sampler(data.samples(true, false), bs, launch.rank(), launch.world_size(),
                                        static_cast<std::uint64_t>(options.seed()), config.get<bool>("TRAIN.SHUFFLE"));
   const torch::Device device = launch.device();
   const auto loggers = tk::LossLoggers::from(config).require({"ans_loss"});  // TRAIN.LOSS_LOGGERS
-  RunResult r = run_fit(config, options, launch, model, "vqa", eval, [&](const InPrecision& in_precision) {
+  RunResult r = run_fit(plan, launch, model, "vqa", eval, [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
     task.batches_per_epoch = [&](std::int64_t) { return sampler.batches_per_epoch(); };
     task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch_of(true, false, e, sampler.batch(e, i)).to(device); };

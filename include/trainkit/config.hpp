@@ -1,13 +1,14 @@
 #pragma once
 /// Configuration files (config.md): VL-BERT's sections and keys, read from JSON (here) or YAML
-/// (<trainkit/config_yaml.hpp>, optional), checked against a schema, with `--set` overrides,
-/// and the values derived from them (world size, total batch, base LR, trainer key).
+/// (<trainkit/config_yaml.hpp>, optional), checked against a schema, with `--set` overrides.
+/// What the values mean for a run (the trainer type, the total batch, the base LR, the loop's
+/// options) is read once from the validated tree by tk::RunPlan (plan.hpp).
 ///
 ///   tk::Config config;                                   // toolkit schema: top level + TRAIN
 ///   config.register_section("NETWORK", network_schema);  // the application's own sections
 ///   config.load("cfgs/vlbert/vqa/base_1x24G_fp32.yaml", {"TRAIN.LR=2e-5"});
 ///   double lr = config.get<double>("TRAIN.LR");
-///   tk::Derived d = config.derived();                    // world size, total batch, base LR...
+///   tk::RunPlan plan = tk::RunPlan::from(config);        // plan.hpp: trainer, batch, base LR...
 ///
 /// Contract:
 ///   - Every value of the resolved tree (`tree()`) has passed its schema: unknown keys, wrong
@@ -21,17 +22,13 @@
 ///
 /// The parts, one file each: config/error.hpp (ConfigError), config/text.hpp, config/json_reader.hpp,
 /// config/schema.hpp (Field, Schema), config/train_schema.hpp (TRAIN and the top level),
-/// config/optimizer_settings.hpp, trainer_key.hpp (TrainerKey), command_line.hpp (CommandLine); this
-/// header is Config itself and includes them all.
+/// command_line.hpp (CommandLine); this header is Config itself and includes them all.
 #include <trainkit/command_line.hpp>
 #include <trainkit/config/error.hpp>
 #include <trainkit/config/json_reader.hpp>
 #include <trainkit/config/schema.hpp>
 #include <trainkit/config/text.hpp>
 #include <trainkit/config/train_schema.hpp>
-#include <trainkit/config/optimizer_settings.hpp>
-#include <trainkit/schedule.hpp>
-#include <trainkit/trainer_key.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -51,29 +48,6 @@
 #include <vector>
 
 namespace trainkit {
-
-/// Values that follow from the configuration and the launch (world size).
-struct Derived {
-  std::int64_t world_size = 1;
-  std::int64_t batch_images = 1;        ///< per-device micro-batch: sum(TRAIN.BATCH_IMAGES), or from TARGET_BATCH
-  std::int64_t accumulation_steps = 1;  ///< TRAIN.GRAD_ACCUMULATE_STEPS
-  std::int64_t total_batch = 1;         ///< world_size x batch_images x accumulation_steps
-  double base_lr = 0.1;                 ///< LR x total_batch (per_sample) or LR (none)
-  TrainerKey trainer;                   ///< as asked for; trainer.dispatched() is what runs
-  OptimizerSettings optimizer;
-  ScheduleOptions schedule;
-};
-
-/// The world size of this launch: the WORLD_SIZE environment variable (set by torchrun), or 1.
-inline std::int64_t world_size_from_environment() {
-  const char* env = std::getenv("WORLD_SIZE");
-  if (!env || !*env) return 1;
-  const nlohmann::json v = detail::resolve_plain_scalar(env);
-  if (!v.is_number_integer() || v.get<std::int64_t>() < 1)
-    throw ConfigError("WORLD_SIZE", std::string("the environment variable WORLD_SIZE=\"") + env +
-                                        "\" is not an integer >= 1 (torchrun sets it to the number of processes)");
-  return v.get<std::int64_t>();
-}
 
 /// A configuration: the file's tree checked against the schema, with every default filled in.
 class Config {
@@ -186,114 +160,6 @@ class Config {
     } catch (const nlohmann::json::exception&) {
       throw ConfigError(dotted, "is " + detail::describe_value(v) + ", which the program cannot read as it asks");
     }
-  }
-
-  /// TRAIN.END_EPOCH > TRAIN.BEGIN_EPOCH, or a ConfigError: call before training.
-  void require_training() const {
-    const auto begin = get<std::int64_t>("TRAIN.BEGIN_EPOCH"), end = get<std::int64_t>("TRAIN.END_EPOCH");
-    if (end <= begin)
-      throw ConfigError("TRAIN.END_EPOCH", "must be > TRAIN.BEGIN_EPOCH (" + std::to_string(begin) +
-                                               ") to train, got " + std::to_string(end));
-  }
-
-  /// The trainer type this configuration needs (before the registry's Dynamic fallback).
-  TrainerKey trainer_key() const {
-    const nlohmann::json& t = tree_["TRAIN"];
-    TrainerKey key;
-    if (t["BF16"].get<bool>()) key.precision = PrecisionKind::BF16;
-    else if (t["FP16"].get<bool>())
-      key.precision = t["FP16_LOSS_SCALE"].is_string() ? PrecisionKind::FP16Dynamic : PrecisionKind::FP16Static;
-    key.master_weights = t["MASTER_WEIGHTS"].get<bool>();
-    key.accumulation = static_cast<int>(t["GRAD_ACCUMULATE_STEPS"].get<std::int64_t>());
-    if (t["CLIP_GRAD_NORM"].get<double>() > 0) key.clip = ClipKind::ClipNorm;
-    else if (t["CLIP_GRAD_VALUE"].get<double>() > 0) key.clip = ClipKind::ClipValue;
-    return key;
-  }
-
-  /// The schedule's settings (positions in epochs; see make_schedule for steps).
-  ScheduleOptions schedule_options() const {
-    const nlohmann::json& t = tree_["TRAIN"];
-    ScheduleOptions o;
-    o.name = t["LR_SCHEDULE"].get<std::string>();
-    o.warmup.method = t["WARMUP_METHOD"].get<std::string>() == "constant" ? WarmupMethod::constant : WarmupMethod::linear;
-    o.warmup.factor = t["WARMUP_FACTOR"].get<double>();
-    o.warmup.steps = t["WARMUP"].get<bool>() ? t["WARMUP_STEPS"].get<std::int64_t>() : 0;  // VL-BERT: 0 when off
-    o.factor = t["LR_FACTOR"].get<double>();
-    o.milestones = t["LR_STEP"].get<std::vector<double>>();
-    o.end_epoch = static_cast<double>(t["END_EPOCH"].get<std::int64_t>());
-    return o;
-  }
-  /// How epochs map to applied optimizer steps with `micro_batches_per_epoch` micro-batches
-  /// per epoch on each rank (the loader's length), by GRAD_ACCUMULATE_STEPS and PARTIAL_WINDOW.
-  EpochClock epoch_clock(std::int64_t micro_batches_per_epoch) const {
-    const nlohmann::json& t = tree_["TRAIN"];
-    const auto n = t["GRAD_ACCUMULATE_STEPS"].get<std::int64_t>();
-    const auto partial = t["PARTIAL_WINDOW"].get<std::string>();
-    if (micro_batches_per_epoch < 1)
-      throw ConfigError("TRAIN", "an epoch needs at least one micro-batch, got " + std::to_string(micro_batches_per_epoch));
-    if (partial == "span") return EpochClock::span(micro_batches_per_epoch, n);
-    if (partial == "drop") return EpochClock::drop(micro_batches_per_epoch, n);
-    return EpochClock::flush(micro_batches_per_epoch, n);
-  }
-  /// The LR schedule of TRAIN with epoch milestones converted by epoch_clock().
-  std::shared_ptr<Schedule> make_schedule(std::int64_t micro_batches_per_epoch) const {
-    const ScheduleOptions options = schedule_options();
-    const EpochClock clock = epoch_clock(micro_batches_per_epoch);
-    if ((options.name == "triangle" || options.name == "cosine") && clock.step_at(options.end_epoch) < 1)
-      throw ConfigError("TRAIN.END_EPOCH", options.name + " decays to 0 at END_EPOCH, so END_EPOCH must be > 0 "
-                                           "(and at least one optimizer step), got " + detail::dump_text(tree_["TRAIN"]["END_EPOCH"]));
-    try {
-      return trainkit::make_schedule(options, clock);
-    } catch (const std::invalid_argument& e) {
-      throw ConfigError("TRAIN.LR_SCHEDULE", e.what());
-    }
-  }
-
-  /// World size (WORLD_SIZE or 1 unless given), total batch, base LR, trainer key, optimizer.
-  Derived derived(std::optional<std::int64_t> world_size = std::nullopt) const {
-    const nlohmann::json& t = tree_["TRAIN"];
-    Derived d;
-    d.world_size = world_size ? *world_size : world_size_from_environment();
-    if (d.world_size < 1) throw ConfigError("WORLD_SIZE", "must be >= 1, got " + std::to_string(d.world_size));
-    const nlohmann::json& b = t["BATCH_IMAGES"];
-    // Checked arithmetic: a list of huge entries, or a huge world size, is an error, never a
-    // wrapped (negative) total.
-    const auto overflow = [&](const std::string& what) {
-      return ConfigError("TRAIN.BATCH_IMAGES", what + " does not fit in 64 bits; BATCH_IMAGES is the per-device micro-batch");
-    };
-    d.batch_images = 0;
-    if (b.is_array()) {
-      for (const auto& x : b)
-        if (__builtin_add_overflow(d.batch_images, x.get<std::int64_t>(), &d.batch_images)) throw overflow("the sum of the list");
-    } else {
-      d.batch_images = b.get<std::int64_t>();
-    }
-    d.accumulation_steps = t["GRAD_ACCUMULATE_STEPS"].get<std::int64_t>();
-    if (const auto target = t["TARGET_BATCH"].get<std::int64_t>(); target > 0) {  // in place of BATCH_IMAGES
-      const std::int64_t per_device = target / (d.world_size * d.accumulation_steps);
-      if (per_device * d.world_size * d.accumulation_steps != target)
-        throw ConfigError("TRAIN.TARGET_BATCH", "the effective batch " + std::to_string(target) +
-                                                    " is not a multiple of world size " + std::to_string(d.world_size) +
-                                                    " x GRAD_ACCUMULATE_STEPS " + std::to_string(d.accumulation_steps) +
-                                                    "; choose a multiple, or set GRAD_ACCUMULATE_STEPS: 1 and let "
-                                                    "TRAIN.MEMORY_BUDGET split the batch");
-      d.batch_images = per_device;
-    }
-    if (__builtin_mul_overflow(d.world_size, d.batch_images, &d.total_batch) ||
-        __builtin_mul_overflow(d.total_batch, d.accumulation_steps, &d.total_batch))
-      throw overflow("the total batch (world size " + std::to_string(d.world_size) + " x BATCH_IMAGES " +
-                     std::to_string(d.batch_images) + " x GRAD_ACCUMULATE_STEPS " + std::to_string(d.accumulation_steps) + ")");
-    const double lr = t["LR"].get<double>();
-    d.base_lr = t["LR_SCALING"].get<std::string>() == "per_sample" ? lr * static_cast<double>(d.total_batch) : lr;
-    d.trainer = trainer_key();
-    OptimizerSettings& o = d.optimizer;
-    o.name = t["OPTIMIZER"].get<std::string>();
-    o.lr = d.base_lr;
-    o.weight_decay = t["WD"].get<double>();
-    o.momentum = t["MOMENTUM"].get<double>();
-    o.eps = o.name == "AdamW" ? 1e-6 : 1e-8;  // VL-BERT's AdamW; torch.optim.Adam's default
-    d.schedule = schedule_options();
-    return d;
   }
 
   /// The resolved tree as JSON text.

@@ -4,10 +4,11 @@
 /// registered type). Most programs want make_trainer (registry.hpp) instead: an AnyTrainer,
 /// with nothing compiled per type in the program itself.
 ///
-///   tk::dispatch(config, [&](auto tag) {
+///   const tk::RunPlan plan = tk::RunPlan::from(config);
+///   tk::dispatch(plan, [&](auto tag) {
 ///     using Trainer = typename decltype(tag)::type;  // Trainer<FP16Dynamic, Accumulate<Dynamic>, ClipNorm>
-///     return tk::with_optimizer(config.derived().optimizer, [&](auto optimizer) {
-///       Trainer trainer(model, optimizer, tk::trainer_options(config));
+///     return tk::with_optimizer(plan.optimizer, [&](auto optimizer) {
+///       Trainer trainer(model, optimizer, plan.trainer_options);
 ///       return run(trainer);
 ///     });
 ///   });
@@ -15,11 +16,10 @@
 /// The registry and why it holds AccumulationPolicy<Dynamic> only: registry.hpp. To pay for
 /// the trainers' own members once, define TRAINKIT_EXTERN_TRAINERS before including this header
 /// and link trainkit::registry, whose shards hold their explicit instantiations.
-#include <trainkit/config.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
+#include <trainkit/plan.hpp>
 #include <trainkit/registry.hpp>
-#include <trainkit/run_options.hpp>
 #include <trainkit/trainer.hpp>
 
 #include <string>
@@ -46,17 +46,17 @@ decltype(auto) visit_registered(const TrainerKey& runs, Visitor& visitor, TypeLi
 /// Calls `visitor(TypeTag<Trainer<...>>{})` with the registered trainer type of `key` and
 /// returns what it returns (every instantiation must return the same type). Every accumulation
 /// count >= 1 runs on AccumulationPolicy<Dynamic> (set TrainerOptions::accumulation_steps, as
-/// trainer_options() does); a count below 1 is a ConfigError listing the registry.
+/// RunPlan's trainer_options do); a count below 1 is a ConfigError listing the registry.
 template <class Visitor>
 decltype(auto) dispatch(const TrainerKey& key, Visitor&& visitor) {
   const TrainerKey runs = detail::registered_key(key);
   return detail::visit_registered(runs, visitor, detail::RegisteredTrainers{});
 }
 
-/// dispatch() on the configuration's trainer key.
+/// dispatch() on the plan's trainer key.
 template <class Visitor>
-decltype(auto) dispatch(const Config& config, Visitor&& visitor) {
-  return dispatch(config.trainer_key(), std::forward<Visitor>(visitor));
+decltype(auto) dispatch(const RunPlan& plan, Visitor&& visitor) {
+  return dispatch(plan.trainer, std::forward<Visitor>(visitor));
 }
 
 /// Calls `f` with the optimizer of `settings`: tk::SGD{lr, momentum, wd}, tk::Adam{lr, wd}, or

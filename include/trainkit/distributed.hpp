@@ -98,7 +98,8 @@ struct DistributedOptions {
   TORCH_ARG(int, rank) = 0;
   TORCH_ARG(int, world_size) = 1;
   TORCH_ARG(int, local_rank) = 0;
-  /// The store's host and port; empty / 0: MASTER_ADDR / MASTER_PORT, else 127.0.0.1:29500.
+  /// The store's host and port; empty / 0: MASTER_ADDR / MASTER_PORT, else 127.0.0.1:29500
+  /// (store_host(), store_port()).
   TORCH_ARG(std::string, master_addr) = "";
   TORCH_ARG(int, master_port) = 0;
   /// Seconds before a collective, the rendezvous or a store operation gives up (torch's
@@ -130,6 +131,9 @@ struct DistributedOptions {
     if (!backend_.empty() && backend_ != "gloo" && backend_ != "nccl")
       fail("backend must be \"\", \"gloo\" or \"nccl\", got \"" + backend_ + "\"");
   }
+  /// Where the store is: master_addr, else MASTER_ADDR, else 127.0.0.1 (and the port alike, 29500).
+  std::string store_host() const;
+  int store_port() const;
 };
 
 namespace detail {
@@ -171,6 +175,15 @@ inline std::string ranks_string(const std::vector<int>& ranks) {
 
 }  // namespace detail
 
+inline std::string DistributedOptions::store_host() const {
+  if (!master_addr_.empty()) return master_addr_;
+  const char* env = detail::env("MASTER_ADDR");
+  return env ? env : "127.0.0.1";
+}
+inline int DistributedOptions::store_port() const {
+  return master_port_ != 0 ? master_port_ : detail::env_int("MASTER_PORT", 29500);
+}
+
 /// Who this process is in the group, and how that was found out.
 struct RankInfo {
   int rank = 0, world_size = 1, local_rank = 0;
@@ -196,11 +209,8 @@ class ProcessGroup {
     if (info.world_size == 1 && info.launcher == "single process") {
       store = c10::make_intrusive<c10d::HashStore>();
     } else {
-      const std::string host = !options.master_addr().empty() ? options.master_addr()
-                               : detail::env("MASTER_ADDR")   ? detail::env("MASTER_ADDR")
-                                                              : "127.0.0.1";
-      const int port = options.master_port() != 0 ? options.master_port()
-                                                  : detail::env_int("MASTER_PORT", 29500);
+      const std::string host = options.store_host();
+      const int port = options.store_port();
       const char* agent = detail::env("TORCHELASTIC_USE_AGENT_STORE");
       const bool agent_store = info.launcher == "torchrun" && agent != nullptr &&
                                (std::string(agent) == "True" || std::string(agent) == "1");

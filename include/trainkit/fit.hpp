@@ -6,7 +6,7 @@
 ///   task.batches_per_epoch = [&](std::int64_t epoch) { return loader_length; };
 ///   task.batch = [&](std::int64_t epoch, std::int64_t index) { return make_batch(seed, epoch, index); };
 ///   task.loss = [&](const Batch& b, tk::Metrics& metrics) { return loss_of(model, b); };
-///   auto options = tk::fit_options(config);        // OUTPUT_PATH, LOG_FREQUENT, END_EPOCH...
+///   auto options = tk::RunPlan::from(config).fit;  // OUTPUT_PATH, LOG_FREQUENT, END_EPOCH...
 ///   tk::FitResult r = tk::fit(trainer, task, options);
 ///   return 0;                                      // also after a SIGTERM: r.stopped
 ///
@@ -84,7 +84,7 @@
 /// A non-finite gradient with NONFINITE abort throws NonFiniteGradient with the epoch, the
 /// micro-batch, the optimizer step and the loss value.
 #include <trainkit/checkpoint.hpp>
-#include <trainkit/config.hpp>
+#include <trainkit/config/error.hpp>
 #include <trainkit/config/resume_changes.hpp>
 #include <trainkit/detail/rng_state.hpp>
 #include <trainkit/detail/stop_signals.hpp>
@@ -96,7 +96,7 @@
 #include <trainkit/memory.hpp>
 #include <trainkit/metrics.hpp>
 #include <trainkit/optim.hpp>
-#include <trainkit/run_options.hpp>
+#include <trainkit/fit_options.hpp>
 
 #include <torch/arg.h>
 #include <torch/types.h>
@@ -290,6 +290,10 @@ class FitLoop {
     state_.seed = options_.seed();
     state_.best_metric = task_.best_metric;
     state_.higher_is_better = task_.higher_is_better;
+    if (options_.seed_drawn())
+      say("trainkit: RNG_SEED is -1: this run uses seed " + std::to_string(options_.seed()) +
+          (trainer_.replicas().world_size() > 1 ? " on all " + std::to_string(trainer_.replicas().world_size()) + " ranks" : "") +
+          " (set RNG_SEED: " + std::to_string(options_.seed()) + " to repeat it)");
     if (text_log_)
       text_log_->line("start: " + trainer_.type_name() + " on " + trainer_.device().str() +
                       (trainer_.replicas().world_size() > 1 ? " x " + std::to_string(trainer_.replicas().world_size()) + " ranks" : "") +

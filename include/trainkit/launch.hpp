@@ -4,9 +4,9 @@
 ///
 ///   tk::Launch launch = tk::Launch::from_config(config);    // resolves ranks, device, group
 ///   for (const auto& note : launch.notes()) if (launch.is_main()) std::cerr << note << "\n";
-///   const tk::FitOptions options = tk::fit_options(config, launch);   // one seed on every rank
+///   const tk::RunPlan plan = tk::plan(config, launch);        // its world size, one seed on every rank
 ///   model->to(launch.device());                               // before the trainer is built
-///   auto trainer = tk::make_trainer(config, model, launch.world_size());
+///   auto trainer = tk::make_trainer(plan, model);
 ///   launch.attach(*trainer);                                  // DataParallel when world > 1
 ///   task.batch = [&](epoch, index) { return my_batch(sampler.batch(epoch, index)).to(launch.device()); };
 ///
@@ -23,7 +23,7 @@
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/config.hpp>
 #include <trainkit/distributed.hpp>
-#include <trainkit/run_options.hpp>
+#include <trainkit/plan.hpp>
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/cuda.h>
@@ -67,19 +67,9 @@ inline int local_world_size(const RankInfo& info) {
 /// The device of local rank `local_rank` of `local_world` processes on a node with
 /// `cuda_devices` CUDA devices, from GPUS (see the file comment). Pure: tested without a GPU.
 inline DevicePlan plan_device(const std::string& gpus, int local_rank, int local_world, std::int64_t cuda_devices) {
-  std::vector<int> ids;
-  {
-    std::string digits;
-    auto flush = [&] {
-      if (!digits.empty()) ids.push_back(std::stoi(digits));
-      digits.clear();
-    };
-    for (char c : gpus) {
-      if (c >= '0' && c <= '9') digits += c;
-      else if (c == ',') flush();
-    }
-    flush();
-  }
+  const auto listed = detail::device_list(gpus);
+  if (!listed) throw ConfigError("GPUS", "expected device numbers separated by commas such as '0,1,2,3', got '" + gpus + "'");
+  const std::vector<int>& ids = *listed;
   const std::string processes = std::to_string(local_world) + (local_world == 1 ? " process" : " processes");
   if (ids.empty()) {
     if (cuda_devices == 0)
@@ -164,8 +154,8 @@ class Launch {
       c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(l.device_);
     }
     if (info.world_size > 1) {
-      const std::string store = std::string(detail::env("MASTER_ADDR") ? detail::env("MASTER_ADDR") : "127.0.0.1") + ":" +
-                                std::to_string(detail::env_int("MASTER_PORT", 29500));
+      const DistributedOptions where;
+      const std::string store = where.store_host() + ":" + std::to_string(where.store_port());
       const Watchdog watchdog(2 * timeout + 10, "error (rank " + std::to_string(info.rank) + " of " + std::to_string(info.world_size) +
                                                     "): trainkit: joining the process group at " + store + " took more than " +
                                                     detail::seconds_text(2 * timeout + 10) + " s (DIST_TIMEOUT " +
@@ -241,17 +231,12 @@ class Launch {
   std::vector<std::string> notes_;
 };
 
-/// fit_options(config) for this launch: with RNG_SEED -1 rank 0 draws the seed and every rank
-/// uses it (the ranks' shards come from one permutation), said once by the main rank.
-inline FitOptions fit_options(const Config& config, const Launch& launch) {
-  if (launch.world_size() == 1 || config.tree()["RNG_SEED"].get<std::int64_t>() >= 0) return fit_options(config);
-  std::int64_t drawn = static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff);
-  drawn = launch.agree(drawn);
-  FitOptions o = fit_options(config, drawn);
-  if (launch.is_main())
-    std::cerr << "trainkit: RNG_SEED is -1: this run uses seed " << drawn << " on all " << launch.world_size()
-              << " ranks (set RNG_SEED: " << drawn << " to repeat it)\n";
-  return o;
+/// The plan of `config` for this launch: its world size, and with RNG_SEED -1 one seed for every
+/// rank, drawn by rank 0 (the ranks' shards come from one permutation).
+inline RunPlan plan(const Config& config, const Launch& launch) {
+  std::optional<std::int64_t> seed;
+  if (launch.world_size() > 1) seed = launch.agree(static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff));
+  return RunPlan::from(config, launch.world_size(), seed);
 }
 
 }  // namespace trainkit

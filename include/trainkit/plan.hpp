@@ -18,13 +18,14 @@
 #include <trainkit/config.hpp>
 #include <trainkit/config/optimizer_settings.hpp>
 #include <trainkit/options.hpp>
-#include <trainkit/run_options.hpp>
+#include <trainkit/fit_options.hpp>
 #include <trainkit/schedule.hpp>
 #include <trainkit/trainer_key.hpp>
 
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <random>
@@ -35,7 +36,17 @@
 
 namespace trainkit {
 
-struct RunPlan;
+/// The world size of this launch: the WORLD_SIZE environment variable (set by torchrun), or 1.
+inline std::int64_t world_size_from_environment() {
+  const char* env = std::getenv("WORLD_SIZE");
+  if (!env || !*env) return 1;
+  const nlohmann::json v = detail::resolve_plain_scalar(env);
+  if (!v.is_number_integer() || v.get<std::int64_t>() < 1)
+    throw ConfigError("WORLD_SIZE", std::string("the environment variable WORLD_SIZE=\"") + env +
+                                        "\" is not an integer >= 1 (torchrun sets it to the number of processes)");
+  return v.get<std::int64_t>();
+}
+
 
 namespace detail {
 
@@ -126,10 +137,11 @@ inline void plan_batch(const nlohmann::json& t, std::int64_t world_size, std::in
 
 /// The optimizer and its base LR (OPTIMIZER, LR, LR_SCALING, WD, MOMENTUM): per_sample scales
 /// LR by the total batch (VL-BERT's rule).
-inline OptimizerSettings plan_optimizer(const nlohmann::json& t, std::int64_t total_batch) {
+inline OptimizerSettings plan_optimizer(const nlohmann::json& t, std::int64_t total_batch, std::string& lr_scaling) {
   OptimizerSettings o;
   const double lr = t["LR"].get<double>();
-  o.lr = t["LR_SCALING"].get<std::string>() == "per_sample" ? lr * static_cast<double>(total_batch) : lr;
+  lr_scaling = t["LR_SCALING"].get<std::string>();
+  o.lr = lr_scaling == "per_sample" ? lr * static_cast<double>(total_batch) : lr;
   o.name = t["OPTIMIZER"].get<std::string>();
   o.weight_decay = t["WD"].get<double>();
   o.momentum = t["MOMENTUM"].get<double>();
@@ -190,6 +202,7 @@ struct RunPlan {
   std::int64_t accumulation_steps = 1;  ///< TRAIN.GRAD_ACCUMULATE_STEPS
   std::int64_t total_batch = 1;         ///< world_size x batch_images x accumulation_steps
   double base_lr = 0.1;                 ///< LR x total_batch (per_sample) or LR (none)
+  std::string lr_scaling = "per_sample";  ///< TRAIN.LR_SCALING
   TrainerKey trainer;                   ///< as asked for; trainer.dispatched() is what runs
   OptimizerSettings optimizer;          ///< its lr is base_lr
   TrainerOptions trainer_options;       ///< with the resolved configuration as config_json
@@ -213,12 +226,20 @@ struct RunPlan {
     p.trainer_options.config_json(config.dump(-1));
     p.accumulation_steps = p.trainer_options.accumulation_steps();
     detail::plan_batch(t, p.world_size, p.accumulation_steps, p.batch_images, p.total_batch);
-    p.optimizer = detail::plan_optimizer(t, p.total_batch);
+    p.optimizer = detail::plan_optimizer(t, p.total_batch, p.lr_scaling);
     p.base_lr = p.optimizer.lr;
     p.fit = detail::plan_fit(config.tree(), seed);
     p.fit.config_json(p.trainer_options.config_json());
     p.schedule = detail::plan_schedule(t, p.fit.end_epoch());
     return p;
+  }
+
+  /// TRAIN.END_EPOCH > TRAIN.BEGIN_EPOCH, or a ConfigError naming END_EPOCH: call before
+  /// training (a file that only evaluates may leave END_EPOCH at 0).
+  void require_training() const {
+    if (fit.end_epoch() <= fit.begin_epoch())
+      throw ConfigError("TRAIN.END_EPOCH", "must be > TRAIN.BEGIN_EPOCH (" + std::to_string(fit.begin_epoch()) +
+                                               ") to train, got " + std::to_string(fit.end_epoch()));
   }
 
   /// How epochs map to applied optimizer steps with `micro_batches_per_epoch` micro-batches

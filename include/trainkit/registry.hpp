@@ -2,8 +2,9 @@
 /// The registry: the Trainer types compiled for programs whose configuration is chosen at run
 /// time (a YAML file), and make_trainer(), which builds the one a configuration asks for.
 ///
-///   auto trainer = tk::make_trainer(config, model);   // std::unique_ptr<tk::AnyTrainer>
-///   tk::fit(*trainer, task, tk::fit_options(config));
+///   const tk::RunPlan plan = tk::RunPlan::from(config);
+///   auto trainer = tk::make_trainer(plan, model);      // std::unique_ptr<tk::AnyTrainer>
+///   tk::fit(*trainer, task, plan.fit);
 ///
 /// The list is written once, below: TRAINKIT_REGISTRY_PRECISIONS x TRAINKIT_REGISTRY_CLIPS,
 /// each as Trainer<PrecisionPolicy<P>, AccumulationPolicy<Dynamic>, ClipPolicy<C>>. From it come
@@ -25,10 +26,9 @@
 #include <trainkit/accumulation.hpp>
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/clip.hpp>
-#include <trainkit/config.hpp>
 #include <trainkit/detail/module_of.hpp>
+#include <trainkit/plan.hpp>
 #include <trainkit/precision.hpp>
-#include <trainkit/run_options.hpp>
 
 #include <torch/nn/module.h>
 
@@ -133,18 +133,15 @@ inline std::unique_ptr<AnyTrainer> make_trainer(const TrainerKey& key, std::shar
   throw ConfigError("TRAIN", "no registered trainer for " + key.name() + "; the registry has:" + detail::registry_list());
 }
 
-/// The trainer a validated configuration asks for (TRAIN's precision, clipping, accumulation
-/// count, optimizer and numbers; the LR scaled by the world size of the launch), over `model`.
-/// Set its LR schedule with trainer->set_schedule(config.make_schedule(batches_per_epoch)).
+/// The trainer a plan asks for (its key, optimizer and trainer options; the LR already scaled
+/// by the plan's world size), over `model`. Set its LR schedule with
+/// trainer->set_schedule(plan.make_schedule(batches_per_epoch)).
 template <class Model>
-std::unique_ptr<AnyTrainer> make_trainer(const Config& config, Model& model,
-                                         std::optional<std::int64_t> world_size = std::nullopt) {
-  const Derived d = config.derived(world_size);
+std::unique_ptr<AnyTrainer> make_trainer(const RunPlan& plan, Model& model) {
   auto module = detail::module_of(model);
-  auto options = trainer_options(config);
   // A NO_DECAY entry that names no parameter is a configuration error (the Trainer would
   // throw too, without the key).
-  for (const auto& entry : options.no_decay()) {
+  for (const auto& entry : plan.trainer_options.no_decay()) {
     bool used = false;
     std::string example;
     for (const auto& p : module->named_parameters(true))
@@ -156,7 +153,7 @@ std::unique_ptr<AnyTrainer> make_trainer(const Config& config, Model& model,
       throw ConfigError("TRAIN.NO_DECAY", "'" + entry + "' is in no trainable parameter's name (they look like '" +
                                               example + "')");
   }
-  return make_trainer(d.trainer, std::move(module), d.optimizer, std::move(options));
+  return make_trainer(plan.trainer, std::move(module), plan.optimizer, plan.trainer_options);
 }
 
 }  // namespace trainkit

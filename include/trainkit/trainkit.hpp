@@ -5,6 +5,7 @@
 /// Optional parts (YAML configs, distributed training) have their own headers and are not
 /// pulled in here; the log writers (log/tensorboard.hpp ...) are usable on their own.
 #include <trainkit/version.hpp>
+#include <trainkit/tags.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
 #include <trainkit/accumulation.hpp>
@@ -12,9 +13,13 @@
 #include <trainkit/optim.hpp>
 #include <trainkit/schedule.hpp>
 #include <trainkit/any_trainer.hpp>
+#include <trainkit/storage.hpp>
+#include <trainkit/master_storage.hpp>
 #include <trainkit/trainer.hpp>
+#include <trainkit/trainer_key.hpp>
 #include <trainkit/config.hpp>
-#include <trainkit/run_options.hpp>
+#include <trainkit/fit_options.hpp>
+#include <trainkit/plan.hpp>
 #include <trainkit/registry.hpp>
 #include <trainkit/dispatch.hpp>
 #include <trainkit/metrics.hpp>

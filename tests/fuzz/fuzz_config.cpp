@@ -6,6 +6,7 @@
 //       tests/fuzz/fuzz_config.cpp -lyaml-cpp -o fuzz_config       (one command line)
 //   ./fuzz_config -max_total_time=300 -max_len=4096 tests/fuzz/corpus
 #include <trainkit/config_yaml.hpp>
+#include <trainkit/plan.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -32,10 +33,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   // A configuration that loads must give its derived values without surprises.
   try {
-    const tk::Derived d = config.derived(1);
+    const tk::RunPlan d = tk::RunPlan::from(config, 1, /*seed=*/1);
     (void)d.trainer.dispatched().name();
     (void)tk::describe(d.schedule);
-    auto schedule = config.make_schedule(1 + static_cast<std::int64_t>(data[0] >> 1));
+    auto schedule = d.make_schedule(1 + static_cast<std::int64_t>(data[0] >> 1));
     for (std::int64_t k = 0; k < 64; ++k) (void)schedule->factor(k * 97);
     (void)config.dump();
   } catch (const tk::ConfigError&) {

@@ -103,11 +103,12 @@ int main(int argc, char** argv) {
 
     tk::Config config;
     config.load_string("{}", tk::Config::Format::json, cl.overrides());
-    const tk::FitOptions options = tk::fit_options(config).progress(false);
+    const tk::RunPlan plan = tk::RunPlan::from(config, 1);
+    const tk::FitOptions options = tk::FitOptions(plan.fit).progress(false);
     torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
 
     Mlp model(16);
-    Trainer trainer(model, tk::AdamW{1e-2}, tk::trainer_options(config));
+    Trainer trainer(model, tk::AdamW{1e-2}, plan.trainer_options);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
     const auto x = torch::randn({96, 8}, gen);
     const auto y = torch::sin(x.matmul(torch::randn({8, 3}, gen)));

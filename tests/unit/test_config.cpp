@@ -1,6 +1,7 @@
 // trainkit::Config with JSON files: defaults, the corpus of broken configurations with their
 // messages, --set overrides, isolation, application schemas, derived values, trainer keys.
 #include <trainkit/config.hpp>
+#include <trainkit/plan.hpp>
 
 #include <doctest/doctest.h>
 
@@ -84,7 +85,7 @@ TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   CHECK(c.tree()["LOG_FREQUENT"] == 50);
   CHECK(c.tree()["SCALES"] == json::array());
   CHECK(c.unvalidated_sections().empty());
-  const tk::Derived d = c.derived(1);
+  const tk::RunPlan d = tk::RunPlan::from(c, 1);
   CHECK(d.total_batch == 1);
   CHECK(d.base_lr == doctest::Approx(0.1));
   CHECK(d.trainer.name() == "Trainer<FP32, Accumulate<1>, NoClip>");
@@ -99,12 +100,12 @@ TEST_CASE("an empty TRAIN section means all defaults, not 'no section'") {
   }
   // ... which cannot train: END_EPOCH must exceed BEGIN_EPOCH, said when training starts.
   try {
-    from_json(R"({"TRAIN": {}})").require_training();
+    tk::RunPlan::from(from_json(R"({"TRAIN": {}})"), 1).require_training();
     FAIL("expected a ConfigError");
   } catch (const tk::ConfigError& e) {
     CHECK(std::string(e.what()) == "TRAIN.END_EPOCH: must be > TRAIN.BEGIN_EPOCH (0) to train, got 0");
   }
-  CHECK_NOTHROW(from_json(R"({"TRAIN": {"END_EPOCH": 2}})").require_training());
+  CHECK_NOTHROW(tk::RunPlan::from(from_json(R"({"TRAIN": {"END_EPOCH": 2}})"), 1).require_training());
 }
 
 TEST_CASE("broken configurations, each with its message") {
@@ -238,7 +239,7 @@ TEST_CASE("values in VL-BERT's forms are read and normalized") {
   CHECK(c.tree()["GPUS"] == "0");
   CHECK(from_json(R"({"TRAIN": {"LR_STEP": 14}})").tree()["TRAIN"]["LR_STEP"] == json({14.0}));
   CHECK(from_json(R"({"TRAIN": {"LR_STEP": ""}})").tree()["TRAIN"]["LR_STEP"] == json::array());
-  CHECK(c.trainer_key().name() == "Trainer<FP16Dynamic, Accumulate<1>, ClipNorm>");
+  CHECK(tk::RunPlan::from(c, 1).trainer.name() == "Trainer<FP16Dynamic, Accumulate<1>, ClipNorm>");
 }
 
 TEST_CASE("--set overrides are read as YAML/JSON scalars and validated the same way") {
@@ -372,7 +373,7 @@ TEST_CASE("derived values: world size, total batch, base LR") {
                                                 "LR": 1e-7, "OPTIMIZER": "AdamW", "WD": 0.0001}})");
   {
     ScopedEnv env("WORLD_SIZE", nullptr);
-    const tk::Derived d = c.derived();
+    const tk::RunPlan d = tk::RunPlan::from(c);
     CHECK(d.world_size == 1);
     CHECK(d.batch_images == 16);
     CHECK(d.total_batch == 64);
@@ -380,7 +381,7 @@ TEST_CASE("derived values: world size, total batch, base LR") {
   }
   {
     ScopedEnv env("WORLD_SIZE", "4");
-    const tk::Derived d = c.derived();
+    const tk::RunPlan d = tk::RunPlan::from(c);
     CHECK(d.world_size == 4);
     CHECK(d.total_batch == 256);  // VL-BERT: world x sum(BATCH_IMAGES) x GRAD_ACCUMULATE_STEPS
     CHECK(d.base_lr == doctest::Approx(2.56e-5));
@@ -390,17 +391,17 @@ TEST_CASE("derived values: world size, total batch, base LR") {
     CHECK(d.optimizer.beta2 == 0.999);
     CHECK(d.optimizer.eps == 1e-6);  // VL-BERT's AdamW
     CHECK(d.optimizer.weight_decay == 1e-4);
-    CHECK(c.derived(2).world_size == 2);  // an explicit world size wins
+    CHECK(tk::RunPlan::from(c, 2).world_size == 2);  // an explicit world size wins
   }
   {
     ScopedEnv env("WORLD_SIZE", "two");
-    CHECK_THROWS_WITH_AS(c.derived(), doctest::Contains("WORLD_SIZE: the environment variable WORLD_SIZE=\"two\""),
+    CHECK_THROWS_WITH_AS(tk::RunPlan::from(c), doctest::Contains("WORLD_SIZE: the environment variable WORLD_SIZE=\"two\""),
                          tk::ConfigError);
   }
   const tk::Config none = from_json(R"({"TRAIN": {"BATCH_IMAGES": 8, "LR": 1e-3, "LR_SCALING": "none"}})");
-  CHECK(none.derived(8).base_lr == 1e-3);  // LR is the base LR
-  CHECK(none.derived(8).total_batch == 64);
-  CHECK(from_json(R"({"TRAIN": {"OPTIMIZER": "Adam"}})").derived(1).optimizer.eps == 1e-8);
+  CHECK(tk::RunPlan::from(none, 8).base_lr == 1e-3);  // LR is the base LR
+  CHECK(tk::RunPlan::from(none, 8).total_batch == 64);
+  CHECK(tk::RunPlan::from(from_json(R"({"TRAIN": {"OPTIMIZER": "Adam"}})"), 1).optimizer.eps == 1e-8);
 }
 
 TEST_CASE("trainer keys: precision, accumulation and clipping from TRAIN") {
@@ -423,7 +424,7 @@ TEST_CASE("trainer keys: precision, accumulation and clipping from TRAIN") {
   };
   for (const Case& c : cases) {
     CAPTURE(c.train);
-    const tk::TrainerKey key = from_json(std::string(R"({"TRAIN": )") + c.train + "}").trainer_key();
+    const tk::TrainerKey key = tk::RunPlan::from(from_json(std::string(R"({"TRAIN": )") + c.train + "}"), 1).trainer;
     CHECK(key.name() == c.name);
     CHECK(key.dispatched().name() == c.dispatched);
   }
@@ -497,8 +498,8 @@ TEST_CASE("batch sizes are bounded and the total batch never wraps around") {
                        doctest::Contains("TRAIN.GRAD_ACCUMULATE_STEPS"), tk::ConfigError);
   // In bounds, but the product with a huge world size overflows: an error, not a negative total.
   const tk::Config c = from_json(R"({"TRAIN": {"BATCH_IMAGES": [16777216, 16777216], "GRAD_ACCUMULATE_STEPS": 1048576}})");
-  CHECK(c.derived(1).total_batch == std::int64_t{1} << 45);
-  CHECK_THROWS_WITH_AS(c.derived(std::int64_t{1} << 40),
+  CHECK(tk::RunPlan::from(c, 1).total_batch == std::int64_t{1} << 45);
+  CHECK_THROWS_WITH_AS(tk::RunPlan::from(c, std::int64_t{1} << 40),
                        doctest::Contains("TRAIN.BATCH_IMAGES: the total batch (world size 1099511627776 x BATCH_IMAGES "
                                          "33554432 x GRAD_ACCUMULATE_STEPS 1048576) does not fit in 64 bits"),
                        tk::ConfigError);

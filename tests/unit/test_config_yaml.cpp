@@ -5,6 +5,7 @@
 
 #if defined(TRAINKIT_WITH_YAML)
 #include <trainkit/config_yaml.hpp>
+#include <trainkit/plan.hpp>
 
 #include <filesystem>
 #include <map>
@@ -63,7 +64,7 @@ RNG_SEED: 12345
   CHECK(t["LR_STEP"] == json({14.0, 18.0}));
   CHECK(t["SHUFFLE"] == false);
   CHECK(c.tree()["GPUS"] == "0,1,2,3");
-  CHECK(c.derived(1).trainer.name() == "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>");
+  CHECK(tk::RunPlan::from(c, 1).trainer.name() == "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>");
 
   // Quoted scalars are strings, whatever they look like.
   CHECK(error_of("TRAIN:\n  LR: '1e-7'\n") == "TRAIN.LR: expected a number, got the string \"1e-7\"; remove the quotes");
@@ -169,8 +170,8 @@ TEST_CASE("every file in cfgs/ validates and resolves to its trainer type") {
     REQUIRE_MESSAGE(it != expected.end(), "cfgs/" << rel << " has no expected trainer type in this test");
     tk::Config c;
     CHECK_NOTHROW(c.load(entry.path().string()));
-    CHECK_NOTHROW(c.require_training());
-    CHECK(c.derived(1).trainer.dispatched().name() == it->second);
+    CHECK_NOTHROW(tk::RunPlan::from(c, 1).require_training());
+    CHECK(tk::RunPlan::from(c, 1).trainer.dispatched().name() == it->second);
     // VL-BERT's file layout: application sections pass through, listed as not validated.
     const auto& sections = c.unvalidated_sections();
     const bool vlbert_layout = sections == std::vector<std::string>{"DATASET", "NETWORK", "VAL"} ||
@@ -186,12 +187,12 @@ TEST_CASE("the scenarios' derived values") {
   one.load((source_dir / "cfgs/scenarios/base_1x24G_fp32.yaml").string());
   many.load((source_dir / "cfgs/scenarios/base_4x16G_fp16.yaml").string());
   small.load((source_dir / "cfgs/scenarios/base_1x8G_fp32.yaml").string());
-  CHECK(one.derived(1).total_batch == 64);
-  CHECK(many.derived(4).total_batch == 64);
-  CHECK(small.derived(1).total_batch == 32);
-  CHECK(one.derived(1).base_lr == doctest::Approx(1.28e-3));
-  CHECK(many.derived(4).base_lr == doctest::Approx(1.28e-3));
-  CHECK(small.derived(1).base_lr == doctest::Approx(6.4e-4));
+  CHECK(tk::RunPlan::from(one, 1).total_batch == 64);
+  CHECK(tk::RunPlan::from(many, 4).total_batch == 64);
+  CHECK(tk::RunPlan::from(small, 1).total_batch == 32);
+  CHECK(tk::RunPlan::from(one, 1).base_lr == doctest::Approx(1.28e-3));
+  CHECK(tk::RunPlan::from(many, 4).base_lr == doctest::Approx(1.28e-3));
+  CHECK(tk::RunPlan::from(small, 1).base_lr == doctest::Approx(6.4e-4));
   CHECK(one.tree()["TRAIN"]["BATCH_IMAGES"] == json({8, 8}));
   CHECK(small.tree()["TRAIN"]["BATCH_IMAGES"] == json({4, 4}));
 }
@@ -283,7 +284,7 @@ TEST:
 )");
   CHECK(c.unvalidated_sections() == std::vector<std::string>{"DATASET", "NETWORK", "TEST", "VAL"});
   CHECK(c.tree()["DATASET"][1]["SEQ_LEN"] == 64);
-  const tk::Derived d = c.derived(16);
+  const tk::RunPlan d = tk::RunPlan::from(c, 16);
   CHECK(d.total_batch == 256);
   CHECK(d.base_lr == doctest::Approx(2.56e-5));
   CHECK(d.trainer.name() == "Trainer<FP16Dynamic, Accumulate<1>, ClipNorm>");

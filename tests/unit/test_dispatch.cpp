@@ -70,11 +70,11 @@ TEST_CASE("dispatch reaches the registered type of every key") {
 TEST_CASE("TRAIN.MASTER_WEIGHTS selects MasterWeights<T>, and needs FP16 or BF16") {
   const tk::Config c = from_json(R"({"TRAIN": {"FP16": true, "FP16_LOSS_SCALE": "dynamic", "MASTER_WEIGHTS": true,
       "GRAD_ACCUMULATE_STEPS": 4, "CLIP_GRAD_NORM": 1.0}})");
-  CHECK(c.trainer_key().name() == "Trainer<MasterWeights<FP16Dynamic>, Accumulate<4>, ClipNorm>");
-  const std::string name = tk::dispatch(c, [](auto tag) { return decltype(tag)::type::name(); });
+  CHECK(tk::RunPlan::from(c, 1).trainer.name() == "Trainer<MasterWeights<FP16Dynamic>, Accumulate<4>, ClipNorm>");
+  const std::string name = tk::dispatch(tk::RunPlan::from(c, 1), [](auto tag) { return decltype(tag)::type::name(); });
   CHECK(name == "Trainer<MasterWeights<FP16Dynamic>, Accumulate<Dynamic>, ClipNorm>");
-  CHECK(tk::trainer_options(c).accumulation_steps() == 4);
-  CHECK(from_json(R"({"TRAIN": {"BF16": true, "MASTER_WEIGHTS": true}})").trainer_key().name() ==
+  CHECK(tk::RunPlan::from(c, 1).trainer_options.accumulation_steps() == 4);
+  CHECK(tk::RunPlan::from(from_json(R"({"TRAIN": {"BF16": true, "MASTER_WEIGHTS": true}})"), 1).trainer.name() ==
         "Trainer<MasterWeights<BF16>, Accumulate<1>, NoClip>");
   CHECK_THROWS_WITH_AS(from_json(R"({"TRAIN": {"MASTER_WEIGHTS": true}})"),
                        doctest::Contains("TRAIN.MASTER_WEIGHTS: needs FP16 or BF16"), tk::ConfigError);
@@ -82,9 +82,9 @@ TEST_CASE("TRAIN.MASTER_WEIGHTS selects MasterWeights<T>, and needs FP16 or BF16
 
 TEST_CASE("every accumulation count runs on Dynamic with the count as an option; below 1 is an error") {
   const tk::Config c = from_json(R"({"TRAIN": {"GRAD_ACCUMULATE_STEPS": 3, "BF16": true}})");
-  const int steps = tk::dispatch(c, [](auto tag) { return decltype(tag)::type::accumulation_steps; });
+  const int steps = tk::dispatch(tk::RunPlan::from(c, 1), [](auto tag) { return decltype(tag)::type::accumulation_steps; });
   CHECK(steps == tk::Dynamic);
-  CHECK(tk::trainer_options(c).accumulation_steps() == 3);
+  CHECK(tk::RunPlan::from(c, 1).trainer_options.accumulation_steps() == 3);
   CHECK_THROWS_WITH_AS(tk::dispatch(tk::TrainerKey{tk::PrecisionKind::FP32, 0, tk::ClipKind::NoClip}, [](auto) {}),
                        doctest::Contains("TRAIN.GRAD_ACCUMULATE_STEPS: must be >= 1, got 0; the compiled trainers "
                                          "are (the count is a run-time option of each):\n  "
@@ -97,7 +97,7 @@ TEST_CASE("trainer_options maps TRAIN's numbers") {
       "FP16_GROWTH_FACTOR": 4, "FP16_BACKOFF_FACTOR": 0.25, "FP16_GROWTH_INTERVAL": 100, "FP16_HYSTERESIS": 2,
       "FP16_MIN_LOSS_SCALE": 2, "FP16_MAX_LOSS_SCALE": 4096, "CLIP_GRAD_NORM": 5, "GRAD_ACCUMULATE_STEPS": 4,
       "PARTIAL_WINDOW": "span", "NONFINITE": "abort", "LR_MULT": [["vlbert", 0.1], ["head", 2]]}})");
-  const tk::TrainerOptions o = tk::trainer_options(c);
+  const tk::TrainerOptions o = tk::RunPlan::from(c, 1).trainer_options;
   CHECK_NOTHROW(o.validate());
   const tk::LossScaleOptions& s = o.loss_scale();
   CHECK(s.static_scale() == 256);
@@ -117,15 +117,15 @@ TEST_CASE("trainer_options maps TRAIN's numbers") {
   CHECK(o.lr_mult()[1] == std::make_pair(std::string("head"), 2.0));
   CHECK(json::parse(o.config_json()) == c.tree());
 
-  const tk::TrainerOptions d = tk::trainer_options(tk::Config());
+  const tk::TrainerOptions d = tk::RunPlan::from(tk::Config(), 1).trainer_options;
   CHECK_NOTHROW(d.validate());  // the defaults are valid options (clipping off keeps the defaults)
   CHECK(d.partial_window() == tk::PartialWindow::flush);
   CHECK(d.nonfinite() == tk::NonFinite::skip);
-  CHECK(tk::trainer_options(from_json(R"({"TRAIN": {"CLIP_GRAD_VALUE": 0.5}})")).clip_value() == 0.5);
+  CHECK(tk::RunPlan::from(from_json(R"({"TRAIN": {"CLIP_GRAD_VALUE": 0.5}})"), 1).trainer_options.clip_value() == 0.5);
 }
 
 TEST_CASE("with_optimizer builds VL-BERT's optimizers") {
-  auto settings = [](const char* train) { return from_json(std::string(R"({"TRAIN": )") + train + "}").derived(1).optimizer; };
+  auto settings = [](const char* train) { return tk::RunPlan::from(from_json(std::string(R"({"TRAIN": )") + train + "}"), 1).optimizer; };
   tk::with_optimizer(settings(R"({"OPTIMIZER": "AdamW", "LR": 1e-4, "BATCH_IMAGES": 2, "WD": 0.01})"), [](auto opt) {
     using O = decltype(opt);
     REQUIRE(std::is_same_v<O, tk::AdamW>);
@@ -161,18 +161,18 @@ TEST_CASE("a config-driven run: Dynamic window length, the schedule, skipped ste
   using Expected = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>,
                                tk::ClipPolicy<tk::ClipNorm>>;
   const auto data = testing::regression(12 * 4);
-  const double base_lr = config.derived(1).base_lr;  // 0.01 x 4 x 3 = 0.12
+  const double base_lr = tk::RunPlan::from(config, 1).base_lr;  // 0.01 x 4 x 3 = 0.12
   CHECK(base_lr == doctest::Approx(0.12));
-  tk::dispatch(config, [&](auto tag) {
+  tk::dispatch(tk::RunPlan::from(config, 1), [&](auto tag) {
     using T = typename decltype(tag)::type;
     if constexpr (!std::is_same_v<T, Expected>) {
       FAIL("dispatched " << T::name());
     } else {
       auto model = make_mlp(1);
-      tk::with_optimizer(config.derived(1).optimizer, [&](auto optimizer) {
+      tk::with_optimizer(tk::RunPlan::from(config, 1).optimizer, [&](auto optimizer) {
         if constexpr (std::is_same_v<decltype(optimizer), tk::SGD>) {
-          T trainer(model, optimizer, tk::trainer_options(config));
-          trainer.set_schedule(config.make_schedule(12));  // 12 micro-batches per epoch -> 4 windows
+          T trainer(model, optimizer, tk::RunPlan::from(config, 1).trainer_options);
+          trainer.set_schedule(tk::RunPlan::from(config, 1).make_schedule(12));  // 12 micro-batches per epoch -> 4 windows
           std::vector<double> lrs;
           std::vector<bool> applied;
           for (int i = 0; i < 12; ++i) {

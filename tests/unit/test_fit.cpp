@@ -338,7 +338,7 @@ TEST_CASE("fit_options reads the run keys of a Config (--model-dir and --resume 
   const auto cl = tk::CommandLine::parse(static_cast<int>(std::size(argv)), argv);
   tk::Config config;
   config.load_string("{}", tk::Config::Format::json, cl.overrides());
-  const auto o = tk::fit_options(config);
+  const auto o = tk::RunPlan::from(config, 1).fit;
   CHECK(o.output_path() == "/tmp/somewhere");
   CHECK(o.prefix() == "vl");
   CHECK(o.resume());

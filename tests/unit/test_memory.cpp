@@ -6,6 +6,7 @@
 
 #include <trainkit/fit.hpp>
 #include <trainkit/memory.hpp>
+#include <trainkit/plan.hpp>
 
 #include <algorithm>
 #include <fstream>
@@ -84,12 +85,12 @@ tk::Config config_of(const std::string& json) {
 }
 
 TEST_CASE("TRAIN.MEMORY_BUDGET: a fraction, bytes or a size with a unit; TARGET_BATCH sets the per-device batch") {
-  CHECK(tk::fit_options(config_of(R"({"RNG_SEED": 1})")).memory_budget() == 0);
-  CHECK(tk::fit_options(config_of(R"({"RNG_SEED": 1, "TRAIN": {"MEMORY_BUDGET": 0.8}})")).memory_budget() == 0.8);
-  CHECK(tk::fit_options(config_of(R"({"RNG_SEED": 1, "TRAIN": {"MEMORY_BUDGET": "80%"}})")).memory_budget() ==
+  CHECK(tk::RunPlan::from(config_of(R"({"RNG_SEED": 1})"), 1).fit.memory_budget() == 0);
+  CHECK(tk::RunPlan::from(config_of(R"({"RNG_SEED": 1, "TRAIN": {"MEMORY_BUDGET": 0.8}})"), 1).fit.memory_budget() == 0.8);
+  CHECK(tk::RunPlan::from(config_of(R"({"RNG_SEED": 1, "TRAIN": {"MEMORY_BUDGET": "80%"}})"), 1).fit.memory_budget() ==
         doctest::Approx(0.8));
-  CHECK(tk::fit_options(config_of(R"({"RNG_SEED": 1, "TRAIN": {"MEMORY_BUDGET": "800MiB"}})")).memory_budget() == 800 * kMiB);
-  CHECK(tk::fit_options(config_of(R"({"RNG_SEED": 1, "TRAIN": {"MEMORY_BUDGET": "12 GB"}})")).memory_budget() == 12e9);
+  CHECK(tk::RunPlan::from(config_of(R"({"RNG_SEED": 1, "TRAIN": {"MEMORY_BUDGET": "800MiB"}})"), 1).fit.memory_budget() == 800 * kMiB);
+  CHECK(tk::RunPlan::from(config_of(R"({"RNG_SEED": 1, "TRAIN": {"MEMORY_BUDGET": "12 GB"}})"), 1).fit.memory_budget() == 12e9);
   CHECK_THROWS_WITH_AS(config_of(R"({"TRAIN": {"MEMORY_BUDGET": "lots"}})"), doctest::Contains("TRAIN.MEMORY_BUDGET"),
                        tk::ConfigError);
   CHECK_THROWS_WITH_AS(config_of(R"({"TRAIN": {"MEMORY_BUDGET": -1}})"), doctest::Contains("TRAIN.MEMORY_BUDGET"),
@@ -98,12 +99,12 @@ TEST_CASE("TRAIN.MEMORY_BUDGET: a fraction, bytes or a size with a unit; TARGET_
   CHECK(tk::memory_budget_bytes(3e9, torch::kCPU) == 3e9);
 
   const tk::Config target = config_of(R"({"TRAIN": {"TARGET_BATCH": 64, "GRAD_ACCUMULATE_STEPS": 4, "BATCH_IMAGES": 3}})");
-  CHECK(target.derived(2).batch_images == 8);  // 64 / (2 ranks x 4)
-  CHECK(target.derived(2).total_batch == 64);
+  CHECK(tk::RunPlan::from(target, 2).batch_images == 8);  // 64 / (2 ranks x 4)
+  CHECK(tk::RunPlan::from(target, 2).total_batch == 64);
   const auto& notes = target.notes();
   CHECK(std::find(notes.begin(), notes.end(), "TRAIN.BATCH_IMAGES is not used: TRAIN.TARGET_BATCH sets the per-device batch") !=
         notes.end());
-  CHECK_THROWS_WITH_AS(config_of(R"({"TRAIN": {"TARGET_BATCH": 30, "GRAD_ACCUMULATE_STEPS": 4}})").derived(1),
+  CHECK_THROWS_WITH_AS(tk::RunPlan::from(config_of(R"({"TRAIN": {"TARGET_BATCH": 30, "GRAD_ACCUMULATE_STEPS": 4}})"), 1),
                        doctest::Contains("TRAIN.TARGET_BATCH: the effective batch 30 is not a multiple of world size 1 x "
                                          "GRAD_ACCUMULATE_STEPS 4"),
                        tk::ConfigError);

@@ -100,7 +100,7 @@ TEST_CASE("make_trainer(config, model): the configured optimizer, LR scaling and
   const tk::Config config = from_json(R"({"TRAIN": {"OPTIMIZER": "SGD", "MOMENTUM": 0.0, "WD": 0.0, "LR": 0.01,
       "BATCH_IMAGES": 4, "GRAD_ACCUMULATE_STEPS": 2, "CLIP_GRAD_VALUE": 0.5}})");
   auto model = make_mlp(2);
-  const auto trainer = tk::make_trainer(config, model, /*world_size=*/1);
+  const auto trainer = tk::make_trainer(tk::RunPlan::from(config, 1), model);
   CHECK(trainer->type_name() == "Trainer<FP32, Accumulate<Dynamic>, ClipValue>");
   CHECK(trainer->window_length() == 2);
   const auto data = testing::regression(8);
@@ -111,7 +111,7 @@ TEST_CASE("make_trainer(config, model): the configured optimizer, LR scaling and
   CHECK(r.report.lr() == doctest::Approx(0.01 * 4 * 2));  // per-sample LR x total batch
   // World size 2 doubles the total batch and so the base LR.
   auto other = make_mlp(2);
-  const auto two = tk::make_trainer(config, other, 2);
+  const auto two = tk::make_trainer(tk::RunPlan::from(config, 2), other);
   for (int i = 0; i < 2; ++i)
     r = two->micro_step([&] { return torch::mse_loss(other(data.x.narrow(0, 4 * i, 4)), data.y.narrow(0, 4 * i, 4)); });
   CHECK(r.report.lr() == doctest::Approx(0.01 * 4 * 2 * 2));
@@ -155,14 +155,14 @@ TEST_CASE("tk::fit through make_trainer, and resume into a new AnyTrainer equals
   };
   TempDir straight_dir, split_dir;
   Run straight;
-  const auto a = tk::make_trainer(config, straight.model, 1);
+  const auto a = tk::make_trainer(tk::RunPlan::from(config, 1), straight.model);
   const tk::FitResult ra = tk::fit(*a, straight.task, options(straight_dir.path, 4));
   CHECK(ra.windows == 4 * 3);  // 5 micro-batches in windows of 2: flush closes the third
 
   Run first, second;
-  const auto b = tk::make_trainer(config, first.model, 1);
+  const auto b = tk::make_trainer(tk::RunPlan::from(config, 1), first.model);
   tk::fit(*b, first.task, options(split_dir.path, 2));
-  const auto c = tk::make_trainer(config, second.model, 1);
+  const auto c = tk::make_trainer(tk::RunPlan::from(config, 1), second.model);
   const tk::FitResult rc = tk::fit(*c, second.task, options(split_dir.path, 4));
   CHECK(rc.resumed_from == split_dir / "model-0001.ckpt");
   CHECK(rc.windows == ra.windows);

@@ -4,6 +4,7 @@
 // before optimizer.step(), so update k runs at position k + 1), and from
 // torch.optim.lr_scheduler.ReduceLROnPlateau with VL-BERT's arguments.
 #include <trainkit/config.hpp>
+#include <trainkit/plan.hpp>
 
 #include <doctest/doctest.h>
 
@@ -160,32 +161,32 @@ TEST_CASE("schedules are pure functions of the applied step") {
   CHECK(s->factor(19) == Approx(0.1));
 }
 
-TEST_CASE("Config::make_schedule uses TRAIN's keys and the real windows per epoch") {
+TEST_CASE("RunPlan::make_schedule uses TRAIN's keys and the real windows per epoch") {
   tk::Config c;
   c.load_string(R"({"TRAIN": {"LR_SCHEDULE": "step", "LR_STEP": "2,3", "WARMUP": true,
                                "WARMUP_STEPS": 5, "WARMUP_FACTOR": 0.0, "GRAD_ACCUMULATE_STEPS": 4,
                                "END_EPOCH": 4}})",
                 tk::Config::Format::json);
   // 41 micro-batches per epoch: flush -> 11 windows per epoch, milestones at 22 and 33.
-  auto s = c.make_schedule(41);
+  auto s = tk::RunPlan::from(c, 1).make_schedule(41);
   CHECK(s->factor(0) == Approx(0.2));
   CHECK(s->factor(4) == 1.0);
   CHECK(s->factor(20) == 1.0);
   CHECK(s->factor(21) == Approx(0.1));
   CHECK(s->factor(32) == Approx(0.01));
   c.set("TRAIN.PARTIAL_WINDOW=span");  // VL-BERT's own behaviour: int(2 * 41 / 4) = 20
-  CHECK(c.make_schedule(41)->factor(19) == Approx(0.1));
+  CHECK(tk::RunPlan::from(c, 1).make_schedule(41)->factor(19) == Approx(0.1));
   c.set("TRAIN.PARTIAL_WINDOW=drop");  // 10 windows per epoch
-  CHECK(c.make_schedule(41)->factor(19) == Approx(0.1));
-  CHECK(c.make_schedule(41)->factor(18) == 1.0);
+  CHECK(tk::RunPlan::from(c, 1).make_schedule(41)->factor(19) == Approx(0.1));
+  CHECK(tk::RunPlan::from(c, 1).make_schedule(41)->factor(18) == 1.0);
 
   c.set("TRAIN.LR_SCHEDULE=triangle");
   c.set("TRAIN.END_EPOCH=0");
   try {
-    c.make_schedule(41);
+    tk::RunPlan::from(c, 1).make_schedule(41);
     FAIL("expected a ConfigError");
   } catch (const tk::ConfigError& e) {
     CHECK(e.path() == "TRAIN.END_EPOCH");
   }
-  CHECK(tk::describe(c.schedule_options()) == "triangle(warmup linear 5 steps from 0; linear to 0 at epoch 0)");
+  CHECK(tk::describe(tk::RunPlan::from(c, 1).schedule) == "triangle(warmup linear 5 steps from 0; linear to 0 at epoch 0)");
 }

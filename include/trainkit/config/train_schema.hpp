@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 #include <string>
@@ -208,6 +209,29 @@ inline Schema train_schema() {
   return s;
 }
 
+/// GPUS as device numbers ("0, 1,2" -> {0, 1, 2}; "" -> {}); std::nullopt when it is not a
+/// comma-separated list of numbers. The one reading of GPUS (the schema's check, tk::Launch).
+inline std::optional<std::vector<int>> device_list(const std::string& gpus) {
+  std::vector<int> ids;
+  std::string digits;  // of the number being read (spaces inside it are skipped)
+  for (char c : gpus) {
+    if (c >= '0' && c <= '9') {
+      digits += c;
+    } else if (c == ',') {
+      if (digits.empty()) return std::nullopt;  // ",1", "1,,2"
+      ids.push_back(digits.size() > 9 ? -1 : std::stoi(digits));
+      digits.clear();
+    } else if (c != ' ') {
+      return std::nullopt;
+    }
+  }
+  if (digits.empty() && !gpus.empty()) return std::nullopt;  // "1,", " "
+  if (!digits.empty()) ids.push_back(digits.size() > 9 ? -1 : std::stoi(digits));
+  for (int id : ids)
+    if (id < 0) return std::nullopt;  // (more digits than a device number has)
+  return ids;
+}
+
 /// The top level of config.md (TRAIN included); application sections are added to it.
 inline Schema root_schema() {
   Schema s;
@@ -219,14 +243,7 @@ inline Schema root_schema() {
                                })},
                               "")
                     .check([](const nlohmann::json& v) -> std::string {
-                      const std::string s = v.get<std::string>();
-                      bool ok = true, digit = false;
-                      for (char c : s) {
-                        if (c == ',') ok = ok && digit, digit = false;
-                        else if (c >= '0' && c <= '9') digit = true;
-                        else if (c != ' ') ok = false;
-                      }
-                      if (ok && (digit || s.empty())) return {};
+                      if (device_list(v.get<std::string>())) return {};
                       return "expected device numbers separated by commas such as '0,1,2,3' (empty: CPU, or the "
                              "local rank's GPU), got " + dump_text(v);
                     }))
