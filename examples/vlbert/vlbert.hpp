@@ -317,8 +317,11 @@ RunResult run_fit(const tk::RunPlan& plan, const tk::Launch& launch, Model& mode
   }
   r.skipped = f.skipped_steps;
   r.checkpoint = f.checkpoints.empty() ? f.resumed_from : f.checkpoints.back();
-  r.train_samples = static_cast<std::int64_t>(launch.sum({static_cast<double>(r.train_samples)}, "summing the ranks' sample counts")[0]);
-  r.peak_rss_mib = launch.max({peak_rss_mib()}, "the ranks' peak memory")[0];
+  std::vector<double> samples{static_cast<double>(r.train_samples)}, peak{peak_rss_mib()};
+  launch.replicas().all_reduce(samples, tk::Reduce::sum);  // every rank's samples
+  launch.replicas().all_reduce(peak, tk::Reduce::max);     // the largest rank's peak
+  r.train_samples = static_cast<std::int64_t>(samples[0]);
+  r.peak_rss_mib = peak[0];
   return r;
 }
 
@@ -360,8 +363,8 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
       });
       model->train();
       const auto host = sums.cpu();  // one host sync per validation
-      const auto v = launch.sum({host[0].item<double>(), host[1].item<double>(), host[2].item<double>(), host[3].item<double>()},
-                                "summing the validation counts");
+      std::vector<double> v{host[0].item<double>(), host[1].item<double>(), host[2].item<double>(), host[3].item<double>()};
+      launch.replicas().all_reduce(v, tk::Reduce::sum);  // every rank's share of the split
       return std::map<std::string, double>{{"MLM-Acc", v[0] / std::max(v[1], 1.0)}, {"MVRC-Acc", v[2] / std::max(v[3], 1.0)}};
     };
     task.best_metric = "MLM-Acc";
@@ -420,7 +423,7 @@ inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, co
         }
       });
       model->train();
-      counts = launch.sum(std::move(counts), "summing the validation counts");
+      launch.replicas().all_reduce(counts, tk::Reduce::sum);  // every rank's share of the split
       std::map<std::string, double> m;
       double ok = 0, total = 0;
       for (int type = 0; type < kTypes; ++type) {

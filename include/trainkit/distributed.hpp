@@ -413,14 +413,16 @@ class ProcessGroup {
     }
     wait(work, what);
   }
-  /// The mean over ranks of a few host scalars (metrics); every rank calls it alike.
-  std::vector<double> average(std::vector<double> values) const {
-    if (values.empty()) return values;
+  /// A few host scalars combined over the ranks, in place: one collective and one copy back
+  /// (a mean is the sum divided on the host). Every rank calls it alike.
+  void all_reduce(std::vector<double>& values, Reduce op, const std::string& what) const {
+    if (values.empty()) return;
     auto t = torch::tensor(values, torch::kDouble).to(device());
-    all_reduce(t, "averaging " + std::to_string(values.size()) + " metric values");
-    t = (t / static_cast<double>(world_size())).cpu();
-    for (size_t i = 0; i < values.size(); ++i) values[i] = t[static_cast<std::int64_t>(i)].item<double>();
-    return values;
+    all_reduce(t, what, op == Reduce::max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM);
+    const auto host = t.cpu();
+    const double* v = host.data_ptr<double>();
+    for (size_t i = 0; i < values.size(); ++i)
+      values[i] = op == Reduce::mean ? v[i] / static_cast<double>(world_size()) : v[i];
   }
 
   /// Throws DistributedError for a failed `what`: rank and peers, and which ranks do not answer
@@ -597,7 +599,9 @@ class DataParallel final : public Replicas {
     }
   }
 
-  void average(std::vector<double>& values) override { values = group_.average(std::move(values)); }
+  void all_reduce(std::vector<double>& values, Reduce op) override {
+    group_.all_reduce(values, op, "combining " + std::to_string(values.size()) + " values over the ranks");
+  }
 
  private:
   // The gradient's all-reduce in equal buckets, each starting 64-byte aligned as the

@@ -5,7 +5,7 @@
 ///   tk::Task<Batch> task = make_task();            // the same task as training's
 ///   auto metrics = tk::evaluate(*model, task, "output/model-0009.ckpt");
 ///   std::printf("Acc %.4f\n", metrics.at("Acc"));
-#include <trainkit/fit.hpp>
+#include <trainkit/task.hpp>
 #include <trainkit/weights.hpp>
 
 #include <cstdint>

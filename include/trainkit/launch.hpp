@@ -30,12 +30,11 @@
 #include <torch/types.h>
 
 #include <chrono>
-#include <condition_variable>
+#include <future>
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -100,36 +99,32 @@ inline DevicePlan plan_device(const std::string& gpus, int local_rank, int local
   return {torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(ids[static_cast<std::size_t>(local_rank)])), ""};
 }
 
-/// Ends the process with `message` when it is still alive after `seconds`. c10d's store client
-/// waits without a deadline for an answer from a port that accepts connections but is not a
-/// store; nothing else can interrupt that wait.
-class Watchdog {
- public:
-  Watchdog(double seconds, std::string message)
-      : thread_([this, seconds, message = std::move(message)] {
-          std::unique_lock<std::mutex> lock(mutex_);
-          if (!done_changed_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return done_; })) {
-            std::cerr << message << std::endl;
-            std::_Exit(1);
-          }
-        }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      done_ = true;
-    }
-    done_changed_.notify_all();
-    thread_.join();
-  }
-  Watchdog(const Watchdog&) = delete;
-  Watchdog& operator=(const Watchdog&) = delete;
+namespace detail {
 
- private:
-  std::mutex mutex_;
-  std::condition_variable done_changed_;
-  bool done_ = false;
-  std::thread thread_;  // last: starts after the members it reads
-};
+/// `join()`, or DistributedError(`message`) when it has not returned after `seconds`. c10d's
+/// store client waits without a deadline for an answer from a port that accepts connections
+/// but is not a store, and nothing can interrupt that wait: the join runs on a thread of its
+/// own, which is left behind (detached, blocked in the socket) when the deadline passes, so the
+/// caller gets an error it can report instead of a process that hangs. The library never ends
+/// the process itself.
+template <class Join>
+auto within(double seconds, const std::string& message, Join&& join) -> decltype(join()) {
+  using Result = decltype(join());
+  auto done = std::make_shared<std::promise<Result>>();
+  std::future<Result> result = done->get_future();
+  std::thread([done, join = std::forward<Join>(join)]() mutable {
+    try {
+      done->set_value(join());
+    } catch (...) {
+      done->set_exception(std::current_exception());
+    }
+  }).detach();
+  if (result.wait_for(std::chrono::duration<double>(seconds)) != std::future_status::ready)
+    throw DistributedError(message);
+  return result.get();
+}
+
+}  // namespace detail
 
 /// This process's place in the run: rank, device and (world size > 1) the process group.
 class Launch {
@@ -156,16 +151,19 @@ class Launch {
     if (info.world_size > 1) {
       const DistributedOptions where;
       const std::string store = where.store_host() + ":" + std::to_string(where.store_port());
-      const Watchdog watchdog(2 * timeout + 10, "error (rank " + std::to_string(info.rank) + " of " + std::to_string(info.world_size) +
-                                                    "): trainkit: joining the process group at " + store + " took more than " +
-                                                    detail::seconds_text(2 * timeout + 10) + " s (DIST_TIMEOUT " +
-                                                    detail::seconds_text(timeout) + "): something answers on that port but "
-                                                    "no store does (another program holds MASTER_PORT?); choose another port");
       const double heartbeat = config.tree()["DIST_HEARTBEAT"].get<double>();
       if (heartbeat > 0 && heartbeat >= timeout)
         l.notes_.push_back("DIST_HEARTBEAT " + detail::seconds_text(heartbeat) + " s is not below DIST_TIMEOUT " +
                            detail::seconds_text(timeout) + " s: no heartbeat (a silent rank is named at the timeout)");
-      l.group_ = ProcessGroup::create(DistributedOptions().timeout_seconds(timeout).heartbeat_seconds(heartbeat), l.device_);
+      const auto options = DistributedOptions().timeout_seconds(timeout).heartbeat_seconds(heartbeat);
+      const double bound = 2 * timeout + 10;
+      l.group_ = detail::within(bound,
+                                "trainkit: rank " + std::to_string(info.rank) + " of " + std::to_string(info.world_size) +
+                                    ": joining the process group at " + store + " took more than " + detail::seconds_text(bound) +
+                                    " s (DIST_TIMEOUT " + detail::seconds_text(timeout) + "): something answers on that port "
+                                    "but no store does (another program holds MASTER_PORT?); choose another port",
+                                [options, device = l.device_] { return ProcessGroup::create(options, device); });
+      l.replicas_ = std::make_shared<DataParallel>(*l.group_);
       l.notes_.push_back("data parallel: " + std::to_string(info.world_size) + " processes (" + info.launcher + ", " +
                          l.group_->backend()->getBackendName() + ", store " + l.group_->info().store + "), rank " +
                          std::to_string(info.rank) + " on " + l.device_.str());
@@ -187,13 +185,16 @@ class Launch {
   const RankInfo& info() const { return info_; }
   /// The group when world_size() > 1.
   const std::optional<ProcessGroup>& group() const { return group_; }
+  /// The ranks as Replicas (DataParallel over the group, or SingleProcess): all_reduce() of a
+  /// few host values (counts, peaks) for the application; the trainer's after attach().
+  Replicas& replicas() const { return *replicas_; }
   /// What to tell the user once (the main rank prints them).
   const std::vector<std::string>& notes() const { return notes_; }
 
   /// Makes `trainer` data-parallel over the group (rank 0's weights to every rank); nothing
   /// with one process. Call after the model is on device() and before training or load().
   void attach(AnyTrainer& trainer) const {
-    if (group_) trainer.set_replicas(std::make_shared<DataParallel>(*group_));
+    if (group_) trainer.set_replicas(replicas_);
   }
 
   /// Rank 0's `value` on every rank (a seed drawn on one rank).
@@ -204,30 +205,11 @@ class Launch {
     return t.cpu().item<std::int64_t>();
   }
 
-  /// Elementwise sum over ranks of a few host values (e.g. validation counts); every rank calls
-  /// it alike.
-  std::vector<double> sum(std::vector<double> values, const std::string& what = "summing values over ranks") const {
-    return reduce(std::move(values), c10d::ReduceOp::SUM, what);
-  }
-  /// Elementwise maximum over ranks (e.g. peak memory).
-  std::vector<double> max(std::vector<double> values, const std::string& what = "the maximum over ranks") const {
-    return reduce(std::move(values), c10d::ReduceOp::MAX, what);
-  }
-
  private:
-  std::vector<double> reduce(std::vector<double> values, c10d::ReduceOp op, const std::string& what) const {
-    if (!group_ || values.empty()) return values;
-    auto t = torch::tensor(values, torch::kDouble).to(group_->device());
-    group_->all_reduce(t, what, op);
-    t = t.cpu();
-    const auto a = t.accessor<double, 1>();
-    for (std::size_t i = 0; i < values.size(); ++i) values[i] = a[static_cast<std::int64_t>(i)];
-    return values;
-  }
-
   RankInfo info_{0, 1, 0, "single process", "in memory"};
   torch::Device device_ = torch::kCPU;
   std::optional<ProcessGroup> group_;
+  std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
   std::vector<std::string> notes_;
 };
 

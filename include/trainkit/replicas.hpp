@@ -16,9 +16,10 @@
 ///                                 the sum, so every rank skips the same steps
 ///   check_same_state(state, what) after Trainer::load(): throws on every rank unless every rank
 ///                                 holds the same state (each rank loads the full checkpoint)
-/// and, for the training loop:
+/// and, for the training loop and the application:
 ///   rank(), world_size(), is_main()   log and write checkpoints on the main rank only
-///   average(values)               metrics: the mean over ranks of a few host scalars (one
+///   all_reduce(values, op)        a few host scalars combined over the ranks (sum, mean or
+///                                 max): metrics, counts, the ranks' agreement on a stop (one
 ///                                 collective; every rank calls it with as many values)
 #include <torch/nn/module.h>
 #include <torch/types.h>
@@ -28,6 +29,9 @@
 #include <vector>
 
 namespace trainkit {
+
+/// How Replicas::all_reduce combines the ranks' values.
+enum class Reduce { sum, mean, max };
 
 /// What phase 5 knows about the window it reduces (host values, no device work).
 struct WindowWeights {
@@ -65,8 +69,8 @@ class Replicas {
   virtual GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) = 0;
   /// Throws (on every rank) unless `state` is the same on every rank; `what` names it.
   virtual void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) = 0;
-  /// The mean over ranks of `values`, in place.
-  virtual void average(std::vector<double>& values) = 0;
+  /// `values` combined elementwise over the ranks by `op`, in place.
+  virtual void all_reduce(std::vector<double>& values, Reduce op) = 0;
 };
 
 /// One process: nothing to send, nothing to wait for.
@@ -79,7 +83,7 @@ class SingleProcess final : public Replicas {
     return {window.rescale, {}};
   }
   void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
-  void average(std::vector<double>&) override {}
+  void all_reduce(std::vector<double>&, Reduce) override {}
 };
 
 }  // namespace trainkit

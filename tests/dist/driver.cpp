@@ -201,7 +201,7 @@ int run(const Args& a) {
   std::ofstream(prefix + ".bin", std::ios::binary)
       .write(static_cast<const char*>(params.data_ptr()), params.numel() * sizeof(float));
   auto mean = std::vector<double>{last.empty() ? 0.0 : last.loss()};
-  replicas->average(mean);
+  replicas->all_reduce(mean, tk::Reduce::mean);
   nlohmann::json j = {{"rank", rank},
                       {"world", world},
                       {"launcher", group.info().launcher},

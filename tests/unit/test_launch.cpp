@@ -6,7 +6,12 @@
 
 #include <trainkit/launch.hpp>
 
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
 
 namespace tk = trainkit;
 
@@ -54,7 +59,29 @@ TEST_CASE("one process: no group, rank 0 of 1, values pass through") {
   CHECK_FALSE(l.group().has_value());
   CHECK(l.device() == torch::Device(torch::kCPU));
   CHECK(l.agree(41) == 41);
-  CHECK(l.sum({1.5, 2.0}) == std::vector<double>{1.5, 2.0});
+  std::vector<double> values{1.5, 2.0};
+  l.replicas().all_reduce(values, tk::Reduce::sum);
+  CHECK(values == std::vector<double>{1.5, 2.0});
+}
+
+TEST_CASE("joining the group has a deadline: a join that never returns is an error, not an exit") {
+  // (c10d's store client can wait forever on a port that answers but is no store; the library
+  // must report it and leave the process to the program, never end it itself.)
+  auto release = std::make_shared<std::atomic<bool>>(false);
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(tk::detail::within(0.2, "joining took too long",
+                                          [release] {
+                                            while (!*release) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                                            return 1;
+                                          }),
+                       "joining took too long", tk::DistributedError);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(waited >= 0.2);
+  CHECK(waited < 5.0);
+  *release = true;  // the join left behind ends on its own
+  CHECK(tk::detail::within(5.0, "unused", [] { return 41 + 1; }) == 42);
+  CHECK_THROWS_WITH_AS(tk::detail::within(5.0, "unused", []() -> int { throw std::runtime_error("no store"); }),
+                       "no store", std::runtime_error);
 }
 
 #endif
