@@ -1,4 +1,4 @@
-// Issue 17 item 4 on BERT-8x512 (benchmarks/compare/models.hpp): peak memory and time per
+// TRAIN.MEMORY_BUDGET on BERT-8x512 (benchmarks/compare/models.hpp): peak memory and time per
 // sequence at one effective batch for
 //   whole      the effective batch as one micro-batch (no accumulation)
 //   x4         4 micro-batches of a quarter (AccumulationPolicy<Dynamic>, N = 4)

@@ -1,4 +1,4 @@
-// The memory plan and the out-of-memory replay of tk::fit on the device (issue 17), for
+// The memory plan and the out-of-memory replay of tk::fit on the device, for
 // gpu_check. Three fits of 3 optimizer steps of bert-tiny (one micro-batch per step, items =
 // tokens, pieces = rows):
 //   whole     no budget: the reference parameters and the peak of the allocator (CPU: VmHWM)

@@ -15,8 +15,9 @@
 /// benchmarks/RESULTS.md), so the registry compiles Dynamic only and takes the count from
 /// TrainerOptions::accumulation_steps. Fixed counts stay for programs that name their type.
 ///
-/// Compiled once, in shards: make_trainer is declared here and defined per precision in a
-/// translation unit that CMake generates from the list below (the target trainkit::registry,
+/// Compiled once, in shards: make_trainer picks the precision's detail::make_registered<P>,
+/// declared here and defined per precision in a translation unit that CMake generates from
+/// the list below (the target trainkit::registry,
 /// src/registry/shard.hpp), so a program that includes this header compiles no Trainer type
 /// at all; the shards build in parallel.
 ///
@@ -120,7 +121,8 @@ inline TrainerKey registered_key(const TrainerKey& key) {
 inline std::vector<std::string> registered_trainers() { return detail::names_of(detail::RegisteredTrainers{}); }
 
 /// Builds the registered trainer of `key` over `model` with `optimizer` and `options` (the
-/// window length is `key.accumulation`, set into options). Defined in trainkit::registry.
+/// window length is `key.accumulation`, set into options). The Trainer types themselves are
+/// compiled in trainkit::registry's shards.
 inline std::unique_ptr<AnyTrainer> make_trainer(const TrainerKey& key, std::shared_ptr<torch::nn::Module> model,
                                                 const OptimizerSettings& optimizer, TrainerOptions options) {
   TORCH_CHECK(model != nullptr, "make_trainer: the model is null");

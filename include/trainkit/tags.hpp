@@ -17,37 +17,32 @@ enum class ClipKind { NoClip, ClipNorm, ClipValue };
 /// The dtype the forward's autocast region casts to (none: no region).
 enum class HalfType { none, bfloat16, float16 };
 
-/// FP32: no autocast, no loss scale.
-struct FP32 {
-  static constexpr const char* name = "FP32";
-  static constexpr PrecisionKind kind = PrecisionKind::FP32;
-  static constexpr bool scales_loss = false;
+namespace detail {
+/// The constants of a precision tag (the tags below derive from it and add their name).
+template <PrecisionKind Kind, bool ScalesLoss, HalfType Autocast>
+struct PrecisionConstants {
+  static constexpr PrecisionKind kind = Kind;
+  static constexpr bool scales_loss = ScalesLoss;
   static constexpr bool master_weights = false;
-  static constexpr HalfType autocast = HalfType::none;
+  static constexpr HalfType autocast = Autocast;
+};
+}  // namespace detail
+
+/// FP32: no autocast, no loss scale.
+struct FP32 : detail::PrecisionConstants<PrecisionKind::FP32, false, HalfType::none> {
+  static constexpr const char* name = "FP32";
 };
 /// BF16: autocast to bfloat16; fp32's range, so no loss scale.
-struct BF16 {
+struct BF16 : detail::PrecisionConstants<PrecisionKind::BF16, false, HalfType::bfloat16> {
   static constexpr const char* name = "BF16";
-  static constexpr PrecisionKind kind = PrecisionKind::BF16;
-  static constexpr bool scales_loss = false;
-  static constexpr bool master_weights = false;
-  static constexpr HalfType autocast = HalfType::bfloat16;
 };
 /// FP16Static: autocast to float16 with a fixed loss scale.
-struct FP16Static {
+struct FP16Static : detail::PrecisionConstants<PrecisionKind::FP16Static, true, HalfType::float16> {
   static constexpr const char* name = "FP16Static";
-  static constexpr PrecisionKind kind = PrecisionKind::FP16Static;
-  static constexpr bool scales_loss = true;
-  static constexpr bool master_weights = false;
-  static constexpr HalfType autocast = HalfType::float16;
 };
 /// FP16Dynamic: autocast to float16 with torch.amp.GradScaler's dynamic loss scale.
-struct FP16Dynamic {
+struct FP16Dynamic : detail::PrecisionConstants<PrecisionKind::FP16Dynamic, true, HalfType::float16> {
   static constexpr const char* name = "FP16Dynamic";
-  static constexpr PrecisionKind kind = PrecisionKind::FP16Dynamic;
-  static constexpr bool scales_loss = true;
-  static constexpr bool master_weights = false;
-  static constexpr HalfType autocast = HalfType::float16;
 };
 
 namespace detail {

@@ -1,4 +1,4 @@
-// Skipped optimizer steps are never silent (issue 14, item 4): in FP32 the first skip is a
+// Skipped optimizer steps are never silent: in FP32 the first skip is a
 // warning naming the position, and TRAIN.NONFINITE_PATIENCE skips with no clean log interval
 // between them stop the run with NonFiniteGradient; one transient skip only warns.
 #include "helpers.hpp"

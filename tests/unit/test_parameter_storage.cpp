@@ -1,4 +1,4 @@
-// Parameters replaced after the trainer is built (issue 14, item 7): torch::load(model, file)
+// Parameters replaced after the trainer is built: torch::load(model, file)
 // swaps each parameter's storage, and the trainer would go on updating its own copy while the
 // model reads the loaded one (before: 50 windows, no change, no error). The next optimizer
 // phase refuses, naming the parameter and what to do; copying loads (tk::load_weights,
@@ -46,7 +46,7 @@ TEST_CASE("loading by copy after the trainer is built keeps training the model")
   CHECK_FALSE(torch::equal(testing::flat(*model), before));  // the update reached the model
 }
 
-// --- The flat layout (issue 13, items 6 and 7) -------------------------------------------------
+// --- The flat layout ------------------------------------------------------------------------------
 // Every parameter starts 64-byte aligned in the flat storage (an odd-sized tensor would
 // otherwise misalign every later view; CUDA's vectorised kernels and cuBLAS want aligned
 // operands); the gaps are zeros; checkpoints hold the parameters packed, as before.

@@ -1,4 +1,4 @@
-// The optimizer phase's ATen calls (issue 18, item 3). On a small model the phase is call
+// The optimizer phase's ATen calls. On a small model the phase is call
 // overhead, a few microseconds each: these are upper bounds on the count, so that a change
 // that adds calls to every window is seen. (Counted with RecordFunction, top-level calls
 // only, from the end of the window's last backward to the end of micro_step.)
@@ -74,7 +74,7 @@ TEST_CASE("the optimizer phase's ATen calls stay few") {
   using FP32 = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::NoClip>>;
   using FP32Clip = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::ClipNorm>>;
   using FP16Clip = tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::ClipNorm>>;
-  // Before issue 18's item 3: 19, 23 and 28 (the review's count; bench: 23 FP32+clip, 28 FP16).
+  // (The phase before it was fused into the update took 19, 23 and 28.)
   CHECK(phase_calls<FP32>(1) <= 10);
   CHECK(phase_calls<FP32Clip>(1) <= 14);
   CHECK(phase_calls<FP32Clip>(4) <= 14);

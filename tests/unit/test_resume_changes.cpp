@@ -1,5 +1,5 @@
 // A resume is refused, changing nothing, when the configuration changed in a key that changes
-// the training trajectory (issue 14, item 3): the message lists every difference; END_EPOCH and
+// the training trajectory: the message lists every difference; END_EPOCH and
 // logging keys change freely; TRAIN.RESUME_CHANGES: allow continues and says what changed. A
 // checkpoint of another optimizer is refused by Trainer::load, naming both, and changes nothing.
 #include "helpers.hpp"

@@ -8,8 +8,8 @@
 /// Contract — what the loop calls, and when:
 ///   RunLog(options, trainer, writes, on_scalar)   once; `writes`: this rank writes files
 ///   started()                      before resuming: the run's start in the text log
-///   open(resumed)                  after resuming: the scalar logs, from the trainer's step on
-///   epoch_begins(epoch, index, batches, samples)
+///   open(resumed, run_windows)     after resuming: the scalar logs, from the trainer's step on
+///   epoch_begins(epoch, index, batches)
 ///   samples(n)                     n more samples trained (speed, progress); counts() and
 ///                                  restore() put them back for a replayed window
 ///   window(report, position, interval)
@@ -20,7 +20,7 @@
 ///   epoch_ends(position), paused() between epochs (validation and checkpoints are not
 ///                                  training time)
 ///   say(text), report(text)        a message for the user / a line of the run's record
-///   finish(position, step)         once, at the end (errors of the last writes surface here)
+///   finish(epoch, index)           once, at the end (errors of the last writes surface here)
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/detail/messages.hpp>
 #include <trainkit/fit_options.hpp>
