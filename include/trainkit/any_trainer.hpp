@@ -124,18 +124,25 @@ class AnyTrainer {
   virtual const torch::Tensor& skipped_steps() const = 0;
   virtual const torch::Tensor& loss_scale() const = 0;
 
-  /// The whole training state as records of `archive` (Trainer::save).
+  /// The whole training state as records of `archive` (Trainer::save). When
+  /// saves_collectively() (a sharded update), every rank must call it: the main rank's archive
+  /// receives every rank's part.
   virtual void save(torch::serialize::OutputArchive& archive) const = 0;
+  virtual bool saves_collectively() const { return false; }
+  /// This rank's state as it holds it, without collectives (the rollback of a failed load).
+  virtual void snapshot(torch::serialize::OutputArchive& archive) const { save(archive); }
   /// The state from `archive`, opened from `source` (named in errors): Trainer::load.
   virtual void load(torch::serialize::InputArchive& archive, const std::string& source) = 0;
-  /// A snapshot written by this trainer's save() back, unchecked (the rollback of a load).
+  /// A snapshot() of this trainer back, unchecked (the rollback of a load).
   virtual void restore(torch::serialize::InputArchive& snapshot) = 0;
 
   /// The state written to `path` atomically (a temporary file in the same directory, flushed,
-  /// renamed): a crash never leaves a partial file under that name.
+  /// renamed): a crash never leaves a partial file under that name. Sharded, every rank calls
+  /// it and the main rank writes the file.
   void save(const std::string& path) const {
     torch::serialize::OutputArchive archive;
     save(archive);
+    if (saves_collectively() && !replicas().is_main()) return;
     detail::write_archive_atomically(archive, path);
   }
   /// The state read from `path` (its CRCs checked). Changes nothing when it fails: a mismatch

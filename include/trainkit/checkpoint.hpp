@@ -91,6 +91,8 @@ struct LoopState {
   std::string best_path;          ///< the checkpoint holding the best value ("" = none)
   std::string finished;           ///< why a callback finished training ("": it goes on)
   std::int64_t piece_items = 0;   ///< the largest piece of a micro-batch run (0: whole ones)
+  std::int64_t world_size = 0;    ///< processes of the run that wrote it (0: not recorded)
+  std::int64_t total_batch = 0;   ///< its samples per optimizer step over every process (0: not known)
   Metrics metrics;                ///< the epoch's running sums ("Loss" and the task's metrics)
   Metrics::Totals logged;         ///< the sums at the last log window
 
@@ -107,6 +109,8 @@ struct LoopState {
     detail::write_value(a, "fit.path", path);
     detail::write_value(a, "fit.finished", finished);
     detail::write_value(a, "fit.piece_items", piece_items);
+    detail::write_value(a, "fit.world_size", world_size);
+    detail::write_value(a, "fit.total_batch", total_batch);
     metrics.save(a, "fit.metrics");
     std::vector<std::string> names;
     std::vector<double> sums, weights;
@@ -134,6 +138,8 @@ struct LoopState {
     c10::IValue v;
     if (a.try_read("fit.finished", v)) s.finished = v.toStringRef();
     if (a.try_read("fit.piece_items", v)) s.piece_items = v.toInt();
+    if (a.try_read("fit.world_size", v)) s.world_size = v.toInt();
+    if (a.try_read("fit.total_batch", v)) s.total_batch = v.toInt();
     if (a.try_read("fit.metrics.count", v)) s.metrics.load(a, "fit.metrics");
     if (a.try_read("fit.logged.names", v)) {
       const auto names = v.toListRef();

@@ -494,7 +494,7 @@ class DataParallel final : public Replicas {
   int rank() const override { return group_.rank(); }
   int world_size() const override { return group_.world_size(); }
   const ProcessGroup& group() const { return group_; }
-  std::int64_t bucket_bytes() const { return bucket_bytes_; }
+  std::int64_t bucket_bytes() const override { return bucket_bytes_; }
   /// All-reduce calls per window for a gradient of `numel` elements of `element_size` bytes.
   std::int64_t buckets(std::int64_t numel, std::int64_t element_size = 4) const {
     const std::int64_t per = std::max<std::int64_t>(1, bucket_bytes_ / element_size);
@@ -532,47 +532,99 @@ class DataParallel final : public Replicas {
   }
 
   GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) override {
-    ++windows_;
-    const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
-    // A half gradient (master weights, TrainerOptions::reduce_precision) is summed as the
-    // mean, each rank's part weighted first: a sum of W loss-scaled fp16 gradients, or one
-    // weighted by its item count, would overflow where the mean does not. With item counts
-    // the weight is items / (the ranks' total), so the total is all-reduced first (a device
-    // scalar: the gradient's all-reduce waits for it on the device, not the host).
-    if (flat_grad.element_size() < 4) {
-      torch::Tensor weight;
-      if (window.items >= 0) {
-        auto total = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
-        group_.all_reduce(total, "all-reduce of the window's item count" + step);
-        weight = (window.rescale * static_cast<double>(window.items)) / total;  // total 0: non-finite, skipped
-      } else {
-        weight = torch::full({1}, 1.0 / world_size(), torch::dtype(torch::kFloat).device(group_.device()));
-      }
-      flat_grad.mul_(weight);  // (in fp32, rounded once to the half dtype)
-      all_reduce_buckets(flat_grad, c10d::ReduceOp::SUM, step);
-      return {window.items >= 0 ? 1.0 : window.rescale, {}};
-    }
-    // With item counts the ranks' windows hold different numbers of items: send each rank's
-    // sum over its items, and divide by the total over all ranks (exact global mean). The total
-    // stays on the device (the trainer folds it into the optimizer's divisor): no host sync.
-    // NCCL multiplies each rank's part by its weight inside the reduction (PREMUL_SUM); other
-    // backends take one pass over the gradient first.
-    torch::Tensor items;
-    c10d::ReduceOp op = c10d::ReduceOp::SUM;
-    if (window.items >= 0) {
-      const double weight = window.rescale * static_cast<double>(window.items);
-      if (group_.backend()->getBackendName() == "nccl")
-        op = c10d::makeNCCLPreMulSum(weight);
-      else
-        flat_grad.mul_(weight);
-      items = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
-    }
-    all_reduce_buckets(flat_grad, op, step, items);
-    // Item counts are exact in float up to 2^24 per window.
-    if (items.defined()) return {1.0, items.reshape({})};
-    return {window.rescale / static_cast<double>(world_size()), {}};
+    return reduce(flat_grad, window, /*closes=*/true, [&](const c10d::ReduceOp& op, const std::string& step, const torch::Tensor& items) {
+      all_reduce_buckets(flat_grad, op, step, items);
+    });
   }
-
+  GradientFactor reduce_scatter_gradients(torch::Tensor& flat_grad, torch::Tensor& local, const detail::Partition& partition,
+                                          const WindowWeights& window, bool closes) override {
+    check_partition(partition, flat_grad);
+    return reduce(flat_grad, window, closes, [&](const c10d::ReduceOp& op, const std::string& step, const torch::Tensor& items) {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      std::vector<std::string> names;
+      try {
+        for (std::int64_t b = 0; b < partition.buckets(); ++b) {
+          const auto bucket = partition.bucket(b);
+          auto in = flat_grad.narrow(0, bucket.begin, bucket.length);
+          auto out = local.narrow(0, partition.local(b), bucket.length / world_size());
+          c10d::ReduceScatterOptions o;
+          o.reduceOp = op;
+          works.push_back(group_.backend()->_reduce_scatter_base(out, in, o));
+          names.push_back("reduce-scatter of gradient bucket " + std::to_string(b + 1) + "/" +
+                          std::to_string(partition.buckets()) + step);
+        }
+        if (items.defined()) {
+          works.push_back(group_.start_all_reduce(items));
+          names.push_back("all-reduce of the window's item count" + step);
+        }
+      } catch (const std::exception& e) {
+        group_.fail("starting the gradient reduce-scatter" + step, detail::message_of(e));
+      }
+      for (size_t i = 0; i < works.size(); ++i) group_.wait(works[i], names[i]);
+    });
+  }
+  torch::Tensor global_norm(const torch::Tensor& local) override {
+    // The slices' squared norms summed: the norm of norms, as the chunked master-weights phase
+    // takes it (within rounding of the whole gradient's norm; non-finite on every rank when
+    // any slice is).
+    auto squares = at::linalg_vector_norm(local, 2).square().reshape({1});
+    group_.all_reduce(squares, "all-reduce of the gradient's squared norm (optimizer phase " + std::to_string(windows_) + ")");
+    return squares.sqrt().reshape({});
+  }
+  void sum(torch::Tensor& values) override {
+    group_.all_reduce(values, "all-reduce of the fp32-kept parameters (optimizer phase " + std::to_string(windows_) + ")");
+  }
+  void all_gather(torch::Tensor& flat, const detail::Partition& partition) override {
+    check_partition(partition, flat);
+    // Each rank's slice is sent from a copy: the output bucket holds it, and the input of an
+    // all-gather may not alias its output on every backend.
+    std::vector<torch::Tensor> sent;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
+    try {
+      for (std::int64_t b = 0; b < partition.buckets(); ++b) {
+        const auto bucket = partition.bucket(b), slice = partition.slice(b);
+        sent.push_back(flat.narrow(0, slice.begin, slice.length).clone());
+        auto out = flat.narrow(0, bucket.begin, bucket.length);
+        works.push_back(group_.backend()->_allgather_base(out, sent.back()));
+      }
+    } catch (const std::exception& e) {
+      group_.fail("starting the all-gather of the updated parameters" + step, detail::message_of(e));
+    }
+    for (size_t b = 0; b < works.size(); ++b)
+      group_.wait(works[b], "all-gather of parameter bucket " + std::to_string(b + 1) + "/" +
+                                std::to_string(works.size()) + step);
+  }
+  torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override {
+    const bool main = is_main();
+    torch::Tensor out = main ? torch::zeros({partition.total()}, local.options().device(torch::kCPU)) : torch::Tensor();
+    // One bucket at a time: the main rank holds one bucket on the device, not the state.
+    for (std::int64_t b = 0; b < partition.buckets(); ++b) {
+      const auto bucket = partition.bucket(b);
+      const auto n = bucket.length / world_size();
+      std::vector<at::Tensor> inputs{local.narrow(0, partition.local(b), n)};
+      std::vector<std::vector<at::Tensor>> outputs;
+      torch::Tensor received;
+      if (main) {
+        received = torch::empty({bucket.length}, local.options());
+        outputs.emplace_back();
+        for (int r = 0; r < world_size(); ++r) outputs.back().push_back(received.narrow(0, r * n, n));
+      }
+      c10d::GatherOptions o;
+      o.rootRank = 0;
+      const std::string what = "gathering checkpoint bucket " + std::to_string(b + 1) + "/" +
+                               std::to_string(partition.buckets()) + " on rank 0";
+      c10::intrusive_ptr<c10d::Work> work;
+      try {
+        work = group_.backend()->gather(outputs, inputs, o);
+      } catch (const std::exception& e) {
+        group_.fail(what, detail::message_of(e));
+      }
+      group_.wait(work, what);
+      if (main) out.narrow(0, bucket.begin, bucket.length).copy_(received);
+    }
+    return out;
+  }
   void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) override {
     std::vector<torch::Tensor> parts;
     for (const auto& t : state) {
@@ -604,6 +656,61 @@ class DataParallel final : public Replicas {
   }
 
  private:
+  // Phase 5's weighting, shared by the all-reduce and the reduce-scatter; `collective(op,
+  // step, items)` sends the (weighted) gradient and, when defined, the window's item count.
+  template <class Collective>
+  GradientFactor reduce(torch::Tensor& flat_grad, const WindowWeights& window, bool closes, Collective&& collective) {
+    if (closes) ++windows_;
+    const std::string step = " (optimizer phase " + std::to_string(windows_ + (closes ? 0 : 1)) + " of this process)";
+    // A half gradient (master weights, TrainerOptions::reduce_precision) is summed as the
+    // mean, each rank's part weighted first: a sum of W loss-scaled fp16 gradients, or one
+    // weighted by its item count, would overflow where the mean does not. With item counts
+    // the weight is items / (the ranks' total), so the total is all-reduced first (a device
+    // scalar: the gradient's all-reduce waits for it on the device, not the host).
+    if (flat_grad.element_size() < 4) {
+      TORCH_CHECK(closes, "trainkit::DataParallel: a half gradient is reduced once per window");
+      torch::Tensor weight;
+      if (window.items >= 0) {
+        auto total = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
+        group_.all_reduce(total, "all-reduce of the window's item count" + step);
+        weight = (window.rescale * static_cast<double>(window.items)) / total;  // total 0: non-finite, skipped
+      } else {
+        weight = torch::full({1}, 1.0 / world_size(), torch::dtype(torch::kFloat).device(group_.device()));
+      }
+      flat_grad.mul_(weight);  // (in fp32, rounded once to the half dtype)
+      collective(c10d::ReduceOp::SUM, step, torch::Tensor());
+      return {window.items >= 0 ? 1.0 : window.rescale, {}};
+    }
+    // With item counts the ranks' windows hold different numbers of items: send each rank's
+    // sum over its items, and divide by the total over all ranks (exact global mean). The total
+    // stays on the device (the trainer folds it into the optimizer's divisor): no host sync.
+    // NCCL multiplies each rank's part by its weight inside the reduction (PREMUL_SUM); other
+    // backends take one pass over the gradient first.
+    torch::Tensor items;
+    c10d::ReduceOp op = c10d::ReduceOp::SUM;
+    if (window.items >= 0) {
+      const double weight = window.rescale * static_cast<double>(window.items);
+      if (group_.backend()->getBackendName() == "nccl")
+        op = c10d::makeNCCLPreMulSum(weight);
+      else
+        flat_grad.mul_(weight);
+      if (closes)
+        items = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
+    }
+    collective(op, step, items);
+    // Item counts are exact in float up to 2^24 per window.
+    if (items.defined()) return {1.0, items.reshape({})};
+    return {window.rescale / static_cast<double>(world_size()), {}};
+  }
+
+  void check_partition(const detail::Partition& partition, const torch::Tensor& flat) const {
+    if (partition.world_size() != world_size() || partition.rank() != rank() || flat.numel() != partition.total())
+      throw std::logic_error("trainkit::DataParallel: a partition of rank " + std::to_string(partition.rank()) + " of " +
+                             std::to_string(partition.world_size()) + " over " + std::to_string(partition.total()) +
+                             " elements, for rank " + std::to_string(rank()) + " of " + std::to_string(world_size()) +
+                             " and a buffer of " + std::to_string(flat.numel()));
+  }
+
   // The gradient's all-reduce in equal buckets, each starting 64-byte aligned as the
   // parameters in the flat storage do, and `extra` (the item count) after them.
   void all_reduce_buckets(torch::Tensor& flat_grad, const c10d::ReduceOp& op, const std::string& step,

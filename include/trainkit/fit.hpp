@@ -403,6 +403,7 @@ class FitLoop {
     if (!opened) return begin;
     const LoopState& saved = opened->state;
     check_resume_changes(saved.config_json);  // before anything changes
+    check_world_size(saved, opened->path);
     for (const auto& name : checkpoints_.restore(*opened, trainer_, callbacks_.state))
       say("trainkit: the checkpoint has no state for the callback '" + name + "' (written without it): it starts afresh");
     finished_ = saved.finished;
@@ -551,13 +552,22 @@ class FitLoop {
   }
 
   void write_checkpoint(bool epoch_end) {
-    if (!writes()) return;
+    if (!writes()) {
+      // A sharded update: every rank sends its slices to the main rank's archive.
+      if (options_.write_files() && trainer_.saves_collectively()) {
+        torch::serialize::OutputArchive discarded;
+        trainer_.save(discarded);
+      }
+      return;
+    }
     // The loop's running sums, so that a resumed epoch's means and logs equal the straight
     // run's. Data parallel, inside an epoch: the mean over the ranks of their running sums,
     // which the log window this checkpoint follows has just computed (logged_). Every rank
     // resumes with it, and every later mean over the ranks is then the uninterrupted run's.
     state_.finished = finished_;
     state_.piece_items = pieces_.piece_items();
+    state_.world_size = trainer_.replicas().world_size();
+    state_.total_batch = options_.total_batch();
     state_.metrics = !single() && state_.position.index > 0 ? Metrics::from_totals(logged_) : metrics_;
     state_.logged = logged_;
     try {
@@ -587,6 +597,27 @@ class FitLoop {
                                                     "\nResume with the checkpoint's values, start in a new directory (--model-dir), or set "
                                                     "TRAIN.RESUME_CHANGES: allow (--set TRAIN.RESUME_CHANGES=allow) to continue with this run's");
     say("trainkit: resuming with a changed configuration (TRAIN.RESUME_CHANGES: allow), checkpoint -> this run:" + listed);
+  }
+
+  // A checkpoint of another world size resumes when the total batch is the same: the data
+  // sampler gives W ranks of batch B, micro-batch by micro-batch, the samples one process of
+  // batch W x B sees, so the position (epoch, micro-batch) means the same samples. Otherwise the
+  // schedule and the per-sample LR would change under the run: refused.
+  void check_world_size(const LoopState& saved, const std::string& path) {
+    const std::int64_t world = trainer_.replicas().world_size();
+    if (saved.world_size <= 0 || saved.world_size == world) return;
+    const std::string by = "'" + path + "' was written by " + std::to_string(saved.world_size) + " process" +
+                           (saved.world_size > 1 ? "es" : "") + ", this run has " + std::to_string(world);
+    if (saved.total_batch > 0 && options_.total_batch() > 0 && saved.total_batch != options_.total_batch())
+      throw ConfigError("TRAIN.TARGET_BATCH",
+                        by + ", and its total batch was " + std::to_string(saved.total_batch) + " samples per optimizer "
+                        "step where this run's is " + std::to_string(options_.total_batch()) + " (world size x "
+                        "BATCH_IMAGES x GRAD_ACCUMULATE_STEPS); set TRAIN.TARGET_BATCH: " + std::to_string(saved.total_batch) +
+                        " to keep it (the batch per process is then derived), or start a new run");
+    say("trainkit: " + by + "; the total batch of " + std::to_string(saved.total_batch) + " samples is kept, the data go "
+        "on at the checkpoint's micro-batch, and " + (world > 1 ? "each process draws its random numbers by position "
+        "as a run of " + std::to_string(world) + " processes does" : "the random generators continue from the "
+        "checkpoint's (the main rank's)"));
   }
 
   FitResult stop(int signal) {

@@ -28,6 +28,9 @@ struct FitOptions {
   TORCH_ARG(bool, resume) = false;                     ///< TRAIN.RESUME
   TORCH_ARG(bool, auto_resume) = true;                 ///< TRAIN.AUTO_RESUME
   TORCH_ARG(std::int64_t, seed) = -1;                  ///< the run's seed (recorded, checked on resume)
+  /// Samples per optimizer step over every process (RunPlan's total_batch; 0: not known).
+  /// Recorded in checkpoints: a resume at another world size must keep it (TRAIN.TARGET_BATCH).
+  TORCH_ARG(std::int64_t, total_batch) = 0;
   /// The seed was drawn (RNG_SEED -1): the loop says which at start, so the run can be repeated.
   TORCH_ARG(bool, seed_drawn) = false;
   TORCH_ARG(std::string, config_json) = {};            ///< the resolved configuration, for checkpoints

@@ -15,7 +15,10 @@
 ///       of applied steps, this one included when it applies (a step count to follow).
 ///       `groups` are the groups the rule was made with, or chunks of them (state_offset;
 ///       undefined params: nothing of that group), called once per chunk with the same scalars.
-///   save / load                           state (moments, step counts) for checkpoints.
+///   flat_states()                         the state laid out as the storage's local buffer
+///                                         (moments, momentum), which the storage saves by
+///                                         parameter name
+///   save / load                           the rest of the state (the step count)
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/flat_layout.hpp>
 #include <trainkit/detail/type_traits.hpp>
@@ -25,7 +28,9 @@
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -106,20 +111,56 @@ struct ParamGroup {
   double lr_mult = 1.0;
   bool decay = true;     ///< false: no weight decay (TrainerOptions::no_decay)
   FlatLayout layout;     ///< the parameters inside `params` (gaps between them are zeros)
-  /// A chunk of the group (the chunked optimizer phase of master weights): where `params`
-  /// starts inside the whole group; the update rule's state is sliced the same way. 0 for a
-  /// whole group. A chunk that misses the group has undefined `params` and is skipped.
+  /// Where `params` starts in the rule's flat state (FlatState): the group's offset in the
+  /// flat buffer, or, for a chunk of a group (the chunked master-weights phase, a rank's slice
+  /// when sharded), the chunk's place in the state. A chunk that misses the group has
+  /// undefined `params` and is skipped.
   std::int64_t state_offset = 0;
   /// The optimizer's weight decay for this group.
   double weight_decay(double optimizer_decay) const { return decay ? optimizer_decay : 0.0; }
 };
 
-/// The part of a group's state tensor (moments, momentum) that `group` covers: all of it, or
-/// the slice of a chunk.
-inline torch::Tensor state_of(const torch::Tensor& state, const ParamGroup& group) {
-  const auto n = group.params.numel();
-  return n == state.numel() ? state : state.narrow(0, group.state_offset, n);
-}
+/// One kind of optimizer state (a moment, the momentum): one flat tensor laid out as the
+/// storage's local buffer (the whole flat buffer, or this rank's slices when sharded; gaps and
+/// padding stay zero), with the views of the rule's own groups made once.
+class FlatState {
+ public:
+  FlatState(std::string kind, const std::vector<ParamGroup>& groups) : kind_(std::move(kind)) {
+    std::int64_t numel = 0;
+    for (const auto& g : groups) numel = std::max(numel, g.state_offset + g.params.numel());
+    options_ = groups.front().params.options();
+    flat_ = torch::zeros({numel}, options_);
+    for (const auto& g : groups) {
+      views_.push_back(flat_.narrow(0, g.state_offset, g.params.numel()));
+      offsets_.push_back(g.state_offset);
+    }
+  }
+  /// The part of the state `group` (the rule's group g, or a chunk of it) covers.
+  torch::Tensor of(const ParamGroup& group, size_t g) const {
+    const auto n = group.params.numel();
+    if (g < views_.size() && offsets_[g] == group.state_offset && views_[g].numel() == n) return views_[g];
+    return flat_.narrow(0, group.state_offset, n);
+  }
+  /// Zeros for `numel` local elements (set_replicas with sharding: the state of this rank's
+  /// slices only); the groups' views go with the old tensor.
+  void resize(std::int64_t numel) {
+    flat_ = torch::zeros({numel}, options_);
+    views_.clear();
+    offsets_.clear();
+  }
+  /// "exp_avg", "exp_avg_sq", "momentum": checkpoints hold it as optim.<kind>.<parameter name>.
+  const std::string& kind() const { return kind_; }
+  const torch::Tensor& flat() const { return flat_; }
+  /// The rule's groups' parts (empty once resized).
+  const std::vector<torch::Tensor>& views() const { return views_; }
+
+ private:
+  std::string kind_;
+  torch::TensorOptions options_;
+  torch::Tensor flat_;
+  std::vector<torch::Tensor> views_;
+  std::vector<std::int64_t> offsets_;
+};
 
 class UpdateRule {
  public:
@@ -131,6 +172,16 @@ class UpdateRule {
   virtual double base_lr() const = 0;
   virtual std::string name() const = 0;
   virtual bool fused() const { return true; }
+  /// The state laid out as the storage's local buffer, one per kind: the storage writes and
+  /// reads it by parameter name (storage.hpp), so checkpoints do not depend on the layout or
+  /// on the world size.
+  virtual std::vector<FlatState*> flat_states() { return {}; }
+  std::vector<const FlatState*> flat_states() const {
+    std::vector<const FlatState*> out;
+    for (auto* s : const_cast<UpdateRule*>(this)->flat_states()) out.push_back(s);
+    return out;
+  }
+  /// The rest of the state (step counts; a torch::optim optimizer's own archive).
   virtual void save(torch::serialize::OutputArchive& archive) const = 0;
   virtual void load(torch::serialize::InputArchive& archive) = 0;
 };
@@ -139,30 +190,12 @@ inline void check_lr(double lr, const char* who) {
   TORCH_CHECK(lr > 0 && std::isfinite(lr), who, ": the learning rate must be finite and > 0, got ", lr);
 }
 
-/// State tensors of one kind (exp_avg, momentum...) for every group, saved under `prefix.g`
-/// packed (without the flat layout's gaps: checkpoints do not depend on the alignment).
-inline void save_states(torch::serialize::OutputArchive& archive, const std::string& prefix,
-                        const std::vector<torch::Tensor>& states, const std::vector<FlatLayout>& layouts) {
-  for (size_t g = 0; g < states.size(); ++g)
-    layouts[g].write(archive, prefix + "." + std::to_string(g), states[g]);
-}
-inline void load_states(torch::serialize::InputArchive& archive, const std::string& prefix,
-                        std::vector<torch::Tensor>& states, const std::vector<FlatLayout>& layouts) {
-  for (size_t g = 0; g < states.size(); ++g)
-    layouts[g].read_into(archive, prefix + "." + std::to_string(g), states[g]);
-}
-inline std::vector<FlatLayout> layouts_of(const std::vector<ParamGroup>& groups) {
-  std::vector<FlatLayout> out;
-  for (const auto& g : groups) out.push_back(g.layout);
-  return out;
-}
-
 /// Adam and AdamW share moments and the step count; only the decay rule differs.
 template <class Options, bool Decoupled>
 class FusedAdam final : public UpdateRule {
  public:
   FusedAdam(const Options& options, const std::vector<ParamGroup>& groups)
-      : options_(options), layouts_(layouts_of(groups)) {
+      : options_(options), exp_avg_("exp_avg", groups), exp_avg_sq_("exp_avg_sq", groups) {
     check_lr(options.lr(), Decoupled ? "AdamW" : "Adam");
     TORCH_CHECK(options.beta1() >= 0 && options.beta1() < 1 && options.beta2() >= 0 &&
                     options.beta2() < 1,
@@ -170,10 +203,6 @@ class FusedAdam final : public UpdateRule {
     TORCH_CHECK(options.eps() > 0, "Adam(W): eps must be > 0, got ", options.eps());
     TORCH_CHECK(options.weight_decay() >= 0, "Adam(W): weight_decay must be >= 0, got ",
                 options.weight_decay());
-    for (const auto& g : groups) {
-      exp_avg_.push_back(torch::zeros_like(g.params));
-      exp_avg_sq_.push_back(torch::zeros_like(g.params));
-    }
     // One step count for all groups (they always step together); fp32 as the kernels expect.
     step_ = torch::zeros({}, groups.front().params.options());
     step_as_1d_ = step_.view({1});
@@ -189,7 +218,7 @@ class FusedAdam final : public UpdateRule {
       const ParamGroup& group = groups[g];
       if (!group.params.defined()) continue;
       const torch::Tensor& lr = lrs[g];
-      const auto m = state_of(exp_avg_[g], group), v = state_of(exp_avg_sq_[g], group);
+      const auto m = exp_avg_.of(group, g), v = exp_avg_sq_.of(group, g);
       if constexpr (Decoupled)
         at::_fused_adamw_({group.params}, {group.grads}, {m}, {v}, {}, {step_}, lr, options_.beta1(),
                           options_.beta2(), group.weight_decay(options_.weight_decay()), options_.eps(),
@@ -202,40 +231,31 @@ class FusedAdam final : public UpdateRule {
   }
   double base_lr() const override { return options_.lr(); }
   std::string name() const override { return Decoupled ? "AdamW(fused)" : "Adam(fused)"; }
-  void save(torch::serialize::OutputArchive& archive) const override {
-    write_tensor(archive, "optim.step", step_);
-    save_states(archive, "optim.exp_avg", exp_avg_, layouts_);
-    save_states(archive, "optim.exp_avg_sq", exp_avg_sq_, layouts_);
-  }
-  void load(torch::serialize::InputArchive& archive) override {
-    read_into(archive, "optim.step", step_);
-    load_states(archive, "optim.exp_avg", exp_avg_, layouts_);
-    load_states(archive, "optim.exp_avg_sq", exp_avg_sq_, layouts_);
-  }
+  std::vector<FlatState*> flat_states() override { return {&exp_avg_, &exp_avg_sq_}; }
+  void save(torch::serialize::OutputArchive& archive) const override { write_tensor(archive, "optim.step", step_); }
+  void load(torch::serialize::InputArchive& archive) override { read_into(archive, "optim.step", step_); }
 
-  const std::vector<torch::Tensor>& exp_avg() const { return exp_avg_; }
-  const std::vector<torch::Tensor>& exp_avg_sq() const { return exp_avg_sq_; }
+  /// The moments of the rule's groups (one view per group; empty once sharded).
+  const std::vector<torch::Tensor>& exp_avg() const { return exp_avg_.views(); }
+  const std::vector<torch::Tensor>& exp_avg_sq() const { return exp_avg_sq_.views(); }
   const torch::Tensor& step_count() const { return step_; }
 
  private:
   Options options_;
-  std::vector<FlatLayout> layouts_;
-  std::vector<torch::Tensor> exp_avg_, exp_avg_sq_;
+  FlatState exp_avg_, exp_avg_sq_;
   torch::Tensor step_, step_as_1d_;  // (the same storage)
 };
 
 class FusedSGD final : public UpdateRule {
  public:
-  FusedSGD(const SGD& options, const std::vector<ParamGroup>& groups)
-      : options_(options), layouts_(layouts_of(groups)) {
+  FusedSGD(const SGD& options, const std::vector<ParamGroup>& groups) : options_(options) {
     check_lr(options.lr(), "SGD");
     TORCH_CHECK(options.momentum() >= 0, "SGD: momentum must be >= 0, got ", options.momentum());
     TORCH_CHECK(!options.nesterov() || options.momentum() > 0,
                 "SGD: nesterov needs momentum > 0");
     TORCH_CHECK(options.weight_decay() >= 0, "SGD: weight_decay must be >= 0, got ",
                 options.weight_decay());
-    if (options.momentum() > 0)
-      for (const auto& g : groups) momentum_.push_back(torch::zeros_like(g.params));
+    if (options.momentum() > 0) momentum_.emplace("momentum", groups);
   }
 
   void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
@@ -245,8 +265,8 @@ class FusedSGD final : public UpdateRule {
       if (!groups[g].params.defined()) continue;
       // A zero-initialised buffer with dampening 0 equals torch's "buffer = grad on the first
       // step", without the host needing to know which step was the first applied one.
-      const auto buffers = momentum_.empty() ? std::vector<torch::Tensor>{}
-                                             : std::vector<torch::Tensor>{state_of(momentum_[g], groups[g])};
+      const auto buffers = momentum_ ? std::vector<torch::Tensor>{momentum_->of(groups[g], g)}
+                                     : std::vector<torch::Tensor>{};
       at::_fused_sgd_({groups[g].params}, {groups[g].grads}, buffers, groups[g].weight_decay(options_.weight_decay()),
                       options_.momentum(), lrs[g], /*dampening=*/0.0, options_.nesterov(),
                       /*maximize=*/false, /*is_first_step=*/false, divisor, found_inf);
@@ -254,18 +274,20 @@ class FusedSGD final : public UpdateRule {
   }
   double base_lr() const override { return options_.lr(); }
   std::string name() const override { return "SGD(fused)"; }
-  void save(torch::serialize::OutputArchive& archive) const override {
-    save_states(archive, "optim.momentum", momentum_, layouts_);
+  std::vector<FlatState*> flat_states() override {
+    return momentum_ ? std::vector<FlatState*>{&*momentum_} : std::vector<FlatState*>{};
   }
-  void load(torch::serialize::InputArchive& archive) override {
-    load_states(archive, "optim.momentum", momentum_, layouts_);
+  void save(torch::serialize::OutputArchive&) const override {}
+  void load(torch::serialize::InputArchive&) override {}
+  /// The momentum of the rule's groups (one view per group; none without momentum).
+  const std::vector<torch::Tensor>& momentum_buffers() const {
+    static const std::vector<torch::Tensor> none;
+    return momentum_ ? momentum_->views() : none;
   }
-  const std::vector<torch::Tensor>& momentum_buffers() const { return momentum_; }
 
  private:
   SGD options_;
-  std::vector<FlatLayout> layouts_;
-  std::vector<torch::Tensor> momentum_;
+  std::optional<FlatState> momentum_;
 };
 
 /// Any torch::optim::Optimizer: gradients are unscaled and clipped in place, and the overflow

@@ -23,6 +23,12 @@ enum class NonFinite { skip, abort };
 /// Master weights with data parallelism: the precision of the gradient all-reduce
 /// (TrainerOptions::reduce_precision).
 enum class ReducePrecision { automatic, fp32, half };
+/// Data parallelism: what each rank keeps of the update (ZeRO's stages; TRAIN.ZERO_STAGE).
+/// `none` (stage 0): every rank holds everything. `optimizer` (stage 1): the optimizer's state
+/// and the fp32 master weights exist for this rank's slices of the parameters only; the
+/// gradient is reduce-scattered into them and the updated parameters all-gathered.
+/// `gradients` (stage 2): also the gradient, between windows (and the window's sum).
+enum class Sharding { none, optimizer, gradients };
 
 /// Loss-scale settings. Dynamic defaults are torch.amp.GradScaler's; the extras (hysteresis,
 /// clamps, collapse check) are off by default, and then the scale follows GradScaler exactly.
@@ -66,6 +72,10 @@ struct TrainerOptions {
   /// micro-batches holds an fp32 sum, which is all-reduced in fp32 whatever this says.
   /// Without master weights the gradient is fp32 and only `automatic` or `fp32` are accepted.
   TORCH_ARG(ReducePrecision, reduce_precision) = ReducePrecision::automatic;
+  /// Data parallelism with more than one rank: shard the update (Sharding; docs/guide/
+  /// data-parallel.md). One process holds everything whatever this says. Needs trainkit's
+  /// fused optimizers.
+  TORCH_ARG(Sharding, sharding) = Sharding::none;
   /// Parameter groups: the first name-substring that matches a parameter's name sets its LR
   /// multiplier (VL-BERT's LR_MULT); unmatched parameters have multiplier 1.
   using LrMult = std::vector<std::pair<std::string, double>>;

@@ -93,10 +93,13 @@ inline void plan_window(const nlohmann::json& t, TrainerKey& key, TrainerOptions
   o.partial_window(partial == "span" ? PartialWindow::span : partial == "drop" ? PartialWindow::drop : PartialWindow::flush);
 }
 
-/// The rest of the trainer's options: the non-finite rule and the parameter groups
-/// (NONFINITE, LR_MULT, NO_DECAY). keep_norm_fp32 keeps its default (on, as Apex O2's).
+/// The rest of the trainer's options: the non-finite rule, the parameter groups and the
+/// sharding (NONFINITE, LR_MULT, NO_DECAY, ZERO_STAGE). keep_norm_fp32 keeps its default (on,
+/// as Apex O2's).
 inline void plan_parameters(const nlohmann::json& t, TrainerOptions& o) {
   o.nonfinite(t["NONFINITE"].get<std::string>() == "abort" ? NonFinite::abort : NonFinite::skip);
+  const auto stage = t["ZERO_STAGE"].get<std::int64_t>();
+  o.sharding(stage == 2 ? Sharding::gradients : stage == 1 ? Sharding::optimizer : Sharding::none);
   std::vector<std::pair<std::string, double>> groups;
   for (const auto& pair : t["LR_MULT"]) groups.emplace_back(pair[0].get<std::string>(), pair[1].get<double>());
   o.lr_mult(std::move(groups));
@@ -229,7 +232,7 @@ struct RunPlan {
     p.optimizer = detail::plan_optimizer(t, p.total_batch, p.lr_scaling);
     p.base_lr = p.optimizer.lr;
     p.fit = detail::plan_fit(config.tree(), seed);
-    p.fit.config_json(p.trainer_options.config_json());
+    p.fit.config_json(p.trainer_options.config_json()).total_batch(p.total_batch);
     p.schedule = detail::plan_schedule(t, p.fit.end_epoch());
     return p;
   }

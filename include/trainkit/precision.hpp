@@ -323,6 +323,22 @@ std::optional<at::ScalarType> autocast_dtype_of() {
 }
 }  // namespace detail
 
+namespace detail {
+/// A policy states its constants for the step; the tag states them for the configuration
+/// (tags.hpp): both must say the same.
+template <class Mode>
+constexpr bool policy_agrees_with_tag() {
+  return PrecisionPolicy<Mode>::scales_loss == Mode::scales_loss &&
+         PrecisionPolicy<Mode>::master_weights == Mode::master_weights;
+}
+static_assert(policy_agrees_with_tag<FP32>() && policy_agrees_with_tag<BF16>() &&
+                  policy_agrees_with_tag<FP16Static>() && policy_agrees_with_tag<FP16Dynamic>() &&
+                  policy_agrees_with_tag<MasterWeights<BF16>>() &&
+                  policy_agrees_with_tag<MasterWeights<FP16Static>>() &&
+                  policy_agrees_with_tag<MasterWeights<FP16Dynamic>>(),
+              "trainkit: a precision policy's scales_loss and master_weights must be its tag's (tags.hpp)");
+}  // namespace detail
+
 /// True for PrecisionPolicy<Tag> with a valid tag (MasterWeights<T> with T a half mode).
 template <class T>
 struct is_precision_policy : std::false_type {};

@@ -16,11 +16,28 @@
 ///                                 the sum, so every rank skips the same steps
 ///   check_same_state(state, what) after Trainer::load(): throws on every rank unless every rank
 ///                                 holds the same state (each rank loads the full checkpoint)
+/// and, when the storage shards the update (detail::Partition, storage.hpp):
+///   reduce_scatter_gradients(flat_grad, local, partition, window, closes)
+///                                 phase 5 (and, with Sharding::gradients, after each backward
+///                                 of a window): every bucket of `flat_grad` summed over the
+///                                 ranks, this rank's slice of it into `local`; each rank's part
+///                                 weighted as reduce_gradients() weights it. Returns the factor
+///                                 when `closes` (the window's last reduction)
+///   global_norm(local)            phases 6-7: the L2 norm over every rank's `local` slices (one
+///                                 small all-reduce of the squares; a device scalar)
+///   sum(values)                   phase 9, sharded master weights: the fp32-kept parameters
+///   all_gather(flat, partition)   phase 9: every rank's slices of `flat` (this rank's in place)
+///                                 to every rank, bucket by bucket
+///   gather_to_main(local, partition)
+///                                 checkpoints: every rank's slices into one host tensor in the
+///                                 flat layout on the main rank (undefined on the others)
 /// and, for the training loop and the application:
 ///   rank(), world_size(), is_main()   log and write checkpoints on the main rank only
 ///   all_reduce(values, op)        a few host scalars combined over the ranks (sum, mean or
 ///                                 max): metrics, counts, the ranks' agreement on a stop (one
 ///                                 collective; every rank calls it with as many values)
+#include <trainkit/detail/partition.hpp>
+
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
@@ -71,6 +88,19 @@ class Replicas {
   virtual void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) = 0;
   /// `values` combined elementwise over the ranks by `op`, in place.
   virtual void all_reduce(std::vector<double>& values, Reduce op) = 0;
+
+  // --- sharded storage (see the file comment) ---
+  /// Bytes per bucket of the gradient's reduction (the partition's bucket size).
+  virtual std::int64_t bucket_bytes() const { return std::int64_t{25} << 20; }
+  virtual GradientFactor reduce_scatter_gradients(torch::Tensor& flat_grad, torch::Tensor& local,
+                                                  const detail::Partition& partition, const WindowWeights& window,
+                                                  bool closes) = 0;
+  virtual torch::Tensor global_norm(const torch::Tensor& local) = 0;
+  /// A device tensor summed over the ranks, in place (sharded master weights: the parameters
+  /// kept in fp32, each rank contributing the elements it updated).
+  virtual void sum(torch::Tensor& values) = 0;
+  virtual void all_gather(torch::Tensor& flat, const detail::Partition& partition) = 0;
+  virtual torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) = 0;
 };
 
 /// One process: nothing to send, nothing to wait for.
@@ -84,6 +114,26 @@ class SingleProcess final : public Replicas {
   }
   void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
   void all_reduce(std::vector<double>&, Reduce) override {}
+  // One rank owns every slice (a partition of world size 1 is never sharded): copies.
+  GradientFactor reduce_scatter_gradients(torch::Tensor& flat_grad, torch::Tensor& local, const detail::Partition& partition,
+                                          const WindowWeights& window, bool) override {
+    for (std::int64_t b = 0; b < partition.buckets(); ++b) {
+      const auto s = partition.slice(b);
+      local.narrow(0, partition.local(b), s.length).copy_(flat_grad.narrow(0, s.begin, s.length));
+    }
+    return {window.rescale, {}};
+  }
+  torch::Tensor global_norm(const torch::Tensor& local) override { return at::linalg_vector_norm(local, 2); }
+  void sum(torch::Tensor&) override {}
+  void all_gather(torch::Tensor&, const detail::Partition&) override {}
+  torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override {
+    auto out = torch::zeros({partition.total()}, local.options().device(torch::kCPU));
+    for (std::int64_t b = 0; b < partition.buckets(); ++b) {
+      const auto s = partition.slice(b);
+      out.narrow(0, s.begin, s.length).copy_(local.narrow(0, partition.local(b), s.length));
+    }
+    return out;
+  }
 };
 
 }  // namespace trainkit

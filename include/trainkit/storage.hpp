@@ -1,40 +1,62 @@
 #pragma once
-/// Parameter storage: where a trainer's parameters, gradients and fp32 masters live. The
-/// precision policy chooses it (`Precision::storage`, built with `Precision::storage_dtype`):
-/// FlatStorage for FP32, BF16 and FP16, MasterStorage (master_storage.hpp) for
-/// PrecisionPolicy<MasterWeights<T>>. Everything that
-/// depends on where a parameter's gradient, master copy and update live is a storage's; the
-/// trainer's step calls the same members whatever the storage is.
+/// Parameter storage: where a trainer's parameters, gradients, fp32 masters and optimizer
+/// state live. The precision policy chooses it (`Precision::storage`, built with
+/// `Precision::storage_dtype`): FlatStorage for FP32, BF16 and FP16, MasterStorage
+/// (master_storage.hpp) for PrecisionPolicy<MasterWeights<T>>. Everything that depends on
+/// where a parameter's gradient, master copy and update live is a storage's; the trainer's
+/// step calls the same members whatever the storage is.
 ///
 /// Contract — what the trainer calls, and when (every rank makes the same calls in the same order):
 ///   Storage(model, options, device, dtype)
 ///                                     at construction: the trainable parameters become views
-///                                     into one flat fp32 buffer (parameters()), 64-byte aligned
-///                                     and grouped by LR multiplier and weight decay (groups());
+///                                     into one flat buffer (parameters()), 64-byte aligned and
+///                                     grouped by LR multiplier and weight decay (groups());
 ///                                     their .grad become views of the storage's gradient
-///   attach(replicas)                  Trainer::set_replicas: every rank takes rank 0's values
-///   backward_done(closes)             after each backward (micro-step phase 3); `closes`: the
-///                                     optimizer phase follows before the next backward
+///   attach(replicas, model) -> bool   Trainer::set_replicas: every rank takes rank 0's values,
+///                                     and the storage cuts its buffers for the replicas
+///                                     (detail::Partition). True when the update is sharded:
+///                                     the optimizer's state then covers state_numel() local
+///                                     elements
+///   backward_begins()                 before each backward (micro-step phase 3)
+///   backward_done(done)               after each backward (detail::BackwardDone: whether the
+///                                     optimizer phase follows, whether the micro-batch ends,
+///                                     the window's weights so far)
 ///   reduce(replicas, window)          optimizer phase 5: the gradient summed over the ranks;
 ///                                     returns the factor that makes it the window's mean
-///   norm()                            phases 6-7: the L2 norm of the still-scaled gradient (a
-///                                     device scalar, no host sync)
-///   update(f)                         phase 9: f(groups, gradient) once per chunk of the part of
-///                                     the flat buffer this rank updates; after it, the model's
-///                                     parameters hold the update
+///   norm()                            phases 6-7: the global L2 norm of the still-scaled
+///                                     gradient (a device scalar, no host sync)
+///   update(f)                         phase 9: f(groups, gradient) once per chunk of the part
+///                                     of the flat buffer this rank updates; after it, the
+///                                     model's parameters hold the update on every rank
 ///   zero()                            phase 11 (and a dropped window)
 ///   check()                           once per window: the model's parameters and their .grad
 ///                                     are still the storage's views
+///   save(archive, rule) / load(archive, rule)
+///                                     the parameters (fp32 masters where they exist) and the
+///                                     rule's flat state, one record per parameter name and
+///                                     kind; sharded, save() gathers every rank's slices to the
+///                                     main rank (a collective: every rank calls it)
+///   snapshot(archive, rule) / restore(archive, rule)
+///                                     this rank's own buffers as they are, no collective (the
+///                                     rollback of a failed load)
 ///   save_window / load_window         the open window's gradient, for a checkpoint inside one
-///   stored(name, param)               what a checkpoint holds for a parameter; after records
-///                                     were read into those, parameters_loaded()
-/// Guarantees: the gaps between parameters are zeros in every flat buffer (they change no norm
-/// and no update); the gradient exists in fp32 (whole or chunk by chunk) inside the phase.
+/// Guarantees: the gaps between parameters and the partition's padding are zeros in every flat
+/// buffer (they change no norm and no update); the gradient exists in fp32 (whole, in chunks or
+/// as this rank's slices) inside the phase.
 ///
-/// A third storage of the same interface shards the update: its groups() and update() cover
-/// only this rank's contiguous slice of the flat buffer, reduce() reduce-scatters, norm() sums
-/// the shards' squares with one small all-reduce, and update() all-gathers the parameters.
+/// Sharding (TrainerOptions::sharding, with more than one rank: ZeRO's stages 1 and 2). The
+/// flat buffers are cut into buckets and every rank owns one slice of each (partition.hpp):
+/// reduce() reduce-scatters the gradient into this rank's slices, norm() sums the slices'
+/// squared norms with one small all-reduce, update() updates only this rank's slices (its
+/// optimizer state and fp32 masters exist for those alone) and all-gathers the parameters.
+/// Sharding::gradients also keeps only this rank's slices of the gradient between windows:
+/// the model's gradient is released after each reduction and allocated again before the next
+/// backward, and a window of several micro-batches reduce-scatters each of them into the
+/// slices' sum. Replicated (Sharding::none, or one process) every rank holds everything.
+#include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/flat_layout.hpp>
+#include <trainkit/detail/partition.hpp>
+#include <trainkit/detail/released_storage.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
@@ -65,13 +87,28 @@ struct PlacedParameter {
   std::int64_t offset = 0;  ///< in the flat buffers
 };
 
-/// The machinery both storages share: placing the parameters, the groups, the view check.
+/// What the trainer tells its storage after each backward.
+struct BackwardDone {
+  bool closes = false;           ///< the optimizer phase follows before the next backward
+  bool micro_batch_ends = true;  ///< false for a micro-batch's pieces but the last (micro_step_pieces)
+  WindowWeights window;          ///< the window's weights so far
+};
+
+/// The machinery both storages share: placing the parameters, the groups, the partition, the
+/// view check and the records by parameter name.
 class FlatParameters {
  public:
+  /// The flat fp32 buffer the update writes: the model's parameters, or with master weights
+  /// the masters (sharded master weights: this rank's slices only).
   const torch::Tensor& parameters() const { return params_; }
   const FlatLayout& layout() const { return layout_; }
   const std::vector<ParamGroup>& groups() const { return groups_; }
   std::int64_t parameter_count() const { return layout_.packed(); }
+  /// How the buffers are cut for the replicas (one bucket, replicated, in one process).
+  const Partition& partition() const { return partition_; }
+  /// Elements of the optimizer's flat state: the flat buffer, or this rank's slices.
+  std::int64_t state_numel() const { return partition_.local_total(); }
+  bool sharded() const { return partition_.sharded(); }
 
   /// Once per window, a pointer compare per parameter.
   void check() const {
@@ -84,7 +121,7 @@ class FlatParameters {
             "or move the model before building the trainer, or use trainer.load(path) or tk::load_weights(model, "
             "path), which copy into the parameters");
     for (const auto& v : views_)
-      if (!v.param.grad().defined() || v.param.grad().data_ptr() != v.grad_data)
+      if (!v.param.grad().defined() || v.param.grad().storage().unsafeGetStorageImpl() != v.grad_storage)
         throw std::logic_error(
             "Trainer: the .grad of parameter '" + v.name +
             "' was replaced or reset (model->zero_grad() or an optimizer's zero_grad()?); the "
@@ -94,9 +131,9 @@ class FlatParameters {
  protected:
   /// The trainable parameters of `model` on `device`, grouped by (LR multiplier, decay) in
   /// order of first appearance (the model's order inside each group), placed in layout_ with
-  /// each parameter 64-byte aligned for elements of `element_size` bytes.
-  std::vector<PlacedParameter> place(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
-                                     std::int64_t element_size, bool any_floating_point) {
+  /// each parameter 64-byte aligned for elements of `element_size` bytes (into placed_).
+  void place(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
+             std::int64_t element_size, bool any_floating_point) {
     std::vector<bool> no_decay_used(options.no_decay().size(), false);
     std::vector<PlacedParameter> placed;
     for (const auto& p : model.named_parameters(true)) {
@@ -132,21 +169,33 @@ class FlatParameters {
     const auto rank = [&](const PlacedParameter& e) { return std::find(order.begin(), order.end(), Key{e.lr_mult, e.decay}); };
     std::stable_sort(placed.begin(), placed.end(),
                      [&](const PlacedParameter& a, const PlacedParameter& b) { return rank(a) < rank(b); });
-    layout_ = FlatLayout(aligned_elements(element_size));
+    align_ = aligned_elements(element_size);
+    layout_ = FlatLayout(align_);
     for (auto& e : placed) e.offset = layout_.add(e.param.numel());
-    return placed;
+    placed_ = std::move(placed);
+    partition_ = Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
   }
 
-  /// The flat fp32 buffer, its gaps zero (before the parameters are copied in).
-  void allocate_parameters(torch::Device device) {
-    params_ = torch::empty({layout_.padded()}, torch::dtype(torch::kFloat).device(device));
-    layout_.zero_gaps(params_);
+  /// The partition for `replicas` (sharded with `sharding` and more than one rank).
+  Partition partition_for(const Replicas& replicas, Sharding sharding, std::int64_t element_size) const {
+    const bool shard = sharding != Sharding::none && replicas.world_size() > 1;
+    if (!shard) return Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
+    return Partition(layout_.padded(), std::max<std::int64_t>(1, replicas.bucket_bytes() / element_size), align_,
+                     replicas.world_size(), replicas.rank(), true);
   }
 
-  /// The view of `e` in params_, its values copied in.
-  torch::Tensor copy_in(const PlacedParameter& e) {
+  /// `numel` elements of fp32 on `device`, the layout's gaps zero (before the parameters are
+  /// copied in).
+  torch::Tensor allocate_flat(std::int64_t numel, torch::Device device) const {
+    auto flat = torch::empty({numel}, torch::dtype(torch::kFloat).device(device));
+    layout_.zero_gaps(flat);
+    return flat;
+  }
+
+  /// The view of `e` in `flat`, the parameter's current values copied in.
+  static torch::Tensor copy_in(const PlacedParameter& e, const torch::Tensor& flat) {
     torch::NoGradGuard no_grad;
-    auto view = params_.narrow(0, e.offset, e.param.numel()).view(e.param.sizes());
+    auto view = flat.narrow(0, e.offset, e.param.numel()).view(e.param.sizes());
     view.copy_(e.param);
     return view;
   }
@@ -159,59 +208,148 @@ class FlatParameters {
   }
 
   /// One group per run of parameters with the same (LR multiplier, decay): slices of params_
-  /// and of `grads` (undefined: bound in each optimizer phase).
-  void make_groups(const std::vector<PlacedParameter>& placed, const torch::Tensor& grads) {
+  /// and of `grads` (undefined: bound in each optimizer phase); the state at the group's offset.
+  void make_groups(const torch::Tensor& grads) {
+    groups_.clear();
+    ranges_.clear();
     std::int64_t begin = 0;
-    for (size_t i = 0; i < placed.size(); ++i) {
-      const auto& e = placed[i];
-      if (i == 0 || placed[i - 1].lr_mult != e.lr_mult || placed[i - 1].decay != e.decay) begin = e.offset;
-      const bool ends = i + 1 == placed.size() || placed[i + 1].lr_mult != e.lr_mult || placed[i + 1].decay != e.decay;
+    for (size_t i = 0; i < placed_.size(); ++i) {
+      const auto& e = placed_[i];
+      if (i == 0 || placed_[i - 1].lr_mult != e.lr_mult || placed_[i - 1].decay != e.decay) begin = e.offset;
+      const bool ends = i + 1 == placed_.size() || placed_[i + 1].lr_mult != e.lr_mult || placed_[i + 1].decay != e.decay;
       if (!ends) continue;
       const auto end = e.offset + e.param.numel();
       groups_.push_back({params_.narrow(0, begin, end - begin),
                          grads.defined() ? grads.narrow(0, begin, end - begin) : torch::Tensor(), e.lr_mult, e.decay,
-                         layout_.slice(begin, end)});
+                         layout_.slice(begin, end), /*state_offset=*/begin});
+      ranges_.push_back({begin, end - begin});
     }
   }
 
   /// Records the views check() compares against (after each parameter's data and .grad are set).
   void record_view(const PlacedParameter& e) {
-    views_.push_back({e.param, e.param.grad().data_ptr(), e.param.data_ptr(), e.name});
+    views_.push_back({e.param, e.param.grad().storage().unsafeGetStorageImpl(), e.param.data_ptr(), e.name});
   }
 
   /// The groups' gradients as slices of `grads` (the whole flat gradient), or none.
   void bind_gradients(const torch::Tensor& grads) {
-    for (auto& g : groups_)
-      g.grads = grads.defined() ? grads.narrow(0, g.params.storage_offset(), g.params.numel()) : torch::Tensor();
+    for (size_t g = 0; g < groups_.size(); ++g)
+      groups_[g].grads = grads.defined() ? grads.narrow(0, ranges_[g].begin, ranges_[g].length) : torch::Tensor();
   }
 
-  /// The groups restricted to flat elements [begin, begin + part.numel()), their gradients in
-  /// `part` (a chunk); a group outside the range has undefined params.
-  std::vector<ParamGroup> groups_in(std::int64_t begin, const torch::Tensor& part) const {
-    const auto end = begin + part.numel();
+  /// The groups restricted to the flat elements `range`: their parameters in `params` and
+  /// their gradients in `grads` (both `range`'s elements, in any buffer), their state from
+  /// `state_begin` on; a group outside the range has undefined params. The chunks of the
+  /// master-weights phase and a rank's slices are updated through these.
+  std::vector<ParamGroup> chunk_groups(Range range, const torch::Tensor& params, const torch::Tensor& grads,
+                                       std::int64_t state_begin) const {
     std::vector<ParamGroup> out(groups_.size());
     for (size_t g = 0; g < groups_.size(); ++g) {
-      const auto first = groups_[g].params.storage_offset(), last = first + groups_[g].params.numel();
-      const auto lo = std::max(begin, first), hi = std::min(end, last);
+      const auto lo = std::max(range.begin, ranges_[g].begin), hi = std::min(range.end(), ranges_[g].end());
       if (lo >= hi) continue;
-      out[g].params = params_.narrow(0, lo, hi - lo);
-      out[g].grads = part.narrow(0, lo - begin, hi - lo);
+      out[g].params = params.narrow(0, lo - range.begin, hi - lo);
+      out[g].grads = grads.narrow(0, lo - range.begin, hi - lo);
       out[g].lr_mult = groups_[g].lr_mult;
       out[g].decay = groups_[g].decay;
-      out[g].state_offset = lo - first;
+      out[g].state_offset = state_begin + (lo - range.begin);
     }
     return out;
   }
+  /// chunk_groups over this rank's slice of bucket b: parameters from `params` (global layout,
+  /// or local when `params_local`), gradients and state in the local layout.
+  std::vector<ParamGroup> slice_groups(std::int64_t b, const torch::Tensor& params, bool params_local,
+                                       const torch::Tensor& local_grads) const {
+    const Range s = partition_.slice(b);
+    const auto at = partition_.local(b);
+    return chunk_groups(s, params.narrow(0, params_local ? at : s.begin, s.length), local_grads.narrow(0, at, s.length), at);
+  }
+
+  // --- records by parameter name ----------------------------------------------------------
+  /// `global` (a buffer in the flat layout, on any device) as one record per parameter:
+  /// `prefix` + name, with the parameter's shape. Views of one storage: written once.
+  void write_by_name(torch::serialize::OutputArchive& archive, const std::string& prefix,
+                     const torch::Tensor& global) const {
+    for (const auto& e : placed_)
+      write_tensor(archive, prefix + e.name, global.narrow(0, e.offset, e.param.numel()).view(e.param.sizes()));
+  }
+  /// The records `prefix` + name into `local` (this rank's layout: the flat layout, or its
+  /// slices when sharded). Throws naming the first record that is missing or misshapen, before
+  /// anything is copied.
+  void read_by_name(torch::serialize::InputArchive& archive, const std::string& prefix, const torch::Tensor& local) const {
+    std::vector<torch::Tensor> saved;
+    saved.reserve(placed_.size());
+    for (const auto& e : placed_) {
+      auto t = read_tensor(archive, prefix + e.name);
+      if (t.sizes() != e.param.sizes())
+        throw std::runtime_error("checkpoint record '" + prefix + e.name + "' has shape " + shape_string(t.sizes()) +
+                                 ", this run needs " + shape_string(e.param.sizes()));
+      saved.push_back(t.reshape({-1}));
+    }
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < placed_.size(); ++i)
+      for_each_piece(placed_[i], [&](std::int64_t at, std::int64_t from, std::int64_t n) {
+        local.narrow(0, at, n).copy_(saved[i].narrow(0, from, n));
+      });
+  }
+  /// The parts of parameter `e` this rank holds in its local layout: f(local offset, offset in
+  /// the parameter, elements); the whole parameter at its flat offset when replicated.
+  template <class F>
+  void for_each_piece(const PlacedParameter& e, F&& f) const {
+    const Range p{e.offset, e.param.numel()};
+    if (!partition_.sharded()) {
+      f(p.begin, 0, p.length);
+      return;
+    }
+    for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
+      const Range s = partition_.slice(b);
+      const auto lo = std::max(s.begin, p.begin), hi = std::min(s.end(), p.end());
+      if (lo < hi) f(partition_.local(b) + (lo - s.begin), lo - p.begin, hi - lo);
+    }
+  }
+  /// A local buffer in the flat layout on the main rank (gathered from every rank's slices when
+  /// sharded, on the host); undefined on the other ranks of a sharded run. A collective when
+  /// sharded.
+  torch::Tensor global_of(const torch::Tensor& local) const {
+    if (!partition_.sharded()) return local;
+    return replicas_->gather_to_main(local, partition_);
+  }
+
+  /// The rule's flat state by parameter name: optim.<kind>.<name> (checkpoints of version 0.1
+  /// hold it per group, optim.<kind>.<g>, packed: read too).
+  void save_state(torch::serialize::OutputArchive& archive, const UpdateRule& rule) const {
+    for (const auto* s : rule.flat_states()) {
+      const auto global = global_of(s->flat());
+      if (global.defined()) write_by_name(archive, "optim." + s->kind() + ".", global);
+    }
+  }
+  void load_state(torch::serialize::InputArchive& archive, UpdateRule& rule) const {
+    for (auto* s : rule.flat_states()) {
+      const std::string prefix = "optim." + s->kind() + ".";
+      torch::Tensor probe;
+      if (!placed_.empty() && !archive.try_read(prefix + placed_.front().name, probe, true) &&
+          archive.try_read(prefix + "0", probe, true) && !partition_.sharded()) {
+        for (size_t g = 0; g < groups_.size(); ++g)
+          groups_[g].layout.read_into(archive, prefix + std::to_string(g),
+                                      s->flat().narrow(0, ranges_[g].begin, ranges_[g].length));
+        continue;
+      }
+      read_by_name(archive, prefix, s->flat());
+    }
+  }
 
   FlatLayout layout_;
-  torch::Tensor params_;  // the flat fp32 parameters (the masters, with master weights)
+  std::int64_t align_ = 16;
+  std::vector<PlacedParameter> placed_;
+  torch::Tensor params_;  // the flat fp32 buffer the update writes (see parameters())
   std::vector<ParamGroup> groups_;
+  std::vector<Range> ranges_;  // each group's elements in the flat layout
+  Partition partition_;
+  Replicas* replicas_ = nullptr;  // the trainer's, from attach()
 
- private:
   struct View {
     torch::Tensor param;
-    const void* grad_data;   // the .grad's storage
-    const void* param_data;  // the parameter's
+    const c10::StorageImpl* grad_storage;  // the .grad's storage
+    const void* param_data;                // the parameter's
     std::string name;
   };
   std::vector<View> views_;
@@ -221,7 +359,8 @@ class FlatParameters {
 
 /// FP32, BF16 and FP16: the parameters are views into one flat fp32 buffer and their .grad
 /// into a flat fp32 gradient that autograd accumulates into in place, across the window's
-/// micro-batches. The optimizer phase reads the gradient as one tensor.
+/// micro-batches. The optimizer phase reads the gradient as one tensor, or, sharded, this
+/// rank's slices of its sum over the ranks.
 class FlatStorage : public detail::FlatParameters {
  public:
   /// Whether a torch::optim::Optimizer may update the parameters (it sees the model's own).
@@ -235,42 +374,188 @@ class FlatStorage : public detail::FlatParameters {
 
   /// `dtype`: the precision's storage_dtype, fp32 (the model's parameters are the flat buffer).
   FlatStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
-              at::ScalarType dtype = at::kFloat) {
+              at::ScalarType dtype = at::kFloat)
+      : sharding_(options.sharding()), device_(device) {
     TORCH_CHECK(dtype == at::kFloat, "FlatStorage holds fp32 parameters, not ", dtype);
-    auto placed = place(model, options, device, /*element_size=*/4, /*any_floating_point=*/false);
-    allocate_parameters(device);
-    for (auto& e : placed) e.param.set_data(copy_in(e));  // (releases the parameter's old storage)
-    release_cached(device);
-    grad_ = torch::zeros({layout_.padded()}, params_.options());
-    for (auto& e : placed) {
+    place(model, options, device, /*element_size=*/4, /*any_floating_point=*/false);
+    allocate(layout_.padded());
+  }
+
+  /// The flat gradient (every trainable parameter's .grad is a view into it). Sharded with
+  /// Sharding::gradients, its memory exists only from a backward to the reduction after it.
+  const torch::Tensor& gradients() const { return grad_; }
+  /// Sharded: this rank's slices of the reduced gradient (the window's sum over the ranks, in
+  /// the phase; with Sharding::gradients also the sum of the window's earlier micro-batches).
+  const torch::Tensor& local_gradients() const { return local_grad_; }
+
+  bool attach(Replicas& replicas, torch::nn::Module& model) {
+    replicas_ = &replicas;
+    partition_ = partition_for(replicas, sharding_, /*element_size=*/4);
+    if (partition_.total() != params_.numel()) allocate(partition_.total());
+    replicas.attach(model, params_);
+    local_grad_ = torch::Tensor();
+    summed_ = false;
+    if (shards_gradients()) detail::release_storage(grad_);
+    return sharded();
+  }
+  void backward_begins() {
+    if (detail::is_released(grad_)) detail::allocate_released(grad_);
+  }
+  // Sharding::gradients: a backward the phase does not follow is reduce-scattered into the
+  // slices' sum now, and the model's gradient released until the next backward.
+  void backward_done(const detail::BackwardDone& done) {
+    if (done.closes || !done.micro_batch_ends || !shards_gradients()) return;
+    scatter_into_sum(done.window, /*closes=*/false);
+    detail::release_storage(grad_);
+  }
+  GradientFactor reduce(Replicas& replicas, const WindowWeights& window) {
+    if (!sharded()) return replicas.reduce_gradients(grad_, window);
+    // (A window flushed at an epoch's end after a reduced micro-batch has no gradient left:
+    // zeros stand for it, and the reduction still brings the window's item total.)
+    backward_begins();
+    const GradientFactor factor = scatter_into_sum(window, /*closes=*/true);
+    if (shards_gradients()) detail::release_storage(grad_);
+    return factor;
+  }
+  torch::Tensor norm() const {
+    return sharded() ? replicas_->global_norm(local_grad_) : at::linalg_vector_norm(grad_, 2);
+  }
+  template <class Update>
+  void update(Update&& f) {
+    if (!sharded()) {
+      f(groups_, grad_);
+      return;
+    }
+    for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
+      auto part = local_grad_.narrow(0, partition_.local(b), partition_.slice(b).length);
+      f(slice_groups(b, params_, /*params_local=*/false, local_grad_), part);
+    }
+    replicas_->all_gather(params_, partition_);
+  }
+  void zero() {
+    summed_ = false;
+    if (!sharded()) {
+      grad_.zero_();
+      return;
+    }
+    if (shards_gradients()) {
+      if (!detail::is_released(grad_)) detail::release_storage(grad_);
+    } else {
+      grad_.zero_();
+    }
+    local_grad_ = scratch_ = torch::Tensor();  // the reduced slices live from a reduction to the update
+  }
+
+  /// The parameters by name (model.param.<name>) and the rule's flat state; `module` for the
+  /// parameters the trainer does not hold (frozen ones).
+  void save(torch::serialize::OutputArchive& archive, torch::nn::Module& module, const detail::UpdateRule& rule) const {
+    save_parameters(archive, module);
+    save_state(archive, rule);
+  }
+  void load(torch::serialize::InputArchive& archive, torch::nn::Module& module, detail::UpdateRule& rule) {
+    load_parameters(archive, module);
+    load_state(archive, rule);
+  }
+  void snapshot(torch::serialize::OutputArchive& archive, torch::nn::Module& module, const detail::UpdateRule& rule) const {
+    save_parameters(archive, module);
+    for (const auto* s : rule.flat_states()) detail::write_tensor(archive, "snapshot." + s->kind(), s->flat());
+  }
+  void restore(torch::serialize::InputArchive& archive, torch::nn::Module& module, detail::UpdateRule& rule) {
+    load_parameters(archive, module);
+    for (auto* s : rule.flat_states()) detail::read_into(archive, "snapshot." + s->kind(), s->flat());
+  }
+  /// What every rank must hold alike after a load (compared across the ranks).
+  const torch::Tensor& replicated_state() const { return params_; }
+
+  /// The open window's gradient (a checkpoint inside a window, PARTIAL_WINDOW: span): this
+  /// rank's gradient as it is (replicated and Sharding::optimizer: the main rank's, as every
+  /// record), or with Sharding::gradients the reduced sum of the window's micro-batches so far,
+  /// gathered by parameter name (a collective), which any world size can resume.
+  void save_window(torch::serialize::OutputArchive& archive, bool snapshot = false) const {
+    if (!shards_gradients()) {
+      layout_.write(archive, "window.gradient", grad_);
+      return;
+    }
+    TORCH_CHECK(summed_, "Sharding::gradients: an open window without a reduced micro-batch");
+    if (snapshot) {
+      detail::write_tensor(archive, "snapshot.window_local", local_grad_);
+      return;
+    }
+    const auto global = global_of(local_grad_);
+    if (global.defined()) write_by_name(archive, "window.gradient_reduced.", global);
+  }
+  void load_window(torch::serialize::InputArchive& archive, bool snapshot = false) {
+    if (snapshot && shards_gradients()) {
+      local_grad_ = detail::read_tensor(archive, "snapshot.window_local").to(params_.device());
+      summed_ = true;
+      return;
+    }
+    torch::Tensor probe;
+    const bool reduced = !placed_.empty() && archive.try_read("window.gradient_reduced." + placed_.front().name, probe, true);
+    if (reduced != shards_gradients())
+      throw std::runtime_error(std::string("it was written inside a window (PARTIAL_WINDOW: span) ") +
+                               (reduced ? "with gradients sharded (TRAIN.ZERO_STAGE: 2), and this run does not shard them"
+                                        : "without sharded gradients, and this run shards them (TRAIN.ZERO_STAGE: 2)") +
+                               "; resume with the checkpoint's TRAIN.ZERO_STAGE, or from a checkpoint at a window's end");
+    if (!reduced) {
+      backward_begins();
+      layout_.read_into(archive, "window.gradient", grad_);
+      return;
+    }
+    local_grad_ = torch::zeros({partition_.local_total()}, params_.options());
+    read_by_name(archive, "window.gradient_reduced.", local_grad_);
+    summed_ = true;
+  }
+
+ private:
+  void save_parameters(torch::serialize::OutputArchive& archive, torch::nn::Module& module) const {
+    for (const auto& p : module.named_parameters(true)) detail::write_tensor(archive, "model.param." + p.key(), p.value());
+  }
+  void load_parameters(torch::serialize::InputArchive& archive, torch::nn::Module& module) {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : module.named_parameters(true)) detail::read_into(archive, "model.param." + p.key(), p.value());
+  }
+
+  bool shards_gradients() const { return sharded() && sharding_ == Sharding::gradients; }
+
+  // The flat buffers at `numel` elements: the parameters copied in and their views re-pointed,
+  // the gradient zero (at construction, and at attach() when the partition pads the buffers).
+  void allocate(std::int64_t numel) {
+    auto flat = allocate_flat(numel, device_);
+    for (auto& e : placed_) e.param.set_data(copy_in(e, flat));  // (releases the old storage)
+    params_ = flat;
+    grad_ = torch::Tensor();
+    release_cached(device_);
+    grad_ = torch::zeros({numel}, params_.options());
+    views_.clear();
+    for (auto& e : placed_) {
       e.param.mutable_grad() = grad_.narrow(0, e.offset, e.param.numel()).view(e.param.sizes());
       record_view(e);
     }
-    make_groups(placed, grad_);
+    make_groups(grad_);
   }
 
-  /// The flat gradient (every trainable parameter's .grad is a view into it).
-  const torch::Tensor& gradients() const { return grad_; }
-
-  void attach(Replicas& replicas, torch::nn::Module& model) { replicas.attach(model, params_); }
-  void backward_done(bool /*closes*/) {}
-  GradientFactor reduce(Replicas& replicas, const WindowWeights& window) {
-    return replicas.reduce_gradients(grad_, window);
+  // Sharded: the model's gradient reduce-scattered into this rank's slices, added to the
+  // window's earlier micro-batches when there are any (Sharding::gradients).
+  GradientFactor scatter_into_sum(const WindowWeights& window, bool closes) {
+    if (!summed_) {
+      if (!local_grad_.defined()) local_grad_ = torch::empty({partition_.local_total()}, params_.options());
+      const auto factor = replicas_->reduce_scatter_gradients(grad_, local_grad_, partition_, window, closes);
+      summed_ = true;
+      return factor;
+    }
+    if (!scratch_.defined()) scratch_ = torch::empty({partition_.local_total()}, params_.options());
+    const auto factor = replicas_->reduce_scatter_gradients(grad_, scratch_, partition_, window, closes);
+    local_grad_.add_(scratch_);
+    return factor;
   }
-  torch::Tensor norm() const { return at::linalg_vector_norm(grad_, 2); }
-  template <class Update>
-  void update(Update&& f) {
-    f(groups_, grad_);
-  }
-  void zero() { grad_.zero_(); }
 
-  void save_window(torch::serialize::OutputArchive& archive) const { layout_.write(archive, "window.gradient", grad_); }
-  void load_window(torch::serialize::InputArchive& archive) { layout_.read_into(archive, "window.gradient", grad_); }
-  const torch::Tensor& stored(const std::string& /*name*/, const torch::Tensor& param) const { return param; }
-  void parameters_loaded() {}
-
- private:
+  Sharding sharding_;
+  torch::Device device_;
   torch::Tensor grad_;
+  torch::Tensor local_grad_;  // sharded: this rank's slices of the reduced gradient
+  torch::Tensor scratch_;     // Sharding::gradients with several micro-batches: one reduction's slices
+  bool summed_ = false;       // local_grad_ holds this window's earlier micro-batches
 };
 
 }  // namespace trainkit

@@ -111,6 +111,10 @@ class Trainer final : public AnyTrainer {
                   "the model's half parameters, not the fp32 masters; use the fused tk::SGD, "
                   "tk::Adam or tk::AdamW, or PrecisionPolicy<T> without MasterWeights");
     rule_ = detail::make_rule(std::move(optimizer), storage_.groups());
+    if (options_.sharding() != Sharding::none && !rule_->fused())
+      throw std::invalid_argument("trainkit::TrainerOptions: sharding (TRAIN.ZERO_STAGE) needs trainkit's fused "
+                                  "optimizers (tk::SGD, tk::Adam, tk::AdamW): a torch::optim::Optimizer keeps the "
+                                  "state of every parameter itself");
     const auto long_opts = torch::dtype(torch::kLong).device(device_);
     applied_ = torch::zeros({1}, long_opts);
     skipped_ = torch::zeros({1}, long_opts);
@@ -162,7 +166,7 @@ class Trainer final : public AnyTrainer {
     if (accumulation_.position() == 0) return std::nullopt;
     switch (options_.partial_window()) {
       case PartialWindow::flush:
-        return optimizer_phase();
+        return close_window();
       case PartialWindow::span:
         return std::nullopt;
       case PartialWindow::drop:
@@ -193,13 +197,21 @@ class Trainer final : public AnyTrainer {
 
   /// Data parallel (replicas.hpp): attaches the other ranks; every rank's parameters and
   /// buffers become rank 0's now, and phase 5 sums the gradients once per window. Call it on
-  /// every rank, between windows, before load(). The default is SingleProcess.
+  /// every rank, between windows, before load(). The default is SingleProcess. With
+  /// TrainerOptions::sharding and more than one rank the optimizer's state then covers this
+  /// rank's slices only: call it before the first optimizer step.
   void set_replicas(std::shared_ptr<Replicas> replicas) override {
     TORCH_CHECK(replicas != nullptr, "set_replicas: the replicas are null (use tk::SingleProcess)");
     TORCH_CHECK(accumulation_.position() == 0, "set_replicas: a window is open (",
                 accumulation_.position(), " micro-batches); attach between windows");
-    storage_.attach(*replicas, *module_);
+    const bool was_sharded = storage_.sharded();
+    if (options_.sharding() != Sharding::none && replicas->world_size() > 1 && windows_ > 0)
+      throw std::logic_error("set_replicas: with sharding (TrainerOptions::sharding, TRAIN.ZERO_STAGE) the optimizer's "
+                             "state is cut by rank: attach the replicas before the first optimizer step (" +
+                             std::to_string(windows_) + " have run), then load() a checkpoint to continue");
     replicas_ = std::move(replicas);
+    if (storage_.attach(*replicas_, *module_) || was_sharded)
+      for (auto* state : rule_->flat_states()) state->resize(storage_.state_numel());
   }
   /// rank(), world_size(), is_main() for the loop; all_reduce() for its metrics.
   Replicas& replicas() override { return *replicas_; }
@@ -248,33 +260,14 @@ class Trainer final : public AnyTrainer {
 
   using AnyTrainer::load;
   using AnyTrainer::save;
-  /// Every record of the trainer's state: each part writes its own.
-  void save(torch::serialize::OutputArchive& archive) const override {
-    detail::write_value(archive, "meta.trainer", name());
-    detail::write_value(archive, "meta.version", std::string(TRAINKIT_VERSION_STRING));
-    detail::write_value(archive, "meta.optimizer", rule_->name());
-    detail::write_value(archive, "meta.config", options_.config_json());
-    {
-      torch::NoGradGuard no_grad;
-      for (const auto& p : module_->named_parameters(true))
-        archive.write("model.param." + p.key(), storage_.stored(p.key(), p.value()), /*is_buffer=*/true);
-      for (const auto& b : module_->named_buffers(true))
-        archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
-    }
-    rule_->save(archive);
-    precision_.save(archive);
-    detail::write_tensor(archive, "counters.applied", applied_);
-    detail::write_tensor(archive, "counters.skipped", skipped_);
-    detail::write_value(archive, "counters.windows", windows_);
-    accumulation_.save(archive);
-    // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
-    if (accumulation_.position() > 0) {
-      storage_.save_window(archive);
-      detail::write_tensor(archive, "window.loss", window_loss_);
-    }
-    detail::write_value(archive, "schedule.state", schedule_->state());
-    detail::save_rng_states(archive, device_);
-  }
+  /// Every record of the trainer's state: each part writes its own. The parameters and the
+  /// optimizer's state are keyed by parameter name with the parameters' shapes, whatever the
+  /// layout or the world size. Sharded (saves_collectively()): every rank calls it, and the
+  /// main rank's archive receives everything.
+  void save(torch::serialize::OutputArchive& archive) const override { write_state(archive, /*snapshot=*/false); }
+  /// This rank's state as it holds it, with no collective (a failed load's rollback).
+  void snapshot(torch::serialize::OutputArchive& archive) const override { write_state(archive, /*snapshot=*/true); }
+  bool saves_collectively() const override { return storage_.sharded(); }
 
   /// Restores the state save() wrote. A checkpoint of another trainer type or optimizer, or
   /// with other parameter names or shapes, is refused before anything changes (the message
@@ -295,18 +288,19 @@ class Trainer final : public AnyTrainer {
                                     rule_->name() + "; resume with the checkpoint's optimizer (TRAIN.OPTIMIZER), or "
                                     "start a new run (tk::load_weights takes its weights alone)"));
     check_model_records(archive, what);
-    read_state(archive, what);
+    read_state(archive, what, /*snapshot=*/false);
     // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
-    replicas_->check_same_state({storage_.parameters(), applied_, skipped_, precision_.scale(),
+    replicas_->check_same_state({storage_.replicated_state(), applied_, skipped_, precision_.scale(),
                                  torch::tensor({static_cast<double>(windows_),
                                                 static_cast<double>(accumulation_.position())},
                                                torch::kDouble)},
                                 what("the ranks loaded different training states"));
   }
-  /// A snapshot of this trainer's own save() back (the rollback of a failed load): no checks,
-  /// no collectives.
+  /// A snapshot() of this trainer back (the rollback of a failed load): no checks, no
+  /// collectives.
   void restore(torch::serialize::InputArchive& snapshot) override {
-    read_state(snapshot, [](const std::string& s) { return "restoring the state before a failed load: " + s; });
+    read_state(snapshot, [](const std::string& s) { return "restoring the state before a failed load: " + s; },
+               /*snapshot=*/true);
   }
 
  protected:
@@ -318,6 +312,33 @@ class Trainer final : public AnyTrainer {
   }
 
  private:
+  void write_state(torch::serialize::OutputArchive& archive, bool snapshot) const {
+    detail::write_value(archive, "meta.trainer", name());
+    detail::write_value(archive, "meta.version", std::string(TRAINKIT_VERSION_STRING));
+    detail::write_value(archive, "meta.optimizer", rule_->name());
+    detail::write_value(archive, "meta.config", options_.config_json());
+    {
+      torch::NoGradGuard no_grad;
+      if (snapshot) storage_.snapshot(archive, *module_, *rule_);
+      else storage_.save(archive, *module_, *rule_);
+      for (const auto& b : module_->named_buffers(true))
+        archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
+    }
+    rule_->save(archive);
+    precision_.save(archive);
+    detail::write_tensor(archive, "counters.applied", applied_);
+    detail::write_tensor(archive, "counters.skipped", skipped_);
+    detail::write_value(archive, "counters.windows", windows_);
+    accumulation_.save(archive);
+    // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
+    if (accumulation_.position() > 0) {
+      storage_.save_window(archive, snapshot);
+      detail::write_tensor(archive, "window.loss", window_loss_);
+    }
+    detail::write_value(archive, "schedule.state", schedule_->state());
+    detail::save_rng_states(archive, device_);
+  }
+
   static TrainerOptions validated(TrainerOptions options) {
     options.validate();
     storage_type::validate(options, name());
@@ -345,22 +366,21 @@ class Trainer final : public AnyTrainer {
                                       detail::shape_string(saved.sizes()) + ", the model's is " +
                                       detail::shape_string(target.sizes())));
     };
-    for (const auto& p : module_->named_parameters(true)) check("model.param.", p.key(), storage_.stored(p.key(), p.value()));
+    for (const auto& p : module_->named_parameters(true)) check("model.param.", p.key(), p.value());
     for (const auto& b : module_->named_buffers(true)) check("model.buffer.", b.key(), b.value());
   }
 
   // Sets the trainer's state from the records save() wrote (checked by check_model_records
-  // first, or a snapshot of this trainer's).
+  // first), or from a snapshot() of this trainer's.
   template <class What>
-  void read_state(torch::serialize::InputArchive& archive, const What& what) {
+  void read_state(torch::serialize::InputArchive& archive, const What& what, bool snapshot) {
     {
       torch::NoGradGuard no_grad;
-      for (const auto& p : module_->named_parameters(true))
-        detail::read_into(archive, "model.param." + p.key(), storage_.stored(p.key(), p.value()));
       for (const auto& b : module_->named_buffers(true)) detail::read_into(archive, "model.buffer." + b.key(), b.value());
-      storage_.parameters_loaded();
     }
     try {
+      if (snapshot) storage_.restore(archive, *module_, *rule_);
+      else storage_.load(archive, *module_, *rule_);
       rule_->load(archive);
     } catch (const std::exception& e) {
       c10::IValue written;
@@ -375,7 +395,7 @@ class Trainer final : public AnyTrainer {
     windows_ = detail::read_value(archive, "counters.windows").toInt();
     accumulation_.load(archive);
     if (accumulation_.position() > 0) {
-      storage_.load_window(archive);
+      storage_.load_window(archive, snapshot);
       window_loss_ = torch::zeros_like(window_loss_);  // (the last report may hold the old one)
       detail::read_into(archive, "window.loss", window_loss_);
     } else {
@@ -396,9 +416,10 @@ class Trainer final : public AnyTrainer {
     // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items).
     const bool opens = accumulation_.position() == 0;
     backward(loss, accumulation_.weight(items), opens);
-    // 4. Data parallel: no communication inside the window.
+    // 4. Data parallel: no communication inside the window (except Sharding::gradients, which
+    //    reduce-scatters each micro-batch into this rank's slices of the window's sum).
     const bool closes = accumulation_.closes();
-    storage_.backward_done(closes);
+    storage_.backward_done(detail::BackwardDone{closes, /*micro_batch_ends=*/true, window_weights()});
     if (!closes) return {};
     return {true, close_window()};
   }
@@ -422,7 +443,8 @@ class Trainer final : public AnyTrainer {
       if (j == 0) weight = accumulation_.weight(total);
       const double share = total > 0 ? static_cast<double>(items[j]) / static_cast<double>(total) : 0.0;
       backward(loss, weight * share, opens && j == 0);
-      storage_.backward_done(j + 1 == items.size() && accumulation_.closes());
+      const bool last = j + 1 == items.size();
+      storage_.backward_done(detail::BackwardDone{last && accumulation_.closes(), last, window_weights()});
     }
     if (!accumulation_.closes()) return {};
     return {true, close_window()};
@@ -455,6 +477,7 @@ class Trainer final : public AnyTrainer {
       else window_loss_.add_(objective);
     }
     if constexpr (Precision::scales_loss) objective = objective * precision_.scale();
+    storage_.backward_begins();
     objective.backward();
   }
 
@@ -491,8 +514,7 @@ class Trainer final : public AnyTrainer {
     const double rescale = accumulation_.rescale();
     // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat gradient, once
     //    per window); `factor` makes it the mean over every rank's micro-batches or items.
-    const GradientFactor factor = storage_.reduce(
-        *replicas_, {rescale, accumulation_.counted() ? accumulation_.items() : -1, accumulation_.position()});
+    const GradientFactor factor = storage_.reduce(*replicas_, window_weights());
     // 6+7. One pass over the gradient: the global L2 norm of the still-scaled gradient, both
     //    the overflow check and, divided by the divisor, the logged and clipped norm. A
     //    non-finite gradient has a non-finite norm. So has a finite one whose norm overflows
@@ -552,6 +574,16 @@ class Trainer final : public AnyTrainer {
     accumulation_.reset();
     host_checks(report);
     return report;
+  }
+
+  // What phase 5 (and a sharded reduction inside the window) weights each rank's gradient by:
+  // host values only.
+  WindowWeights window_weights() const {
+    const bool counted = accumulation_.counted();
+    // (A window whose items so far are 0 has a zero gradient so far: any rescale will do until
+    // its end, where rescale() refuses a window of no items.)
+    const double rescale = counted && accumulation_.items() <= 0 && !accumulation_.closes() ? 1.0 : accumulation_.rescale();
+    return {rescale, counted ? accumulation_.items() : -1, accumulation_.position()};
   }
 
   // Checks that need a host value, run only where they were asked for.

@@ -8,7 +8,11 @@
 //       [--overflow-rank R --overflow-window W]   inject an inf loss on rank R in window W (1-based)
 //       [--items 1]                                 item-weighted windows (uneven counts per rank)
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
-//       [--save PATH]                              rank 0 writes a checkpoint at the end
+//       [--save PATH]                              a checkpoint at the end (rank 0 writes it; sharded,
+//                                                  every rank sends its slices)
+//       [--sharding 0|1|2]                         TrainerOptions::sharding (none, optimizer, gradients)
+//       [--flush 1]                                windows may end with the epoch (a partial window,
+//                                                  trainer.flush()): --samples/--batch/--accum need not divide
 //       [--fit DIR]                                train 2 epochs with tk::fit, output DIR/rank<r>
 //       [--oom-rank R]                             with --fit: rank R runs out of memory once, in
 //                                                  epoch 0's micro-batch 1 (a c10::OutOfMemoryError
@@ -41,7 +45,7 @@ namespace {
 struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
-  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1;
+  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
 };
 
@@ -67,6 +71,7 @@ Args parse(int argc, char** argv) {
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
   take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
   take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank), take("reduce", a.reduce);
+  take("sharding", a.sharding), take("flush", a.flush);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -103,6 +108,15 @@ tk::ReducePrecision reduce_precision(const Args& a) {
   throw std::invalid_argument("--reduce must be auto, fp32 or half");
 }
 
+// Bytes the model's flat gradient holds now (0: released between windows, Sharding::gradients).
+template <class Trainer>
+std::int64_t gradient_bytes(const Trainer& trainer) {
+  if constexpr (Trainer::precision::master_weights)
+    return static_cast<std::int64_t>(trainer.storage().half_gradients().storage().nbytes());
+  else
+    return static_cast<std::int64_t>(trainer.storage().gradients().storage().nbytes());
+}
+
 template <class Trainer>
 int run(const Args& a) {
   auto options = tk::DistributedOptions().timeout_seconds(a.timeout);
@@ -122,7 +136,12 @@ int run(const Args& a) {
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
 
   Trainer trainer(model, tk::AdamW{1e-2, 1e-2},
-                  tk::TrainerOptions().accumulation_steps(a.accum).max_grad_norm(0.05).reduce_precision(reduce_precision(a)));
+                  tk::TrainerOptions()
+                      .accumulation_steps(a.accum)
+                      .max_grad_norm(0.05)
+                      .reduce_precision(reduce_precision(a))
+                      .sharding(a.sharding == 2 ? tk::Sharding::gradients
+                                                : a.sharding == 1 ? tk::Sharding::optimizer : tk::Sharding::none));
   auto replicas = std::make_shared<tk::DataParallel>(group, a.bucket_bytes);
   trainer.set_replicas(replicas);
   const std::string load = rank == 1 && !a.load_rank1.empty() ? a.load_rank1 : a.load;
@@ -130,8 +149,8 @@ int run(const Args& a) {
 
   tk::DistributedSampler sampler(a.samples, a.batch, rank, world, /*seed*/ 7);
   const auto per_epoch = sampler.batches_per_epoch();
-  if (per_epoch % a.accum != 0)
-    throw std::invalid_argument("choose --samples, --batch and --accum so that windows do not span epochs");
+  if (per_epoch % a.accum != 0 && !a.flush)
+    throw std::invalid_argument("choose --samples, --batch and --accum so that windows do not span epochs, or --flush 1");
   if (!a.fit.empty()) {  // tk::fit: only the main rank may write into its directory
     tk::Task<std::vector<std::int64_t>> task;
     std::int64_t at_epoch = -1, at_index = -1;
@@ -169,7 +188,10 @@ int run(const Args& a) {
   }
   const auto calls_before = counter->all_reduce_calls, bytes_before = counter->all_reduce_bytes;
   const auto windows_before = trainer.windows();
-  std::int64_t m = trainer.windows() * a.accum;  // micro-batches so far: the sampler's position
+  // Micro-batches so far: the sampler's position (windows_per_epoch of them per epoch, the last
+  // one partial with --flush).
+  const auto windows_per_epoch = (per_epoch + a.accum - 1) / a.accum;
+  std::int64_t m = trainer.windows() / windows_per_epoch * per_epoch + trainer.windows() % windows_per_epoch * a.accum;
   tk::StepReport last;
   while (trainer.windows() < a.steps) {
     const auto idx = torch::tensor(sampler.batch(m / per_epoch, m % per_epoch), torch::kLong);
@@ -186,6 +208,8 @@ int run(const Args& a) {
     auto r = a.items ? trainer.micro_step(closure, weights.sum().template item<std::int64_t>())
                      : trainer.micro_step(closure);
     ++m;
+    if (!r.window_closed && m % per_epoch == 0)
+      if (auto report = trainer.flush()) r = {true, *report};  // the epoch's partial window
     if (r.window_closed) {
       last = r.report;
       std::cout << "window " << trainer.windows() << std::endl;
@@ -194,9 +218,17 @@ int run(const Args& a) {
   }
   const auto training_calls = counter->all_reduce_calls - calls_before;
   const auto training_bytes = counter->all_reduce_bytes - bytes_before;
-  if (!a.save.empty() && group.is_main()) trainer.save(a.save);
+  if (!a.save.empty() && (group.is_main() || trainer.saves_collectively())) trainer.save(a.save);
 
-  const auto params = trainer.parameters().contiguous();
+  // The flat fp32 parameters (the masters with master weights). Sharded master weights hold
+  // only their slices of the masters: the model's half parameters in fp32, back to back, stand
+  // for them (--save has the masters).
+  torch::Tensor params = trainer.parameters().contiguous();
+  if (Trainer::precision::master_weights && trainer.saves_collectively()) {
+    std::vector<torch::Tensor> flat;
+    for (const auto& p : model->parameters()) flat.push_back(p.detach().reshape({-1}).to(torch::kFloat));
+    params = torch::cat(flat).contiguous();
+  }
   const std::string prefix = a.out + ".rank" + std::to_string(rank);
   std::ofstream(prefix + ".bin", std::ios::binary)
       .write(static_cast<const char*>(params.data_ptr()), params.numel() * sizeof(float));
@@ -211,6 +243,9 @@ int run(const Args& a) {
                       {"scale", trainer.loss_scale().template item<double>()},
                       {"allreduce_calls", training_calls},
                       {"allreduce_bytes", training_bytes},
+                      {"gradient_bytes", gradient_bytes(trainer)},
+                      {"reduce_scatter_calls", counter->reduce_scatter_calls},
+                      {"all_gather_calls", counter->all_gather_calls},
                       {"buckets", replicas->buckets(trainer.parameters().numel())},
                       {"numel", trainer.parameters().numel()},
                       {"mean_loss", mean[0]}};

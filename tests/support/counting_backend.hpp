@@ -10,7 +10,8 @@
 
 namespace trainkit_testing {
 
-/// A c10d backend that counts the all-reduce calls and bytes that pass through it to `inner`:
+/// A c10d backend that counts the all-reduce, reduce-scatter and all-gather calls and bytes that
+/// pass through it to `inner`:
 /// tk::ProcessGroup(g.store(), counter, g.info(), ...).
 class CountingBackend final : public c10d::Backend {
  public:
@@ -22,6 +23,22 @@ class CountingBackend final : public c10d::Backend {
     for (const auto& t : tensors) all_reduce_bytes += static_cast<std::int64_t>(t.nbytes());
     return inner_->allreduce(tensors, opts);
   }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    ++reduce_scatter_calls;
+    reduce_scatter_bytes += static_cast<std::int64_t>(input.nbytes());
+    return inner_->_reduce_scatter_base(output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    ++all_gather_calls;
+    all_gather_bytes += static_cast<std::int64_t>(output.nbytes());
+    return inner_->_allgather_base(output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    return inner_->gather(outputs, inputs, opts);
+  }
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
     return inner_->broadcast(tensors, opts);
@@ -32,6 +49,7 @@ class CountingBackend final : public c10d::Backend {
   const std::string getBackendName() const override { return inner_->getBackendName(); }
 
   std::int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
+  std::int64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0, all_gather_calls = 0, all_gather_bytes = 0;
 
  private:
   c10::intrusive_ptr<c10d::Backend> inner_;

@@ -58,7 +58,8 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 47);  // VL-BERT's 28 TRAIN keys and trainkit's 19
+  CHECK(t.size() == 48);  // VL-BERT's 28 TRAIN keys and trainkit's 20
+  CHECK(t["ZERO_STAGE"] == 0);
   CHECK(t["NO_DECAY"] == json::array());
   CHECK(t["RESUME_CHANGES"] == "refuse");
   CHECK(t["NONFINITE_PATIENCE"] == 20);

@@ -4,7 +4,7 @@
 #if __has_include(<gloo/algorithm.h>)
 
 #include "helpers.hpp"
-#include "../support/processes.hpp"
+#include "../support/dist_driver.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -16,25 +16,11 @@
 
 namespace {
 
-using namespace trainkit_testing::processes;
-
-std::string driver() { return here() + "/trainkit_dist_driver"; }
-
-std::vector<std::string> driver_args(const std::string& out, const std::vector<std::string>& extra) {
-  std::vector<std::string> a{driver(), "--out", out};
-  a.insert(a.end(), extra.begin(), extra.end());
-  return a;
-}
+using namespace trainkit_testing::dist_driver;
 
 // Two ranks on loopback (rank 0 hosts the store), launched by the harness.
 std::vector<Child> spawn_two(const std::string& out, const std::string& port, const std::vector<std::string>& extra) {
-  std::vector<Child> ranks;
-  for (int r = 0; r < 2; ++r)
-    ranks.push_back(spawn(driver_args(out, extra),
-                          {{"RANK", std::to_string(r)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(r)},
-                           {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}},
-                          out + ".log" + std::to_string(r)));
-  return ranks;
+  return spawn_ranks(2, out, port, extra);
 }
 
 // Two ranks training for good (slowed down), returned once rank 0 has closed window 3.
@@ -50,30 +36,7 @@ std::vector<Child> start_two_training(const std::string& out, const std::string&
 }
 
 void run_two(const std::string& out, const std::vector<std::string>& extra, double seconds = 120) {
-  std::vector<Child> ranks = spawn_two(out, std::to_string(free_port()), extra);
-  for (auto& c : ranks) expect_success(c, wait_exit(c, seconds));
-  // Every rank beats (the default heartbeat, 15 s, is below the default timeout): a normal
-  // run, its end included, must not report a silent rank.
-  for (auto& c : ranks) CHECK(slurp(c.err).find("heartbeat") == std::string::npos);
-}
-
-void run_one(const std::string& out, const std::vector<std::string>& extra) {
-  auto c = spawn(driver_args(out, extra), {}, out + ".log");
-  expect_success(c, wait_exit(c, 120));
-}
-
-torch::Tensor params(const std::string& out, int rank) {
-  const std::string bytes = slurp(out + ".rank" + std::to_string(rank) + ".bin");
-  REQUIRE(!bytes.empty());
-  return torch::from_blob(const_cast<char*>(bytes.data()),
-                          {static_cast<std::int64_t>(bytes.size() / sizeof(float))}, torch::kFloat)
-      .clone();
-}
-nlohmann::json summary(const std::string& out, int rank) {
-  return nlohmann::json::parse(slurp(out + ".rank" + std::to_string(rank) + ".json"));
-}
-double max_relative(const torch::Tensor& a, const torch::Tensor& b) {
-  return ((a - b).abs().max() / b.abs().max()).item<double>();
+  run_ranks(2, out, extra, seconds);
 }
 
 }  // namespace

@@ -170,6 +170,10 @@ inline Schema train_schema() {
       "FP32/BF16 with NONFINITE skip: skipped steps with no clean log interval between them that stop the run (the first warns)");
   s.boolean("MASTER_WEIGHTS", false)
       .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
+  s.integer("ZERO_STAGE", 0).min(0).max(2).doc(
+      "data parallel: what each rank keeps of the update (ZeRO's stages): 0 everything (replicated); 1 the optimizer's "
+      "state and fp32 master weights of its slices of the parameters only; 2 also its slices of the gradient between "
+      "optimizer steps. No effect with one process");
   s.integer("CHECKPOINT_KEEP", 3).min(1).doc("complete checkpoints kept (plus the best)");
   s.add("MEMORY_BUDGET", Field::either({Field::number(0).min(0), Field::string("").transform(parse_memory_budget)}, 0.0))
       .doc("memory for training (0: no plan): a fraction of the device's memory (0.8, \"80%\"), or bytes (\"12GiB\"); "

@@ -198,14 +198,14 @@ inline void read_archive(torch::serialize::InputArchive& archive, const std::str
 
 /// Loads `archive` into `part` (part.load(archive, source), which checks what it can before
 /// changing anything); when that throws, the state `part` had before is put back from a
-/// snapshot in host memory (part.save, then part.restore) and the error goes on. The one
-/// rollback of trainer.load(path) and of the checkpoint manager.
+/// snapshot in host memory (part.snapshot, then part.restore; no collective) and the error goes
+/// on. The one rollback of trainer.load(path) and of the checkpoint manager.
 template <class Part>
 void load_or_restore(Part& part, torch::serialize::InputArchive& archive, const std::string& source) {
   std::stringstream previous;
   {
     torch::serialize::OutputArchive snapshot;
-    part.save(snapshot);
+    part.snapshot(snapshot);
     snapshot.save_to(previous);
   }
   try {

@@ -2,6 +2,8 @@
 /// Machinery of master weights (PrecisionPolicy<MasterWeights<T>>, see precision.hpp): which
 /// parameters stay fp32, and the model-facing half storage that mirrors the trainer's flat
 /// fp32 storage element for element.
+#include <trainkit/detail/released_storage.hpp>
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/instancenorm.h>
@@ -177,10 +179,35 @@ class HalfStorage {
     torch::NoGradGuard no_grad;
     params_.copy_(masters);
   }
-  void zero_grad() {
-    grad_.zero_();
+  /// The gradients to zero (`release`: the half gradient's memory freed instead, its views
+  /// kept, until allocate_if_released(); Sharding::gradients between windows).
+  void zero_grad(bool release = false) {
+    if (release) {
+      if (!is_released(grad_)) release_storage(grad_);
+    } else {
+      grad_.zero_();
+    }
     if (kept_grad_.defined()) kept_grad_.zero_();
     summed_ = false;  // the next window's first accumulate() copies
+  }
+  /// Before a backward: the half gradient's memory back (zeros) if it was released.
+  void allocate_if_released() {
+    if (is_released(grad_)) allocate_released(grad_);
+  }
+  /// The half buffers at `numel` elements (the sharded partition's padding, zeros); the
+  /// caller points the model's parameters and .grad at the new ones.
+  void extend(std::int64_t numel) {
+    if (numel == params_.numel()) return;
+    auto params = torch::zeros({numel}, params_.options());
+    params.narrow(0, 0, params_.numel()).copy_(params_);
+    params_ = params;
+    grad_ = torch::zeros({numel}, params_.options());
+  }
+  /// Sharded, a half reduction: the kept parameters' fp32 gradients into their (otherwise
+  /// unused, zero) slots of the half gradient, rounded to the half dtype as every other
+  /// gradient, before the gradient is reduce-scattered.
+  void put_kept_in_half() {
+    if (kept_index_.defined()) grad_.index_copy_(0, kept_index_, kept_grad_.to(grad_.scalar_type()));
   }
 
   const torch::Tensor& params() const { return params_; }

@@ -1,0 +1,223 @@
+// Memory per rank and window time of data parallelism replicated and sharded (ZeRO stages 1 and
+// 2, TrainerOptions::sharding), over 1, 2 and 4 Gloo processes on this machine, for FP32 and
+// FP16 master weights, AdamW, on an MLP whose memory is its parameters (16 x Linear(1024, 1024):
+// 16.8 M parameters; micro-batches of 8 rows).
+//
+//   build/benchmarks/sharding                        # the table: every configuration, W processes each
+//   build/benchmarks/sharding --windows 6 --accumulate 4 --layers 16 --width 1024 --repeat 3
+//   (a configuration's processes: --child with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+//
+// Per rank: "held" is the bytes of every tensor the trainer holds between optimizer steps (the
+// model's parameters and gradients, the masters, the optimizer's state, the reduced slices;
+// each storage counted once), per parameter, next to ZeRO's formula for it; "peak" is the
+// process's high-water mark (VmHWM) minus its resident memory before the model was built, per
+// parameter (on the CPU it includes what glibc keeps and Gloo's buffers). "window" is the
+// median time of an optimizer step's window after the first, in ms, and its ratio to the
+// replicated run of the same world size and precision. The median over --repeat launches.
+#include <trainkit/distributed.hpp>
+#include <trainkit/trainer.hpp>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char** environ;
+
+namespace tk = trainkit;
+
+namespace {
+
+struct Settings {
+  std::int64_t layers = 16, width = 1024, batch = 8, windows = 6, accumulate = 1, repeat = 3;
+  std::string precision = "fp32";
+  int stage = 0;
+  std::string out;
+};
+
+// A resident-memory figure of /proc/self/status, in bytes.
+std::int64_t status_bytes(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::string(field).size())) * 1024;
+  return 0;
+}
+
+torch::nn::Sequential make_model(const Settings& s) {
+  torch::nn::Sequential model;
+  for (std::int64_t i = 0; i < s.layers; ++i) {
+    model->push_back(torch::nn::Linear(s.width, s.width));
+    model->push_back(torch::nn::Functional([](const torch::Tensor& t) { return torch::tanh(t); }));
+  }
+  return model;
+}
+
+// Bytes of the distinct storages among `tensors`.
+std::int64_t distinct_bytes(const std::vector<torch::Tensor>& tensors) {
+  std::set<const void*> seen;
+  std::int64_t bytes = 0;
+  for (const auto& t : tensors)
+    if (t.defined() && seen.insert(t.storage().unsafeGetStorageImpl()).second)
+      bytes += static_cast<std::int64_t>(t.storage().nbytes());
+  return bytes;
+}
+
+template <class Trainer>
+int child(const Settings& s) {
+  const std::int64_t baseline = status_bytes("VmRSS:");
+  auto group = tk::ProcessGroup::create(tk::DistributedOptions().heartbeat_seconds(0));
+  torch::manual_seed(1);
+  auto model = make_model(s);
+  const auto sharding = s.stage == 2 ? tk::Sharding::gradients : s.stage == 1 ? tk::Sharding::optimizer : tk::Sharding::none;
+  Trainer trainer(model, tk::AdamW{1e-4}, tk::TrainerOptions().accumulation_steps(s.accumulate).sharding(sharding));
+  trainer.set_replicas(std::make_shared<tk::DataParallel>(group));
+  const auto x = torch::randn({s.batch, s.width});
+  std::vector<double> ms;
+  for (std::int64_t w = 0; w < s.windows; ++w) {
+    const auto start = std::chrono::steady_clock::now();
+    for (std::int64_t m = 0; m < s.accumulate; ++m) trainer.micro_step([&] { return model->forward(x).square().mean(); });
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::vector<torch::Tensor> held;
+  for (const auto& p : model->parameters()) held.insert(held.end(), {p, p.grad()});
+  held.push_back(trainer.parameters());
+  held.push_back(trainer.storage().local_gradients());
+  for (const auto* state : trainer.update_rule().flat_states()) held.push_back(state->flat());
+  if constexpr (Trainer::precision::master_weights) held.push_back(trainer.storage().half_gradients());
+  else held.push_back(trainer.storage().gradients());
+  const double params = static_cast<double>(trainer.parameter_count());
+  std::sort(ms.begin() + 1, ms.end());
+  std::ofstream(s.out + ".rank" + std::to_string(group.rank()))
+      << distinct_bytes(held) / params << " " << (status_bytes("VmHWM:") - baseline) / params << " "
+      << ms[1 + (ms.size() - 1) / 2] << "\n";
+  return 0;
+}
+
+struct Result {
+  double held = 0, peak = 0, ms = 0;
+};
+
+// W processes of this program for one configuration; rank 0's figures.
+Result launch(const std::string& self, const Settings& s, int world, int port) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) env.emplace_back(*e);
+    env.insert(env.end(), {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world), "LOCAL_RANK=" + std::to_string(r),
+                           "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=1"});
+    std::vector<std::string> args{self, "--child", "1", "--precision", s.precision, "--stage", std::to_string(s.stage),
+                                  "--layers", std::to_string(s.layers), "--width", std::to_string(s.width),
+                                  "--batch", std::to_string(s.batch), "--windows", std::to_string(s.windows),
+                                  "--accumulate", std::to_string(s.accumulate), "--out", s.out};
+    std::vector<char*> argv, envp;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    pid_t pid = 0;
+    if (posix_spawn(&pid, self.c_str(), nullptr, nullptr, argv.data(), envp.data()) != 0)
+      throw std::runtime_error("could not start " + self);
+    pids.push_back(pid);
+  }
+  for (auto pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw std::runtime_error("a rank failed");
+  }
+  Result r;
+  std::ifstream(s.out + ".rank0") >> r.held >> r.peak >> r.ms;
+  return r;
+}
+
+double formula(const std::string& precision, int stage, int world) {
+  const double w = world;
+  if (precision == "fp32") return stage == 0 || world == 1 ? 16 : stage == 1 ? 8 + 8 / w : 4 + 8 / w;
+  return stage == 0 || world == 1 ? 16 : stage == 1 ? 4 + 12 / w : 2 + 12 / w;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    Settings s;
+    bool is_child = false;
+    for (int i = 1; i + 1 < argc; i += 2) {
+      const std::string k = argv[i], v = argv[i + 1];
+      if (k == "--child") is_child = true;
+      else if (k == "--precision") s.precision = v;
+      else if (k == "--stage") s.stage = std::stoi(v);
+      else if (k == "--layers") s.layers = std::stoll(v);
+      else if (k == "--width") s.width = std::stoll(v);
+      else if (k == "--batch") s.batch = std::stoll(v);
+      else if (k == "--windows") s.windows = std::stoll(v);
+      else if (k == "--accumulate") s.accumulate = std::stoll(v);
+      else if (k == "--repeat") s.repeat = std::stoll(v);
+      else if (k == "--out") s.out = v;
+      else throw std::invalid_argument("unknown option " + k);
+    }
+    using Acc = tk::AccumulationPolicy<tk::Dynamic>;
+    using Clip = tk::ClipPolicy<tk::ClipNorm>;
+    if (is_child) {
+      torch::set_num_threads(1);
+      if (s.precision == "fp32") return child<tk::Trainer<tk::PrecisionPolicy<tk::FP32>, Acc, Clip>>(s);
+      return child<tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>, Acc, Clip>>(s);
+    }
+    char dir[] = "/tmp/trainkit-sharding-XXXXXX";
+    if (!mkdtemp(dir)) throw std::runtime_error("mkdtemp");
+    s.out = std::string(dir) + "/r";
+    const std::string self = "/proc/self/exe";
+    char path[4096];
+    const auto n = readlink(self.c_str(), path, sizeof(path) - 1);
+    if (n <= 0) throw std::runtime_error("readlink /proc/self/exe");
+    path[n] = '\0';
+    std::printf("%lld x Linear(%lld, %lld): %.1f M parameters, batch %lld, N = %lld, AdamW, %lld windows, median of %lld\n",
+                static_cast<long long>(s.layers), static_cast<long long>(s.width), static_cast<long long>(s.width),
+                static_cast<double>(s.layers * (s.width * s.width + s.width)) / 1e6, static_cast<long long>(s.batch),
+                static_cast<long long>(s.accumulate), static_cast<long long>(s.windows), static_cast<long long>(s.repeat));
+    std::printf("| precision | W | stage | held B/param | ZeRO formula | peak B/param | window ms | window / stage 0 |\n");
+    std::printf("|---|---|---|---|---|---|---|---|\n");
+    int port = 29700 + static_cast<int>(getpid() % 200);
+    for (const std::string precision : {"fp32", "master"}) {
+      for (const int world : {1, 2, 4}) {
+        double replicated_ms = 0;
+        for (const int stage : {0, 1, 2}) {
+          if (world == 1 && stage > 0) continue;  // one process shards nothing
+          s.precision = precision;
+          s.stage = stage;
+          std::vector<Result> runs;
+          for (std::int64_t k = 0; k < s.repeat; ++k) runs.push_back(launch(path, s, world, ++port));
+          auto median = [&](double Result::*field) {
+            std::vector<double> v;
+            for (const auto& r : runs) v.push_back(r.*field);
+            std::sort(v.begin(), v.end());
+            return v[v.size() / 2];
+          };
+          const double ms = median(&Result::ms);
+          if (stage == 0) replicated_ms = ms;
+          std::printf("| %s | %d | %d | %.2f | %.2f | %.2f | %.1f | %.2f |\n", precision == "fp32" ? "FP32" : "FP16 master",
+                      world, stage, median(&Result::held), formula(precision, stage, world), median(&Result::peak), ms,
+                      ms / replicated_ms);
+          std::fflush(stdout);
+        }
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 1;
+  }
+}

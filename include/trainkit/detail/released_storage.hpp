@@ -1,0 +1,29 @@
+#pragma once
+/// Releasing a flat buffer's memory while its views stay: Sharding::gradients frees the model's
+/// gradient between windows this way, so that the parameters' .grad stay the same tensors.
+#include <torch/types.h>
+
+#include <cstddef>
+
+namespace trainkit::detail {
+
+/// Frees the memory of the flat buffer `t` (a whole storage), leaving its views in place: their
+/// sizes stay, their data are gone until allocate_released() (FSDP's storage resize to 0).
+/// Sharding::gradients releases the model's gradient between windows this way, so that the
+/// parameters' .grad stay the same tensors.
+inline void release_storage(const torch::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  impl->set_nbytes(0);
+}
+/// The storage of the flat buffer `t` allocated again (zeros) after release_storage().
+inline void allocate_released(const torch::Tensor& t) {
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  const auto bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
+  impl->set_nbytes(bytes);
+  t.zero_();
+}
+inline bool is_released(const torch::Tensor& t) { return t.storage().nbytes() == 0 && t.numel() > 0; }
+
+}  // namespace trainkit::detail
