@@ -1,11 +1,16 @@
 // Memory per rank and window time of data parallelism replicated and sharded (ZeRO stages 1 and
 // 2, TrainerOptions::sharding), over 1, 2 and 4 Gloo processes on this machine, for FP32 and
 // FP16 master weights, AdamW, on an MLP whose memory is its parameters (16 x Linear(1024, 1024):
-// 16.8 M parameters; micro-batches of 8 rows).
+// 16.8 M parameters; micro-batches of 8 rows); and the reduction overlapped with the backward
+// or not (TrainerOptions::overlap_reduction), 2 processes, FP32, micro-batches of --overlap-batch
+// rows (32), so that the backward has work to hide the communication behind.
 //
-//   build/benchmarks/sharding                        # the table: every configuration, W processes each
-//   build/benchmarks/sharding --windows 6 --accumulate 4 --layers 16 --width 1024 --repeat 3
-//   (a configuration's processes: --child with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+//   build/benchmarks/sharding                        # both tables: every configuration, W processes each
+//   build/benchmarks/sharding --table memory|overlap --windows 6 --accumulate 4 --layers 16 --width 1024 --repeat 3
+//   (a configuration's processes: --child 1 with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+//
+// The overlap table: "hidden" is the share of the communication the overlap hides, (off - on) /
+// (off - one process), where one process runs the same micro-batches with no communication.
 //
 // Per rank: "held" is the bytes of every tensor the trainer holds between optimizer steps (the
 // model's parameters and gradients, the masters, the optimizer's state, the reduced slices;
@@ -42,9 +47,9 @@ namespace tk = trainkit;
 namespace {
 
 struct Settings {
-  std::int64_t layers = 16, width = 1024, batch = 8, windows = 6, accumulate = 1, repeat = 3;
-  std::string precision = "fp32";
-  int stage = 0;
+  std::int64_t layers = 16, width = 1024, batch = 8, overlap_batch = 32, windows = 6, accumulate = 1, repeat = 3;
+  std::string precision = "fp32", table = "both";
+  int stage = 0, overlap = 1;
   std::string out;
 };
 
@@ -83,7 +88,8 @@ int child(const Settings& s) {
   torch::manual_seed(1);
   auto model = make_model(s);
   const auto sharding = s.stage == 2 ? tk::Sharding::gradients : s.stage == 1 ? tk::Sharding::optimizer : tk::Sharding::none;
-  Trainer trainer(model, tk::AdamW{1e-4}, tk::TrainerOptions().accumulation_steps(s.accumulate).sharding(sharding));
+  Trainer trainer(model, tk::AdamW{1e-4},
+                  tk::TrainerOptions().accumulation_steps(s.accumulate).sharding(sharding).overlap_reduction(s.overlap != 0));
   trainer.set_replicas(std::make_shared<tk::DataParallel>(group));
   const auto x = torch::randn({s.batch, s.width});
   std::vector<double> ms;
@@ -122,7 +128,8 @@ Result launch(const std::string& self, const Settings& s, int world, int port) {
     std::vector<std::string> args{self, "--child", "1", "--precision", s.precision, "--stage", std::to_string(s.stage),
                                   "--layers", std::to_string(s.layers), "--width", std::to_string(s.width),
                                   "--batch", std::to_string(s.batch), "--windows", std::to_string(s.windows),
-                                  "--accumulate", std::to_string(s.accumulate), "--out", s.out};
+                                  "--accumulate", std::to_string(s.accumulate), "--overlap", std::to_string(s.overlap),
+                                  "--out", s.out};
     std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -165,6 +172,9 @@ int main(int argc, char** argv) {
       else if (k == "--batch") s.batch = std::stoll(v);
       else if (k == "--windows") s.windows = std::stoll(v);
       else if (k == "--accumulate") s.accumulate = std::stoll(v);
+      else if (k == "--overlap") s.overlap = std::stoi(v);
+      else if (k == "--overlap-batch") s.overlap_batch = std::stoll(v);
+      else if (k == "--table") s.table = v;
       else if (k == "--repeat") s.repeat = std::stoll(v);
       else if (k == "--out") s.out = v;
       else throw std::invalid_argument("unknown option " + k);
@@ -184,35 +194,63 @@ int main(int argc, char** argv) {
     const auto n = readlink(self.c_str(), path, sizeof(path) - 1);
     if (n <= 0) throw std::runtime_error("readlink /proc/self/exe");
     path[n] = '\0';
-    std::printf("%lld x Linear(%lld, %lld): %.1f M parameters, batch %lld, N = %lld, AdamW, %lld windows, median of %lld\n",
-                static_cast<long long>(s.layers), static_cast<long long>(s.width), static_cast<long long>(s.width),
-                static_cast<double>(s.layers * (s.width * s.width + s.width)) / 1e6, static_cast<long long>(s.batch),
-                static_cast<long long>(s.accumulate), static_cast<long long>(s.windows), static_cast<long long>(s.repeat));
-    std::printf("| precision | W | stage | held B/param | ZeRO formula | peak B/param | window ms | window / stage 0 |\n");
-    std::printf("|---|---|---|---|---|---|---|---|\n");
     int port = 29700 + static_cast<int>(getpid() % 200);
-    for (const std::string precision : {"fp32", "master"}) {
-      for (const int world : {1, 2, 4}) {
-        double replicated_ms = 0;
-        for (const int stage : {0, 1, 2}) {
-          if (world == 1 && stage > 0) continue;  // one process shards nothing
-          s.precision = precision;
-          s.stage = stage;
-          std::vector<Result> runs;
-          for (std::int64_t k = 0; k < s.repeat; ++k) runs.push_back(launch(path, s, world, ++port));
-          auto median = [&](double Result::*field) {
-            std::vector<double> v;
-            for (const auto& r : runs) v.push_back(r.*field);
-            std::sort(v.begin(), v.end());
-            return v[v.size() / 2];
-          };
-          const double ms = median(&Result::ms);
-          if (stage == 0) replicated_ms = ms;
-          std::printf("| %s | %d | %d | %.2f | %.2f | %.2f | %.1f | %.2f |\n", precision == "fp32" ? "FP32" : "FP16 master",
-                      world, stage, median(&Result::held), formula(precision, stage, world), median(&Result::peak), ms,
-                      ms / replicated_ms);
-          std::fflush(stdout);
+    // The median over --repeat launches of each figure.
+    auto measure = [&](const Settings& run, int world) {
+      std::vector<Result> runs;
+      for (std::int64_t k = 0; k < run.repeat; ++k) runs.push_back(launch(path, run, world, ++port));
+      Result m;
+      for (double Result::*field : {&Result::held, &Result::peak, &Result::ms}) {
+        std::vector<double> v;
+        for (const auto& r : runs) v.push_back(r.*field);
+        std::sort(v.begin(), v.end());
+        m.*field = v[v.size() / 2];
+      }
+      return m;
+    };
+    const double millions = static_cast<double>(s.layers * (s.width * s.width + s.width)) / 1e6;
+    if (s.table != "overlap") {
+      std::printf("%lld x Linear(%lld, %lld): %.1f M parameters, batch %lld, N = %lld, AdamW, %lld windows, median of %lld\n",
+                  static_cast<long long>(s.layers), static_cast<long long>(s.width), static_cast<long long>(s.width),
+                  millions, static_cast<long long>(s.batch), static_cast<long long>(s.accumulate),
+                  static_cast<long long>(s.windows), static_cast<long long>(s.repeat));
+      std::printf("| precision | W | stage | held B/param | ZeRO formula | peak B/param | window ms | window / stage 0 |\n");
+      std::printf("|---|---|---|---|---|---|---|---|\n");
+      for (const std::string precision : {"fp32", "master"}) {
+        for (const int world : {1, 2, 4}) {
+          double replicated_ms = 0;
+          for (const int stage : {0, 1, 2}) {
+            if (world == 1 && stage > 0) continue;  // one process shards nothing
+            Settings run = s;
+            run.precision = precision;
+            run.stage = stage;
+            const Result m = measure(run, world);
+            if (stage == 0) replicated_ms = m.ms;
+            std::printf("| %s | %d | %d | %.2f | %.2f | %.2f | %.1f | %.2f |\n", precision == "fp32" ? "FP32" : "FP16 master",
+                        world, stage, m.held, formula(precision, stage, world), m.peak, m.ms, m.ms / replicated_ms);
+            std::fflush(stdout);
+          }
         }
+      }
+    }
+    if (s.table != "memory") {
+      std::printf("\nOverlap: FP32, %.1f M parameters, batch %lld per process, N = %lld, 2 processes, median of %lld\n",
+                  millions, static_cast<long long>(s.overlap_batch), static_cast<long long>(s.accumulate),
+                  static_cast<long long>(s.repeat));
+      std::printf("| stage | one process ms | overlap off ms | overlap on ms | on / off | communication hidden |\n");
+      std::printf("|---|---|---|---|---|---|\n");
+      Settings run = s;
+      run.batch = s.overlap_batch;
+      const double alone = measure(run, 1).ms;
+      for (const int stage : {0, 1, 2}) {
+        run.stage = stage;
+        run.overlap = 0;
+        const double off = measure(run, 2).ms;
+        run.overlap = 1;
+        const double on = measure(run, 2).ms;
+        std::printf("| %d | %.1f | %.1f | %.1f | %.2f | %.0f%% |\n", stage, alone, off, on, on / off,
+                    100.0 * (off - on) / std::max(off - alone, 1e-9));
+        std::fflush(stdout);
       }
     }
     return 0;

@@ -19,10 +19,12 @@
 /// One process (world size 1) runs the same code over an in-memory store.
 ///
 /// Communication: the gradient is summed once per window (step.md phase 5) by a bucketed
-/// all-reduce of the trainer's flat gradient storage, `bucket_bytes` per collective, all
-/// buckets in flight at once; the division by the world size is folded into the factor the
-/// trainer already applies (no extra pass). Nothing is sent inside a window. Overlapping the
-/// all-reduce with the last micro-batch's backward is not done.
+/// all-reduce of the trainer's flat gradient storage, `bucket_bytes` per collective, started
+/// bucket by bucket during the window's last backward as the gradients become ready
+/// (TrainerOptions::overlap_reduction), or all at its end; the division by the world size is
+/// folded into the factor the trainer already applies (no extra pass). Nothing is sent inside
+/// a window. Sharded (TrainerOptions::sharding): a reduce-scatter of the same buckets, the
+/// slices' squared norms in one all-reduce, an all-gather of the updated parameters.
 ///
 /// Failures: every collective runs under the group's timeout (Gloo's own timeout; NCCL's
 /// watchdog). A collective that fails throws tk::DistributedError on the surviving ranks,
@@ -532,36 +534,15 @@ class DataParallel final : public Replicas {
   }
 
   GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) override {
-    return reduce(flat_grad, window, /*closes=*/true, [&](const c10d::ReduceOp& op, const std::string& step, const torch::Tensor& items) {
-      all_reduce_buckets(flat_grad, op, step, items);
-    });
+    const auto element = static_cast<std::int64_t>(flat_grad.element_size());
+    const detail::Partition buckets(flat_grad.numel(), std::max<std::int64_t>(1, bucket_bytes_ / element), 64 / element,
+                                    world_size(), rank(), /*sharded=*/false);
+    return start_reduction(flat_grad, {}, buckets, window, /*closes=*/true)->finish();
   }
-  GradientFactor reduce_scatter_gradients(torch::Tensor& flat_grad, torch::Tensor& local, const detail::Partition& partition,
-                                          const WindowWeights& window, bool closes) override {
-    check_partition(partition, flat_grad);
-    return reduce(flat_grad, window, closes, [&](const c10d::ReduceOp& op, const std::string& step, const torch::Tensor& items) {
-      std::vector<c10::intrusive_ptr<c10d::Work>> works;
-      std::vector<std::string> names;
-      try {
-        for (std::int64_t b = 0; b < partition.buckets(); ++b) {
-          const auto bucket = partition.bucket(b);
-          auto in = flat_grad.narrow(0, bucket.begin, bucket.length);
-          auto out = local.narrow(0, partition.local(b), bucket.length / world_size());
-          c10d::ReduceScatterOptions o;
-          o.reduceOp = op;
-          works.push_back(group_.backend()->_reduce_scatter_base(out, in, o));
-          names.push_back("reduce-scatter of gradient bucket " + std::to_string(b + 1) + "/" +
-                          std::to_string(partition.buckets()) + step);
-        }
-        if (items.defined()) {
-          works.push_back(group_.start_all_reduce(items));
-          names.push_back("all-reduce of the window's item count" + step);
-        }
-      } catch (const std::exception& e) {
-        group_.fail("starting the gradient reduce-scatter" + step, detail::message_of(e));
-      }
-      for (size_t i = 0; i < works.size(); ++i) group_.wait(works[i], names[i]);
-    });
+  std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local, const detail::Partition& partition,
+                                             const WindowWeights& window, bool closes) override {
+    if (local.defined()) check_partition(partition, flat_grad);
+    return std::make_unique<BucketReduction>(*this, flat_grad, std::move(local), partition, window, closes);
   }
   torch::Tensor global_norm(const torch::Tensor& local) override {
     // The slices' squared norms summed: the norm of norms, as the chunked master-weights phase
@@ -577,23 +558,31 @@ class DataParallel final : public Replicas {
   void all_gather(torch::Tensor& flat, const detail::Partition& partition) override {
     check_partition(partition, flat);
     // Each rank's slice is sent from a copy: the output bucket holds it, and the input of an
-    // all-gather may not alias its output on every backend.
-    std::vector<torch::Tensor> sent;
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    // all-gather may not alias its output on every backend. Gloo's all-gather also receives
+    // into a copy of the bucket: at most two buckets in flight there.
+    const size_t in_flight = group_.backend()->getBackendName() == "gloo" ? 2 : static_cast<size_t>(-1);
+    const auto count = partition.buckets();
+    std::vector<torch::Tensor> sent(static_cast<size_t>(count));
+    std::vector<c10::intrusive_ptr<c10d::Work>> works(static_cast<size_t>(count));
     const std::string step = " (optimizer phase " + std::to_string(windows_) + " of this process)";
-    try {
-      for (std::int64_t b = 0; b < partition.buckets(); ++b) {
-        const auto bucket = partition.bucket(b), slice = partition.slice(b);
-        sent.push_back(flat.narrow(0, slice.begin, slice.length).clone());
+    const auto wait = [&](std::int64_t b) {
+      group_.wait(works[static_cast<size_t>(b)], "all-gather of parameter bucket " + std::to_string(b + 1) + "/" +
+                                                     std::to_string(count) + step);
+      sent[static_cast<size_t>(b)] = torch::Tensor();
+    };
+    for (std::int64_t b = 0; b < count; ++b) {
+      if (static_cast<size_t>(b) >= in_flight) wait(b - static_cast<std::int64_t>(in_flight));
+      const auto bucket = partition.bucket(b), slice = partition.slice(b);
+      try {
+        sent[static_cast<size_t>(b)] = flat.narrow(0, slice.begin, slice.length).clone();
         auto out = flat.narrow(0, bucket.begin, bucket.length);
-        works.push_back(group_.backend()->_allgather_base(out, sent.back()));
+        works[static_cast<size_t>(b)] = group_.backend()->_allgather_base(out, sent[static_cast<size_t>(b)]);
+      } catch (const std::exception& e) {
+        group_.fail("starting the all-gather of the updated parameters" + step, detail::message_of(e));
       }
-    } catch (const std::exception& e) {
-      group_.fail("starting the all-gather of the updated parameters" + step, detail::message_of(e));
     }
-    for (size_t b = 0; b < works.size(); ++b)
-      group_.wait(works[b], "all-gather of parameter bucket " + std::to_string(b + 1) + "/" +
-                                std::to_string(works.size()) + step);
+    for (auto b = std::max<std::int64_t>(0, count - static_cast<std::int64_t>(std::min<size_t>(in_flight, count))); b < count; ++b)
+      wait(b);
   }
   torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override {
     const bool main = is_main();
@@ -656,52 +645,113 @@ class DataParallel final : public Replicas {
   }
 
  private:
-  // Phase 5's weighting, shared by the all-reduce and the reduce-scatter; `collective(op,
-  // step, items)` sends the (weighted) gradient and, when defined, the window's item count.
-  template <class Collective>
-  GradientFactor reduce(torch::Tensor& flat_grad, const WindowWeights& window, bool closes, Collective&& collective) {
-    if (closes) ++windows_;
-    const std::string step = " (optimizer phase " + std::to_string(windows_ + (closes ? 0 : 1)) + " of this process)";
-    // A half gradient (master weights, TrainerOptions::reduce_precision) is summed as the
-    // mean, each rank's part weighted first: a sum of W loss-scaled fp16 gradients, or one
-    // weighted by its item count, would overflow where the mean does not. With item counts
-    // the weight is items / (the ranks' total), so the total is all-reduced first (a device
-    // scalar: the gradient's all-reduce waits for it on the device, not the host).
-    if (flat_grad.element_size() < 4) {
-      TORCH_CHECK(closes, "trainkit::DataParallel: a half gradient is reduced once per window");
-      torch::Tensor weight;
-      if (window.items >= 0) {
-        auto total = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
-        group_.all_reduce(total, "all-reduce of the window's item count" + step);
-        weight = (window.rescale * static_cast<double>(window.items)) / total;  // total 0: non-finite, skipped
-      } else {
-        weight = torch::full({1}, 1.0 / world_size(), torch::dtype(torch::kFloat).device(group_.device()));
+  // Phase 5 bucket by bucket (Replicas::start_reduction): the weighting at the start, each
+  // bucket's collective at launch(), the item count and the waits at finish().
+  class BucketReduction final : public Reduction {
+   public:
+    BucketReduction(DataParallel& owner, torch::Tensor& flat, torch::Tensor local, detail::Partition partition,
+                    const WindowWeights& window, bool closes)
+        : owner_(owner), flat_(flat), local_(std::move(local)), partition_(std::move(partition)),
+          launched_(static_cast<size_t>(partition_.buckets()), false) {
+      if (closes) ++owner_.windows_;
+      // Gloo's reduce-scatter is an all-reduce of a copy of its input: a bucket in flight holds
+      // one more bucket of memory, so at most two are in flight there (NCCL's is in place).
+      if (local_.defined() && owner_.group_.backend()->getBackendName() == "gloo") max_in_flight_ = 2;
+      step_ = " (optimizer phase " + std::to_string(owner_.windows_ + (closes ? 0 : 1)) + " of this process)";
+      const auto& group = owner_.group_;
+      const auto scalar = torch::dtype(torch::kFloat).device(group.device());
+      // A half gradient (master weights, TrainerOptions::reduce_precision) is summed as the
+      // mean, each rank's part weighted first: a sum of W loss-scaled fp16 gradients, or one
+      // weighted by its item count, would overflow where the mean does not. With item counts
+      // the weight is items / (the ranks' total), so the total is all-reduced first (a device
+      // scalar: the gradient's collectives wait for it on the device, not the host).
+      if (flat.element_size() < 4) {
+        TORCH_CHECK(closes, "trainkit::DataParallel: a half gradient is reduced once per window");
+        if (window.items >= 0) {
+          auto total = torch::full({1}, static_cast<float>(window.items), scalar);
+          group.all_reduce(total, "all-reduce of the window's item count" + step_);
+          weight_ = (window.rescale * static_cast<double>(window.items)) / total;  // total 0: non-finite, skipped
+        } else {
+          weight_ = torch::full({1}, 1.0 / owner_.world_size(), scalar);
+        }
+        factor_ = {window.items >= 0 ? 1.0 : window.rescale, {}};
+        return;
       }
-      flat_grad.mul_(weight);  // (in fp32, rounded once to the half dtype)
-      collective(c10d::ReduceOp::SUM, step, torch::Tensor());
-      return {window.items >= 0 ? 1.0 : window.rescale, {}};
+      // With item counts the ranks' windows hold different numbers of items: send each rank's
+      // sum over its items, and divide by the total over all ranks (exact global mean). The total
+      // stays on the device (the trainer folds it into the optimizer's divisor): no host sync.
+      // NCCL multiplies each rank's part by its weight inside the reduction (PREMUL_SUM); other
+      // backends take one pass over each bucket first.
+      if (window.items >= 0) {
+        const double weight = window.rescale * static_cast<double>(window.items);
+        if (group.backend()->getBackendName() == "nccl") op_ = c10d::makeNCCLPreMulSum(weight);
+        else premultiplier_ = weight;
+        if (closes) items_ = torch::full({1}, static_cast<float>(window.items), scalar);
+      }
+      // Item counts are exact in float up to 2^24 per window.
+      factor_ = items_.defined() ? GradientFactor{1.0, items_.reshape({})}
+                                 : GradientFactor{window.rescale / static_cast<double>(owner_.world_size()), {}};
     }
-    // With item counts the ranks' windows hold different numbers of items: send each rank's
-    // sum over its items, and divide by the total over all ranks (exact global mean). The total
-    // stays on the device (the trainer folds it into the optimizer's divisor): no host sync.
-    // NCCL multiplies each rank's part by its weight inside the reduction (PREMUL_SUM); other
-    // backends take one pass over the gradient first.
-    torch::Tensor items;
-    c10d::ReduceOp op = c10d::ReduceOp::SUM;
-    if (window.items >= 0) {
-      const double weight = window.rescale * static_cast<double>(window.items);
-      if (group_.backend()->getBackendName() == "nccl")
-        op = c10d::makeNCCLPreMulSum(weight);
-      else
-        flat_grad.mul_(weight);
-      if (closes)
-        items = torch::full({1}, static_cast<float>(window.items), torch::dtype(torch::kFloat).device(group_.device()));
+    ~BucketReduction() override {
+      // Never left with collectives in flight (an exception between launch and finish).
+      for (auto& work : works_)
+        if (work) try { work->wait(); } catch (...) {}
     }
-    collective(op, step, items);
-    // Item counts are exact in float up to 2^24 per window.
-    if (items.defined()) return {1.0, items.reshape({})};
-    return {window.rescale / static_cast<double>(world_size()), {}};
-  }
+
+    void launch(std::int64_t b) override {
+      if (launched_[static_cast<size_t>(b)]) return;
+      launched_[static_cast<size_t>(b)] = true;
+      while (works_.size() - waited_ >= max_in_flight_) wait_next();
+      const auto bucket = partition_.bucket(b);
+      auto in = flat_.narrow(0, bucket.begin, std::min(bucket.length, flat_.numel() - bucket.begin));
+      if (weight_.defined()) in.mul_(weight_);  // (in fp32, rounded once to the half dtype)
+      else if (premultiplier_ != 1.0) in.mul_(premultiplier_);
+      const std::string what = std::string(local_.defined() ? "reduce-scatter" : "all-reduce") + " of gradient bucket " +
+                               std::to_string(b + 1) + "/" + std::to_string(partition_.buckets()) + step_;
+      try {
+        if (local_.defined()) {
+          auto out = local_.narrow(0, partition_.local(b), bucket.length / owner_.world_size());
+          c10d::ReduceScatterOptions o;
+          o.reduceOp = op_;
+          works_.push_back(owner_.group_.backend()->_reduce_scatter_base(out, in, o));
+        } else {
+          works_.push_back(owner_.group_.start_all_reduce(in, op_));
+        }
+      } catch (const std::exception& e) {
+        owner_.group_.fail("starting the " + what, detail::message_of(e));
+      }
+      names_.push_back(what);
+    }
+    GradientFactor finish() override {
+      for (std::int64_t b = partition_.buckets() - 1; b >= 0; --b) launch(b);
+      if (items_.defined()) {
+        works_.push_back(owner_.group_.start_all_reduce(items_));
+        names_.push_back("all-reduce of the window's item count" + step_);
+      }
+      while (waited_ < works_.size()) wait_next();
+      return factor_;
+    }
+
+   private:
+    DataParallel& owner_;
+    torch::Tensor flat_, local_;
+    detail::Partition partition_;
+    std::vector<bool> launched_;
+    std::string step_;
+    c10d::ReduceOp op_ = c10d::ReduceOp::SUM;
+    double premultiplier_ = 1.0;
+    torch::Tensor weight_, items_;
+    GradientFactor factor_;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+    std::vector<std::string> names_;
+    size_t waited_ = 0, max_in_flight_ = static_cast<size_t>(-1);
+
+    void wait_next() {
+      auto work = std::move(works_[waited_]);
+      owner_.group_.wait(work, names_[waited_]);
+      ++waited_;
+    }
+  };
 
   void check_partition(const detail::Partition& partition, const torch::Tensor& flat) const {
     if (partition.world_size() != world_size() || partition.rank() != rank() || flat.numel() != partition.total())
@@ -709,34 +759,6 @@ class DataParallel final : public Replicas {
                              std::to_string(partition.world_size()) + " over " + std::to_string(partition.total()) +
                              " elements, for rank " + std::to_string(rank()) + " of " + std::to_string(world_size()) +
                              " and a buffer of " + std::to_string(flat.numel()));
-  }
-
-  // The gradient's all-reduce in equal buckets, each starting 64-byte aligned as the
-  // parameters in the flat storage do, and `extra` (the item count) after them.
-  void all_reduce_buckets(torch::Tensor& flat_grad, const c10d::ReduceOp& op, const std::string& step,
-                          const torch::Tensor& extra = {}) {
-    const auto element_size = static_cast<std::int64_t>(flat_grad.element_size());
-    const auto numel = flat_grad.numel();
-    const auto align = 64 / element_size;
-    auto n = buckets(numel, element_size);
-    const std::int64_t per = n == 0 ? 0 : ((numel + n - 1) / n + align - 1) / align * align;
-    if (n > 0) n = (numel + per - 1) / per;
-    works_.clear();
-    try {
-      for (std::int64_t b = 0; b < n; ++b) {
-        const auto begin = b * per;
-        works_.push_back(group_.start_all_reduce(flat_grad.narrow(0, begin, std::min(per, numel - begin)), op));
-      }
-      if (extra.defined()) works_.push_back(group_.start_all_reduce(extra));
-    } catch (const std::exception& e) {
-      group_.fail("starting the gradient all-reduce" + step, detail::message_of(e));
-    }
-    for (size_t b = 0; b < works_.size(); ++b)
-      group_.wait(works_[b], b < static_cast<size_t>(n)
-                                 ? "all-reduce of gradient bucket " + std::to_string(b + 1) + "/" +
-                                       std::to_string(n) + step
-                                 : "all-reduce of the window's item count" + step);
-    works_.clear();
   }
 
   void check_device(const torch::Tensor& t, const std::string& what) const {
@@ -749,7 +771,6 @@ class DataParallel final : public Replicas {
   ProcessGroup group_;
   std::int64_t bucket_bytes_;
   std::int64_t windows_ = 0;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
 };
 
 }  // namespace trainkit

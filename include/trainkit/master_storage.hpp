@@ -96,7 +96,7 @@ class MasterStorage : public detail::FlatParameters {
     if (sharded()) shard();
     return sharded();
   }
-  void backward_begins() { half_.allocate_if_released(); }
+  void backward_begins(const detail::BackwardDone&) { half_.allocate_if_released(); }
   // A backward the phase does not follow: its half gradient joins the window's fp32 sum, or
   // with Sharding::gradients this rank's slices of it (at the micro-batch's end).
   void backward_done(const detail::BackwardDone& done) {
@@ -336,14 +336,14 @@ class MasterStorage : public detail::FlatParameters {
       auto local_half = torch::empty({local_total}, half_.params().options());
       half_.put_kept_in_half();
       auto half = half_.grad();
-      const auto factor = replicas_->reduce_scatter_gradients(half, local_half, partition_, window, true);
+      const auto factor = replicas_->reduce_buckets(half, local_half, partition_, window, true);
       local_grad_ = local_half.to(torch::kFloat);
       return factor;
     }
     auto full = half_.gather();  // the fp32 gradient (or the window's fp32 sum), transient
     torch::Tensor& target = summed_ ? scratch_ : local_grad_;
     if (!target.defined() || target.numel() != local_total) target = torch::empty({local_total}, params_.options());
-    const auto factor = replicas_->reduce_scatter_gradients(full, target, partition_, window, closes);
+    const auto factor = replicas_->reduce_buckets(full, target, partition_, window, closes);
     if (summed_) local_grad_.add_(scratch_);
     summed_ = true;
     return factor;

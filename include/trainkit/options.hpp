@@ -76,6 +76,12 @@ struct TrainerOptions {
   /// data-parallel.md). One process holds everything whatever this says. Needs trainkit's
   /// fused optimizers.
   TORCH_ARG(Sharding, sharding) = Sharding::none;
+  /// Data parallelism: start reducing the gradient during the backward that closes a window
+  /// (with Sharding::gradients during every backward), bucket by bucket as the parameters'
+  /// gradients become ready, as DDP does; false reduces it after the backward. A rank that runs
+  /// out of memory in such a backward after a bucket has left cannot replay its window alone:
+  /// the run then stops with an error that says so. Master weights reduce after the backward.
+  TORCH_ARG(bool, overlap_reduction) = true;
   /// Parameter groups: the first name-substring that matches a parameter's name sets its LR
   /// multiplier (VL-BERT's LR_MULT); unmatched parameters have multiplier 1.
   using LrMult = std::vector<std::pair<std::string, double>>;

@@ -94,12 +94,13 @@ inline void plan_window(const nlohmann::json& t, TrainerKey& key, TrainerOptions
 }
 
 /// The rest of the trainer's options: the non-finite rule, the parameter groups and the
-/// sharding (NONFINITE, LR_MULT, NO_DECAY, ZERO_STAGE). keep_norm_fp32 keeps its default (on,
+/// data-parallel reduction (NONFINITE, LR_MULT, NO_DECAY, ZERO_STAGE, OVERLAP_REDUCTION). keep_norm_fp32 keeps its default (on,
 /// as Apex O2's).
 inline void plan_parameters(const nlohmann::json& t, TrainerOptions& o) {
   o.nonfinite(t["NONFINITE"].get<std::string>() == "abort" ? NonFinite::abort : NonFinite::skip);
   const auto stage = t["ZERO_STAGE"].get<std::int64_t>();
   o.sharding(stage == 2 ? Sharding::gradients : stage == 1 ? Sharding::optimizer : Sharding::none);
+  o.overlap_reduction(t["OVERLAP_REDUCTION"].get<bool>());
   std::vector<std::pair<std::string, double>> groups;
   for (const auto& pair : t["LR_MULT"]) groups.emplace_back(pair[0].get<std::string>(), pair[1].get<double>());
   o.lr_mult(std::move(groups));

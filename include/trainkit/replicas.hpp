@@ -16,13 +16,16 @@
 ///                                 the sum, so every rank skips the same steps
 ///   check_same_state(state, what) after Trainer::load(): throws on every rank unless every rank
 ///                                 holds the same state (each rank loads the full checkpoint)
-/// and, when the storage shards the update (detail::Partition, storage.hpp):
-///   reduce_scatter_gradients(flat_grad, local, partition, window, closes)
-///                                 phase 5 (and, with Sharding::gradients, after each backward
-///                                 of a window): every bucket of `flat_grad` summed over the
-///                                 ranks, this rank's slice of it into `local`; each rank's part
-///                                 weighted as reduce_gradients() weights it. Returns the factor
-///                                 when `closes` (the window's last reduction)
+/// and, for the storage's buckets (detail::Partition, storage.hpp):
+///   start_reduction(flat_grad, local, partition, window, closes) -> Reduction
+///                                 phase 5 bucket by bucket, so that it can overlap the last
+///                                 backward (and, with Sharding::gradients, every backward of a
+///                                 window): launch(b) sends bucket b (every rank launches the
+///                                 buckets in the same order), finish() sends the rest, waits,
+///                                 and returns the factor when `closes`. `local` undefined: each
+///                                 bucket summed over the ranks in place; defined (sharded): this
+///                                 rank's slice of each bucket's sum into `local`. Each rank's
+///                                 part weighted as reduce_gradients() weights it
 ///   global_norm(local)            phases 6-7: the L2 norm over every rank's `local` slices (one
 ///                                 small all-reduce of the squares; a device scalar)
 ///   sum(values)                   phase 9, sharded master weights: the fp32-kept parameters
@@ -42,6 +45,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -70,6 +74,17 @@ struct GradientFactor {
   torch::Tensor total;
 };
 
+/// One window's gradient reduction in flight (Replicas::start_reduction).
+class Reduction {
+ public:
+  virtual ~Reduction() = default;
+  /// Starts bucket b's collective (at most once per bucket; in the same order on every rank).
+  virtual void launch(std::int64_t bucket) = 0;
+  /// Starts the buckets not launched yet (in descending order), waits for every one, and
+  /// returns phase 5's factor (meaningful when the reduction closes the window).
+  virtual GradientFactor finish() = 0;
+};
+
 /// See the file comment. Implementations: SingleProcess, tk::DataParallel (distributed.hpp).
 class Replicas {
  public:
@@ -92,9 +107,14 @@ class Replicas {
   // --- sharded storage (see the file comment) ---
   /// Bytes per bucket of the gradient's reduction (the partition's bucket size).
   virtual std::int64_t bucket_bytes() const { return std::int64_t{25} << 20; }
-  virtual GradientFactor reduce_scatter_gradients(torch::Tensor& flat_grad, torch::Tensor& local,
-                                                  const detail::Partition& partition, const WindowWeights& window,
-                                                  bool closes) = 0;
+  virtual std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local,
+                                                     const detail::Partition& partition, const WindowWeights& window,
+                                                     bool closes) = 0;
+  /// start_reduction() and finish() at once (nothing overlapped).
+  GradientFactor reduce_buckets(torch::Tensor& flat_grad, torch::Tensor local, const detail::Partition& partition,
+                                const WindowWeights& window, bool closes) {
+    return start_reduction(flat_grad, std::move(local), partition, window, closes)->finish();
+  }
   virtual torch::Tensor global_norm(const torch::Tensor& local) = 0;
   /// A device tensor summed over the ranks, in place (sharded master weights: the parameters
   /// kept in fp32, each rank contributing the elements it updated).
@@ -114,14 +134,27 @@ class SingleProcess final : public Replicas {
   }
   void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
   void all_reduce(std::vector<double>&, Reduce) override {}
-  // One rank owns every slice (a partition of world size 1 is never sharded): copies.
-  GradientFactor reduce_scatter_gradients(torch::Tensor& flat_grad, torch::Tensor& local, const detail::Partition& partition,
-                                          const WindowWeights& window, bool) override {
-    for (std::int64_t b = 0; b < partition.buckets(); ++b) {
-      const auto s = partition.slice(b);
-      local.narrow(0, partition.local(b), s.length).copy_(flat_grad.narrow(0, s.begin, s.length));
-    }
-    return {window.rescale, {}};
+  // Nothing to send: the gradient is the sum already (a partition of world size 1 is never
+  // sharded; `local`, when given, receives the slices).
+  std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local, const detail::Partition& partition,
+                                             const WindowWeights& window, bool) override {
+    struct Local final : Reduction {
+      torch::Tensor flat, local;
+      detail::Partition partition;
+      double rescale;
+      void launch(std::int64_t) override {}
+      GradientFactor finish() override {
+        if (local.defined())
+          for (std::int64_t b = 0; b < partition.buckets(); ++b) {
+            const auto s = partition.slice(b);
+            local.narrow(0, partition.local(b), s.length).copy_(flat.narrow(0, s.begin, s.length));
+          }
+        return {rescale, {}};
+      }
+    };
+    auto r = std::make_unique<Local>();
+    r->flat = flat_grad, r->local = std::move(local), r->partition = partition, r->rescale = window.rescale;
+    return r;
   }
   torch::Tensor global_norm(const torch::Tensor& local) override { return at::linalg_vector_norm(local, 2); }
   void sum(torch::Tensor&) override {}

@@ -17,7 +17,8 @@
 ///                                     (detail::Partition). True when the update is sharded:
 ///                                     the optimizer's state then covers state_numel() local
 ///                                     elements
-///   backward_begins()                 before each backward (micro-step phase 3)
+///   backward_begins(done)             before each backward (micro-step phase 3), told what
+///                                     backward_done() will be: a reduction may start during it
 ///   backward_done(done)               after each backward (detail::BackwardDone: whether the
 ///                                     optimizer phase follows, whether the micro-batch ends,
 ///                                     the window's weights so far)
@@ -63,12 +64,15 @@
 #include <trainkit/replicas.hpp>
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -85,6 +89,81 @@ struct PlacedParameter {
   double lr_mult = 1.0;
   bool decay = true;
   std::int64_t offset = 0;  ///< in the flat buffers
+};
+
+/// Overlap (TrainerOptions::overlap_reduction): during an armed backward, which buckets of the
+/// partition are complete. Each parameter's post-accumulate-grad hook (ReadyHook) counts its
+/// gradient in the buckets it lies in; the buckets are launched in descending order (a backward
+/// produces the last parameters' gradients first), each as soon as it and every bucket above it
+/// are complete, so every rank launches them in the same order. What is left when the backward
+/// ends (parameters that got no gradient) is launched by Reduction::finish().
+class Readiness {
+ public:
+  Readiness(const std::vector<Range>& parameters, std::vector<std::string> names, const Partition& partition)
+      : names_(std::move(names)), initial_(static_cast<size_t>(partition.buckets()), 0) {
+    for (const auto& p : parameters) {
+      std::int64_t first = 0;
+      while (first + 1 < partition.buckets() && partition.bucket(first + 1).begin <= p.begin) ++first;
+      std::int64_t last = first;
+      while (last + 1 < partition.buckets() && partition.bucket(last + 1).begin < p.end()) ++last;
+      spans_.push_back({first, last});
+      for (auto b = first; b <= last; ++b) ++initial_[static_cast<size_t>(b)];
+    }
+  }
+  void arm(Reduction& reduction) {
+    waiting_ = initial_;
+    fired_.assign(spans_.size(), false);
+    next_ = static_cast<std::int64_t>(initial_.size()) - 1;
+    reduction_ = &reduction;
+  }
+  void disarm() { reduction_ = nullptr; }
+  /// Buckets launched in the armed backward.
+  std::int64_t launched() const { return static_cast<std::int64_t>(initial_.size()) - 1 - next_; }
+  /// Buckets launched by the hooks, during backward passes, since the hooks were installed.
+  std::int64_t overlapped() const { return overlapped_; }
+
+  /// Parameter i's gradient is accumulated (its hook; the autograd engine's thread).
+  void ready(size_t i) {
+    if (!reduction_) return;
+    const auto [first, last] = spans_[i];
+    if (fired_[i]) {
+      // A second accumulation in one backward: the reentrant backward of tk::recompute for a
+      // parameter used inside and outside its region. Harmless until the bucket has left.
+      if (last > next_)
+        throw std::runtime_error("trainkit: parameter '" + names_[i] + "' received a second gradient in one backward "
+                                 "after its bucket's reduction had started (a parameter used both inside and outside "
+                                 "tk::recompute?); set TrainerOptions::overlap_reduction(false) (TRAIN.OVERLAP_REDUCTION: false)");
+      return;
+    }
+    fired_[i] = true;
+    for (auto b = first; b <= last; ++b) --waiting_[static_cast<size_t>(b)];
+    while (next_ >= 0 && waiting_[static_cast<size_t>(next_)] == 0) {
+      reduction_->launch(next_--);
+      ++overlapped_;
+    }
+  }
+
+ private:
+  std::vector<std::string> names_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // each parameter's first and last bucket
+  std::vector<std::int64_t> initial_, waiting_;
+  std::vector<bool> fired_;
+  std::int64_t next_ = -1, overlapped_ = 0;
+  Reduction* reduction_ = nullptr;
+};
+
+/// The hook a parameter calls after its gradient is accumulated; it outlives nothing: the
+/// storage's Readiness gone, it does nothing.
+class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
+ public:
+  ReadyHook(std::weak_ptr<Readiness> readiness, size_t index) : readiness_(std::move(readiness)), index_(index) {}
+  void operator()(const torch::autograd::Variable&) override {
+    if (auto r = readiness_.lock()) r->ready(index_);
+  }
+
+ private:
+  std::weak_ptr<Readiness> readiness_;
+  size_t index_;
 };
 
 /// What the trainer tells its storage after each backward.
@@ -109,6 +188,9 @@ class FlatParameters {
   /// Elements of the optimizer's flat state: the flat buffer, or this rank's slices.
   std::int64_t state_numel() const { return partition_.local_total(); }
   bool sharded() const { return partition_.sharded(); }
+  /// Gradient buckets whose reduction started during a backward (TrainerOptions::
+  /// overlap_reduction), since the replicas were attached.
+  std::int64_t overlapped_buckets() const { return readiness_ ? readiness_->overlapped() : 0; }
 
   /// Once per window, a pointer compare per parameter.
   void check() const {
@@ -176,12 +258,26 @@ class FlatParameters {
     partition_ = Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
   }
 
-  /// The partition for `replicas` (sharded with `sharding` and more than one rank).
+  /// The partition for `replicas`: one bucket in one process; buckets of the replicas'
+  /// bucket_bytes with several, sharded with `sharding`.
   Partition partition_for(const Replicas& replicas, Sharding sharding, std::int64_t element_size) const {
-    const bool shard = sharding != Sharding::none && replicas.world_size() > 1;
-    if (!shard) return Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
+    if (replicas.world_size() == 1)
+      return Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
     return Partition(layout_.padded(), std::max<std::int64_t>(1, replicas.bucket_bytes() / element_size), align_,
-                     replicas.world_size(), replicas.rank(), true);
+                     replicas.world_size(), replicas.rank(), sharding != Sharding::none);
+  }
+
+  /// Overlap: a post-accumulate-grad hook on every trainable parameter (after the partition).
+  void install_hooks() {
+    std::vector<Range> ranges;
+    std::vector<std::string> names;
+    for (const auto& e : placed_) {
+      ranges.push_back({e.offset, e.param.numel()});
+      names.push_back(e.name);
+    }
+    readiness_ = std::make_shared<Readiness>(ranges, std::move(names), partition_);
+    for (size_t i = 0; i < placed_.size(); ++i)
+      torch::autograd::impl::set_post_acc_grad_hooks(placed_[i].param, std::make_unique<ReadyHook>(readiness_, i));
   }
 
   /// `numel` elements of fp32 on `device`, the layout's gaps zero (before the parameters are
@@ -345,6 +441,7 @@ class FlatParameters {
   std::vector<Range> ranges_;  // each group's elements in the flat layout
   Partition partition_;
   Replicas* replicas_ = nullptr;  // the trainer's, from attach()
+  std::shared_ptr<Readiness> readiness_;  // overlap: defined when the hooks are installed
 
   struct View {
     torch::Tensor param;
@@ -375,7 +472,7 @@ class FlatStorage : public detail::FlatParameters {
   /// `dtype`: the precision's storage_dtype, fp32 (the model's parameters are the flat buffer).
   FlatStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
               at::ScalarType dtype = at::kFloat)
-      : sharding_(options.sharding()), device_(device) {
+      : sharding_(options.sharding()), overlap_(options.overlap_reduction()), device_(device) {
     TORCH_CHECK(dtype == at::kFloat, "FlatStorage holds fp32 parameters, not ", dtype);
     place(model, options, device, /*element_size=*/4, /*any_floating_point=*/false);
     allocate(layout_.padded());
@@ -396,24 +493,32 @@ class FlatStorage : public detail::FlatParameters {
     local_grad_ = torch::Tensor();
     summed_ = false;
     if (shards_gradients()) detail::release_storage(grad_);
+    readiness_.reset();
+    if (overlap_ && replicas.world_size() > 1) install_hooks();
     return sharded();
   }
-  void backward_begins() {
-    if (detail::is_released(grad_)) detail::allocate_released(grad_);
+  // A backward that a reduction follows (the window's last; with Sharding::gradients every
+  // one) starts that reduction before it when overlapping: its buckets leave as the hooks
+  // find them complete.
+  void backward_begins(const detail::BackwardDone& done) {
+    allocate_gradient();
+    if (readiness_ && done.micro_batch_ends && (done.closes || shards_gradients())) {
+      reduction_ = replicas_->start_reduction(grad_, reduction_target(), partition_, done.window, done.closes);
+      readiness_->arm(*reduction_);
+    }
   }
   // Sharding::gradients: a backward the phase does not follow is reduce-scattered into the
   // slices' sum now, and the model's gradient released until the next backward.
   void backward_done(const detail::BackwardDone& done) {
     if (done.closes || !done.micro_batch_ends || !shards_gradients()) return;
-    scatter_into_sum(done.window, /*closes=*/false);
+    finish_reduction(*replicas_, done.window, /*closes=*/false);
     detail::release_storage(grad_);
   }
   GradientFactor reduce(Replicas& replicas, const WindowWeights& window) {
-    if (!sharded()) return replicas.reduce_gradients(grad_, window);
     // (A window flushed at an epoch's end after a reduced micro-batch has no gradient left:
     // zeros stand for it, and the reduction still brings the window's item total.)
-    backward_begins();
-    const GradientFactor factor = scatter_into_sum(window, /*closes=*/true);
+    allocate_gradient();
+    const GradientFactor factor = finish_reduction(replicas, window, /*closes=*/true);
     if (shards_gradients()) detail::release_storage(grad_);
     return factor;
   }
@@ -433,6 +538,7 @@ class FlatStorage : public detail::FlatParameters {
     replicas_->all_gather(params_, partition_);
   }
   void zero() {
+    drop_reduction();
     summed_ = false;
     if (!sharded()) {
       grad_.zero_();
@@ -498,7 +604,7 @@ class FlatStorage : public detail::FlatParameters {
                                         : "without sharded gradients, and this run shards them (TRAIN.ZERO_STAGE: 2)") +
                                "; resume with the checkpoint's TRAIN.ZERO_STAGE, or from a checkpoint at a window's end");
     if (!reduced) {
-      backward_begins();
+      allocate_gradient();
       layout_.read_into(archive, "window.gradient", grad_);
       return;
     }
@@ -535,23 +641,57 @@ class FlatStorage : public detail::FlatParameters {
     make_groups(grad_);
   }
 
-  // Sharded: the model's gradient reduce-scattered into this rank's slices, added to the
-  // window's earlier micro-batches when there are any (Sharding::gradients).
-  GradientFactor scatter_into_sum(const WindowWeights& window, bool closes) {
-    if (!summed_) {
-      if (!local_grad_.defined()) local_grad_ = torch::empty({partition_.local_total()}, params_.options());
-      const auto factor = replicas_->reduce_scatter_gradients(grad_, local_grad_, partition_, window, closes);
-      summed_ = true;
-      return factor;
+  void allocate_gradient() {
+    if (detail::is_released(grad_)) detail::allocate_released(grad_);
+  }
+  // Where a reduction's result goes: nowhere but the gradient itself (replicated: summed in
+  // place), or this rank's slices (the window's sum, or with Sharding::gradients a scratch
+  // buffer added to the sum of the window's earlier micro-batches).
+  torch::Tensor reduction_target() {
+    if (!sharded()) return {};
+    torch::Tensor& target = summed_ ? scratch_ : local_grad_;
+    if (!target.defined()) target = torch::empty({partition_.local_total()}, params_.options());
+    return target;
+  }
+  // The reduction of the gradient: the one started before the backward (overlap), or a whole
+  // one now.
+  GradientFactor finish_reduction(Replicas& replicas, const WindowWeights& window, bool closes) {
+    GradientFactor factor;
+    if (reduction_) {
+      readiness_->disarm();
+      factor = reduction_->finish();
+      reduction_.reset();
+    } else {
+      factor = replicas.reduce_buckets(grad_, reduction_target(), partition_, window, closes);
     }
-    if (!scratch_.defined()) scratch_ = torch::empty({partition_.local_total()}, params_.options());
-    const auto factor = replicas_->reduce_scatter_gradients(grad_, scratch_, partition_, window, closes);
-    local_grad_.add_(scratch_);
+    if (sharded()) {
+      if (summed_) local_grad_.add_(scratch_);
+      summed_ = true;
+    }
     return factor;
+  }
+  // A window dropped (replayed after an out-of-memory error) while its reduction had started.
+  // Buckets already sent cannot be taken back from the other ranks: the ranks would disagree.
+  void drop_reduction() {
+    if (!reduction_) return;
+    const auto launched = readiness_->launched();
+    readiness_->disarm();
+    if (launched == 0) {
+      reduction_.reset();  // nothing sent
+      return;
+    }
+    throw std::runtime_error(
+        "trainkit: the window was dropped (an out-of-memory error in its backward?) after " + std::to_string(launched) +
+        " bucket(s) of its gradient reduction had started on this rank, overlapped with the backward: the other ranks "
+        "cannot replay it with this one, so training stops here. Resume from the last checkpoint with a smaller "
+        "micro-batch or TRAIN.MEMORY_BUDGET, or set TRAIN.OVERLAP_REDUCTION: false "
+        "(TrainerOptions::overlap_reduction) to reduce after the backward, where such a window can be replayed");
   }
 
   Sharding sharding_;
+  bool overlap_;
   torch::Device device_;
+  std::unique_ptr<Reduction> reduction_;  // overlap: started before the backward, finished after
   torch::Tensor grad_;
   torch::Tensor local_grad_;  // sharded: this rank's slices of the reduced gradient
   torch::Tensor scratch_;     // Sharding::gradients with several micro-batches: one reduction's slices

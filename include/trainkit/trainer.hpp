@@ -415,11 +415,13 @@ class Trainer final : public AnyTrainer {
     const torch::Tensor loss = forward(closure);
     // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items).
     const bool opens = accumulation_.position() == 0;
-    backward(loss, accumulation_.weight(items), opens);
+    const double weight = accumulation_.weight(items);
+    const bool closes = accumulation_.closes();
+    const detail::BackwardDone done{closes, /*micro_batch_ends=*/true, window_weights()};
+    backward(loss, weight, opens, done);
     // 4. Data parallel: no communication inside the window (except Sharding::gradients, which
     //    reduce-scatters each micro-batch into this rank's slices of the window's sum).
-    const bool closes = accumulation_.closes();
-    storage_.backward_done(detail::BackwardDone{closes, /*micro_batch_ends=*/true, window_weights()});
+    storage_.backward_done(done);
     if (!closes) return {};
     return {true, close_window()};
   }
@@ -442,9 +444,10 @@ class Trainer final : public AnyTrainer {
       const torch::Tensor loss = forward([&] { return loss_of(piece); });
       if (j == 0) weight = accumulation_.weight(total);
       const double share = total > 0 ? static_cast<double>(items[j]) / static_cast<double>(total) : 0.0;
-      backward(loss, weight * share, opens && j == 0);
       const bool last = j + 1 == items.size();
-      storage_.backward_done(detail::BackwardDone{last && accumulation_.closes(), last, window_weights()});
+      const detail::BackwardDone done{last && accumulation_.closes(), last, window_weights()};
+      backward(loss, weight * share, opens && j == 0, done);
+      storage_.backward_done(done);
     }
     if (!accumulation_.closes()) return {};
     return {true, close_window()};
@@ -466,7 +469,9 @@ class Trainer final : public AnyTrainer {
   // 2-3. The loss times its weight, added to the window's loss; FP16: times the loss scale.
   //    Backward; gradients accumulate in fp32 in the storage (master weights: the half
   //    gradient of each backward joins an fp32 sum, storage_.backward_done()).
-  void backward(const torch::Tensor& loss, double weight, bool first_of_window) {
+  //    Data parallel: the reduction of a closing backward may start during it, bucket by
+  //    bucket (TrainerOptions::overlap_reduction): `done` tells the storage what follows.
+  void backward(const torch::Tensor& loss, double weight, bool first_of_window, const detail::BackwardDone& done) {
     const auto as_float = loss.scalar_type() == torch::kFloat ? loss : loss.to(torch::kFloat);
     auto objective = (as_float.dim() == 0 ? as_float : as_float.reshape({})) * weight;
     {
@@ -477,7 +482,7 @@ class Trainer final : public AnyTrainer {
       else window_loss_.add_(objective);
     }
     if constexpr (Precision::scales_loss) objective = objective * precision_.scale();
-    storage_.backward_begins();
+    storage_.backward_begins(done);
     objective.backward();
   }
 

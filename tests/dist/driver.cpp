@@ -11,9 +11,13 @@
 //       [--save PATH]                              a checkpoint at the end (rank 0 writes it; sharded,
 //                                                  every rank sends its slices)
 //       [--sharding 0|1|2]                         TrainerOptions::sharding (none, optimizer, gradients)
+//       [--overlap 0|1]                            TrainerOptions::overlap_reduction (default 1)
 //       [--flush 1]                                windows may end with the epoch (a partial window,
 //                                                  trainer.flush()): --samples/--batch/--accum need not divide
 //       [--fit DIR]                                train 2 epochs with tk::fit, output DIR/rank<r>
+//       [--oom-backward-rank R]                    with --fit: rank R runs out of memory once in the
+//                                                  backward of epoch 0's micro-batch 1, after the last
+//                                                  layer's gradients were accumulated
 //       [--oom-rank R]                             with --fit: rank R runs out of memory once, in
 //                                                  epoch 0's micro-batch 1 (a c10::OutOfMemoryError
 //                                                  from the loss), and replays its window in pieces
@@ -45,7 +49,8 @@ namespace {
 struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
-  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0;
+  int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
+  int oom_backward_rank = -1;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
 };
 
@@ -71,7 +76,8 @@ Args parse(int argc, char** argv) {
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
   take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
   take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank), take("reduce", a.reduce);
-  take("sharding", a.sharding), take("flush", a.flush);
+  take("sharding", a.sharding), take("flush", a.flush), take("overlap", a.overlap);
+  take("oom-backward-rank", a.oom_backward_rank);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -93,9 +99,16 @@ struct MlpImpl : torch::nn::Module {
       const auto h = torch::tanh(x * w + b).reshape({-1, 4, 2}).sum(2);
       return h * fc2->weight.reshape({-1}).narrow(0, 0, 4) + fc2->bias;
     }
-    return fc2(torch::tanh(ln ? ln(fc1(x)) : fc1(x)));
+    auto h = torch::tanh(ln ? ln(fc1(x)) : fc1(x));
+    if (oom_in_backward) {  // --oom-backward-rank: thrown when the gradient reaches h, after fc2's
+      oom_in_backward = false;
+      h.register_hook([](const torch::Tensor&) -> torch::Tensor {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (the driver's --oom-backward-rank)");
+      });
+    }
+    return fc2(h);
   }
-  bool affine;
+  bool affine, oom_in_backward = false;
   torch::nn::Linear fc1, fc2;
   torch::nn::LayerNorm ln{nullptr};
 };
@@ -140,6 +153,7 @@ int run(const Args& a) {
                       .accumulation_steps(a.accum)
                       .max_grad_norm(0.05)
                       .reduce_precision(reduce_precision(a))
+                      .overlap_reduction(a.overlap != 0)
                       .sharding(a.sharding == 2 ? tk::Sharding::gradients
                                                 : a.sharding == 1 ? tk::Sharding::optimizer : tk::Sharding::none));
   auto replicas = std::make_shared<tk::DataParallel>(group, a.bucket_bytes);
@@ -164,6 +178,11 @@ int run(const Args& a) {
       if (rank == a.oom_rank && !oom_thrown && at_epoch == 0 && at_index == 1 && static_cast<std::int64_t>(b.size()) == a.batch) {
         oom_thrown = true;
         TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (the driver's --oom-rank)");
+      }
+      if (rank == a.oom_backward_rank && !oom_thrown && at_epoch == 0 && at_index == 1 &&
+          static_cast<std::int64_t>(b.size()) == a.batch) {
+        oom_thrown = true;
+        model->oom_in_backward = true;
       }
       const auto idx = torch::tensor(b, torch::kLong);
       return torch::mse_loss(model(x.index_select(0, idx)), y.index_select(0, idx));
@@ -244,6 +263,7 @@ int run(const Args& a) {
                       {"allreduce_calls", training_calls},
                       {"allreduce_bytes", training_bytes},
                       {"gradient_bytes", gradient_bytes(trainer)},
+                      {"overlapped_buckets", trainer.storage().overlapped_buckets()},
                       {"reduce_scatter_calls", counter->reduce_scatter_calls},
                       {"all_gather_calls", counter->all_gather_calls},
                       {"buckets", replicas->buckets(trainer.parameters().numel())},

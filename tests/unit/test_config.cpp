@@ -58,8 +58,9 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 48);  // VL-BERT's 28 TRAIN keys and trainkit's 20
+  CHECK(t.size() == 49);  // VL-BERT's 28 TRAIN keys and trainkit's 21
   CHECK(t["ZERO_STAGE"] == 0);
+  CHECK(t["OVERLAP_REDUCTION"] == true);
   CHECK(t["NO_DECAY"] == json::array());
   CHECK(t["RESUME_CHANGES"] == "refuse");
   CHECK(t["NONFINITE_PATIENCE"] == 20);

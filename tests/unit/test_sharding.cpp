@@ -184,6 +184,46 @@ TEST_CASE("a sharded checkpoint resumes at any world size, its state bit for bit
   }
 }
 
+TEST_CASE("the reduction overlaps the backward: the same result, buckets sent during it") {
+  testing::TempDir dir;
+  const std::vector<std::string> common{"--model", "mlp-ln", "--batch", "4", "--accum", "2", "--items", "1",
+                                        "--steps", "9", "--bucket-bytes", "256"};
+  for (const std::string stage : {"0", "1", "2"}) {
+    CAPTURE(stage);
+    const std::string on = dir / ("on" + stage), off = dir / ("off" + stage);
+    run_ranks(2, on, with(common, {"--sharding", stage, "--overlap", "1"}));
+    run_ranks(2, off, with(common, {"--sharding", stage, "--overlap", "0"}));
+    for (int r = 0; r < 2; ++r) CHECK(torch::equal(params(on, r), params(off, r)));  // bit for bit
+    const auto s_on = summary(on, 0), s_off = summary(off, 0);
+    MESSAGE("stage " << stage << ": " << s_on["overlapped_buckets"] << " buckets sent during the backward");
+    CHECK(s_on["overlapped_buckets"].get<int>() > 0);
+    CHECK(s_off["overlapped_buckets"].get<int>() == 0);
+    // The same collectives either way: only when they start differs.
+    CHECK(s_on["allreduce_calls"] == s_off["allreduce_calls"]);
+    CHECK(s_on["reduce_scatter_calls"] == s_off["reduce_scatter_calls"]);
+  }
+}
+
+TEST_CASE("out of memory in a backward whose reduction had started: stopped, saying so; replayed without overlap") {
+  testing::TempDir dir;
+  const std::vector<std::string> fit{"--steps", "0", "--batch", "4", "--accum", "2", "--bucket-bytes", "256",
+                                     "--oom-backward-rank", "1"};
+  auto with_fit = [&](const std::string& out, std::vector<std::string> extra) {
+    extra.insert(extra.begin(), {"--fit", dir / out});
+    extra.insert(extra.end(), fit.begin(), fit.end());
+    return extra;
+  };
+  {
+    auto ranks = spawn_ranks(2, dir / "on", std::to_string(free_port()), with_fit("on-out", {"--overlap", "1"}));
+    CHECK(wait_exit(ranks[1], 120) == 1);
+    wait_exit(ranks[0], 120);
+    CHECK(slurp(ranks[1].err).find("TRAIN.OVERLAP_REDUCTION: false") != std::string::npos);
+  }
+  run_ranks(2, dir / "off", with_fit("off-out", {"--overlap", "0"}));
+  CHECK(slurp(dir / "off.log1.out").find("replayed 1 window(s)") != std::string::npos);
+  CHECK(torch::equal(params(dir / "off", 0), params(dir / "off", 1)));
+}
+
 TEST_CASE("sharding: TRAIN.ZERO_STAGE in the plan, one process unsharded, a torch::optim optimizer refused") {
   tk::Config config;
   config.load_string(R"({"TRAIN": {"ZERO_STAGE": 2}})", tk::Config::Format::json);

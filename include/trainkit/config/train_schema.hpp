@@ -172,8 +172,11 @@ inline Schema train_schema() {
       .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
   s.integer("ZERO_STAGE", 0).min(0).max(2).doc(
       "data parallel: what each rank keeps of the update (ZeRO's stages): 0 everything (replicated); 1 the optimizer's "
-      "state and fp32 master weights of its slices of the parameters only; 2 also its slices of the gradient between "
-      "optimizer steps. No effect with one process");
+      "state and fp32 master weights of its slices of the parameters only; 2 also the gradient: none between optimizer "
+      "steps, and inside a window of several micro-batches only its slices of their sum. No effect with one process");
+  s.boolean("OVERLAP_REDUCTION", true).doc(
+      "data parallel: reduce the gradient bucket by bucket during the backward that closes a window (with ZERO_STAGE 2 "
+      "during every backward), as the gradients become ready; false: after the backward");
   s.integer("CHECKPOINT_KEEP", 3).min(1).doc("complete checkpoints kept (plus the best)");
   s.add("MEMORY_BUDGET", Field::either({Field::number(0).min(0), Field::string("").transform(parse_memory_budget)}, 0.0))
       .doc("memory for training (0: no plan): a fraction of the device's memory (0.8, \"80%\"), or bytes (\"12GiB\"); "

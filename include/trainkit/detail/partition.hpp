@@ -4,8 +4,9 @@
 ///
 ///   bucket b        elements [begin(b), begin(b) + length(b)) of the flat buffer; the buckets
 ///                   cover the whole buffer, back to back, in order. Every length is a multiple
-///                   of world x align, so that each rank's slice is aligned and all slices of a
-///                   bucket have the same length (what reduce-scatter and all-gather need).
+///                   of align, and when sharded of world x align, so that each rank's slice is
+///                   aligned and all slices of a bucket have the same length (what
+///                   reduce-scatter and all-gather need).
 ///   slice(b)        this rank's part of bucket b: [begin(b) + rank x length(b) / world, ...).
 ///                   Replicated (not sharded): the whole bucket.
 ///   local(b)        where slice(b) lives in this rank's local buffers (the gradient it receives,
@@ -13,7 +14,7 @@
 ///                   the local buffers are the flat ones (local(b) = begin(b)).
 ///
 /// The padded total (total()) can exceed the layout's own padded size by less than one
-/// world x align unit per bucket: those elements are zeros, like the layout's gaps, and stay
+/// world x align unit: those elements are zeros, like the layout's gaps, and stay
 /// zeros in every buffer (no gradient reaches them, so no update moves them).
 ///
 /// Why slices of every bucket rather than one contiguous shard per rank: a bucket can then be
@@ -50,7 +51,7 @@ class Partition {
                                   std::to_string(world));
     if (bucket_elements < 1 || align < 1 || numel < 0)
       throw std::invalid_argument("trainkit::Partition: bucket_elements and align must be >= 1");
-    const std::int64_t unit = align * world;
+    const std::int64_t unit = sharded ? align * world : align;
     const std::int64_t per = std::max<std::int64_t>(1, (bucket_elements + unit - 1) / unit) * unit;
     const std::int64_t padded = (numel + unit - 1) / unit * unit;
     for (std::int64_t begin = 0; begin < padded; begin += per) buckets_.push_back({begin, std::min(per, padded - begin)});
