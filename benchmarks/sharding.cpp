@@ -7,7 +7,11 @@
 //
 //   build/benchmarks/sharding                        # both tables: every configuration, W processes each
 //   build/benchmarks/sharding --table memory|overlap --windows 6 --accumulate 4 --layers 16 --width 1024 --repeat 3
+//                             --bucket-mib 25 (DataParallel's bucket)
 //   (a configuration's processes: --child 1 with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+//
+// SHARDING_TRACE=1 in the environment: each rank prints its high-water mark and resident memory
+// after construction, attach and each window (where a peak comes from).
 //
 // The overlap table: "hidden" is the share of the communication the overlap hides, (off - on) /
 // (off - one process), where one process runs the same micro-batches with no communication.
@@ -16,7 +20,8 @@
 // model's parameters and gradients, the masters, the optimizer's state, the reduced slices;
 // each storage counted once), per parameter, next to ZeRO's formula for it; "peak" is the
 // process's high-water mark (VmHWM) minus its resident memory before the model was built, per
-// parameter (on the CPU it includes what glibc keeps and Gloo's buffers). "window" is the
+// parameter (on the CPU it includes Gloo's buffers; the ranks run with MALLOC_MMAP_THRESHOLD_ at
+// 1 MiB, so that glibc gives freed blocks back rather than keeping its high-water mark). "window" is the
 // median time of an optimizer step's window after the first, in ms, and its ratio to the
 // replicated run of the same world size and precision. The median over --repeat launches.
 #include <trainkit/distributed.hpp>
@@ -48,6 +53,7 @@ namespace {
 
 struct Settings {
   std::int64_t layers = 16, width = 1024, batch = 8, overlap_batch = 32, windows = 6, accumulate = 1, repeat = 3;
+  std::int64_t bucket_mib = 25;  // DataParallel's bucket (25 MiB, DDP's default)
   std::string precision = "fp32", table = "both";
   int stage = 0, overlap = 1;
   std::string out;
@@ -90,13 +96,21 @@ int child(const Settings& s) {
   const auto sharding = s.stage == 2 ? tk::Sharding::gradients : s.stage == 1 ? tk::Sharding::optimizer : tk::Sharding::none;
   Trainer trainer(model, tk::AdamW{1e-4},
                   tk::TrainerOptions().accumulation_steps(s.accumulate).sharding(sharding).overlap_reduction(s.overlap != 0));
-  trainer.set_replicas(std::make_shared<tk::DataParallel>(group));
+  const bool trace = std::getenv("SHARDING_TRACE") != nullptr;
+  auto mark = [&](const char* what) {
+    if (trace) std::fprintf(stderr, "rank %d %s: HWM %.2f RSS %.2f B/param\n", group.rank(), what,
+                            (status_bytes("VmHWM:") - baseline) / 16.8e6, (status_bytes("VmRSS:") - baseline) / 16.8e6);
+  };
+  mark("built");
+  trainer.set_replicas(std::make_shared<tk::DataParallel>(group, s.bucket_mib << 20));
+  mark("attached");
   const auto x = torch::randn({s.batch, s.width});
   std::vector<double> ms;
   for (std::int64_t w = 0; w < s.windows; ++w) {
     const auto start = std::chrono::steady_clock::now();
     for (std::int64_t m = 0; m < s.accumulate; ++m) trainer.micro_step([&] { return model->forward(x).square().mean(); });
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    mark("window");
   }
   std::vector<torch::Tensor> held;
   for (const auto& p : model->parameters()) held.insert(held.end(), {p, p.grad()});
@@ -124,11 +138,16 @@ Result launch(const std::string& self, const Settings& s, int world, int port) {
     std::vector<std::string> env;
     for (char** e = environ; *e; ++e) env.emplace_back(*e);
     env.insert(env.end(), {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world), "LOCAL_RANK=" + std::to_string(r),
-                           "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=1"});
+                           "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=1",
+                           // Freed blocks of 1 MiB and more go back to the system: glibc's dynamic
+                           // threshold would otherwise keep the per-window temporaries of Gloo's
+                           // worker threads in their arenas, and "peak" would measure glibc.
+                           "MALLOC_MMAP_THRESHOLD_=1048576"});
     std::vector<std::string> args{self, "--child", "1", "--precision", s.precision, "--stage", std::to_string(s.stage),
                                   "--layers", std::to_string(s.layers), "--width", std::to_string(s.width),
                                   "--batch", std::to_string(s.batch), "--windows", std::to_string(s.windows),
                                   "--accumulate", std::to_string(s.accumulate), "--overlap", std::to_string(s.overlap),
+                                  "--bucket-mib", std::to_string(s.bucket_mib),
                                   "--out", s.out};
     std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
@@ -175,6 +194,7 @@ int main(int argc, char** argv) {
       else if (k == "--overlap") s.overlap = std::stoi(v);
       else if (k == "--overlap-batch") s.overlap_batch = std::stoll(v);
       else if (k == "--table") s.table = v;
+      else if (k == "--bucket-mib") s.bucket_mib = std::stoll(v);
       else if (k == "--repeat") s.repeat = std::stoll(v);
       else if (k == "--out") s.out = v;
       else throw std::invalid_argument("unknown option " + k);
@@ -210,10 +230,11 @@ int main(int argc, char** argv) {
     };
     const double millions = static_cast<double>(s.layers * (s.width * s.width + s.width)) / 1e6;
     if (s.table != "overlap") {
-      std::printf("%lld x Linear(%lld, %lld): %.1f M parameters, batch %lld, N = %lld, AdamW, %lld windows, median of %lld\n",
+      std::printf("%lld x Linear(%lld, %lld): %.1f M parameters, batch %lld, N = %lld, AdamW, %lld windows, "
+                  "%lld MiB buckets, median of %lld\n",
                   static_cast<long long>(s.layers), static_cast<long long>(s.width), static_cast<long long>(s.width),
                   millions, static_cast<long long>(s.batch), static_cast<long long>(s.accumulate),
-                  static_cast<long long>(s.windows), static_cast<long long>(s.repeat));
+                  static_cast<long long>(s.windows), static_cast<long long>(s.bucket_mib), static_cast<long long>(s.repeat));
       std::printf("| precision | W | stage | held B/param | ZeRO formula | peak B/param | window ms | window / stage 0 |\n");
       std::printf("|---|---|---|---|---|---|---|---|\n");
       for (const std::string precision : {"fp32", "master"}) {

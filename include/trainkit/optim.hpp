@@ -126,40 +126,56 @@ struct ParamGroup {
 class FlatState {
  public:
   FlatState(std::string kind, const std::vector<ParamGroup>& groups) : kind_(std::move(kind)) {
-    std::int64_t numel = 0;
-    for (const auto& g : groups) numel = std::max(numel, g.state_offset + g.params.numel());
-    options_ = groups.front().params.options();
-    flat_ = torch::zeros({numel}, options_);
     for (const auto& g : groups) {
-      views_.push_back(flat_.narrow(0, g.state_offset, g.params.numel()));
+      numel_ = std::max(numel_, g.state_offset + g.params.numel());
       offsets_.push_back(g.state_offset);
+      sizes_.push_back(g.params.numel());
     }
+    options_ = groups.front().params.options();
   }
   /// The part of the state `group` (the rule's group g, or a chunk of it) covers.
   torch::Tensor of(const ParamGroup& group, size_t g) const {
+    materialize();
     const auto n = group.params.numel();
     if (g < views_.size() && offsets_[g] == group.state_offset && views_[g].numel() == n) return views_[g];
     return flat_.narrow(0, group.state_offset, n);
   }
-  /// Zeros for `numel` local elements (set_replicas with sharding: the state of this rank's
-  /// slices only); the groups' views go with the old tensor.
+  /// For `numel` local elements (set_replicas with sharding: the state of this rank's slices
+  /// only); the groups' views go.
   void resize(std::int64_t numel) {
-    flat_ = torch::zeros({numel}, options_);
-    views_.clear();
+    numel_ = numel;
+    flat_ = torch::Tensor();
     offsets_.clear();
+    sizes_.clear();
+    views_.clear();
   }
   /// "exp_avg", "exp_avg_sq", "momentum": checkpoints hold it as optim.<kind>.<parameter name>.
   const std::string& kind() const { return kind_; }
-  const torch::Tensor& flat() const { return flat_; }
+  /// The state; zeros until the first step. (Allocated on first use, not at construction: a
+  /// trainer sharded by set_replicas never holds the whole state.)
+  const torch::Tensor& flat() const {
+    materialize();
+    return flat_;
+  }
   /// The rule's groups' parts (empty once resized).
-  const std::vector<torch::Tensor>& views() const { return views_; }
+  const std::vector<torch::Tensor>& views() const {
+    materialize();
+    return views_;
+  }
 
  private:
+  void materialize() const {
+    if (flat_.defined()) return;
+    flat_ = torch::zeros({numel_}, options_);
+    for (size_t g = 0; g < offsets_.size(); ++g) views_.push_back(flat_.narrow(0, offsets_[g], sizes_[g]));
+  }
+
   std::string kind_;
   torch::TensorOptions options_;
-  torch::Tensor flat_;
-  std::vector<torch::Tensor> views_;
-  std::vector<std::int64_t> offsets_;
+  std::int64_t numel_ = 0;
+  std::vector<std::int64_t> offsets_, sizes_;  // the rule's own groups
+  mutable torch::Tensor flat_;
+  mutable std::vector<torch::Tensor> views_;
 };
 
 class UpdateRule {

@@ -627,10 +627,15 @@ class FlatStorage : public detail::FlatParameters {
   // The flat buffers at `numel` elements: the parameters copied in and their views re-pointed,
   // the gradient zero (at construction, and at attach() when the partition pads the buffers).
   void allocate(std::int64_t numel) {
+    // The old gradient goes first (the parameters' .grad and the groups hold views of it), so
+    // that at most the parameters are held twice.
+    for (auto& e : placed_) e.param.mutable_grad() = torch::Tensor();
+    groups_.clear();
+    views_.clear();
+    grad_ = torch::Tensor();
     auto flat = allocate_flat(numel, device_);
     for (auto& e : placed_) e.param.set_data(copy_in(e, flat));  // (releases the old storage)
     params_ = flat;
-    grad_ = torch::Tensor();
     release_cached(device_);
     grad_ = torch::zeros({numel}, params_.options());
     views_.clear();
