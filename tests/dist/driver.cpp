@@ -15,6 +15,9 @@
 //       [--flush 1]                                windows may end with the epoch (a partial window,
 //                                                  trainer.flush()): --samples/--batch/--accum need not divide
 //       [--fit DIR]                                train 2 epochs with tk::fit, output DIR/rank<r>
+//       [--resume 1]                               with --fit: every rank's output is DIR itself (rank 0
+//                                                  writes), resumed from its newest checkpoint
+//                                                  (AUTO_RESUME); --sleep-ms slows each micro-batch
 //       [--oom-backward-rank R]                    with --fit: rank R runs out of memory once in the
 //                                                  backward of epoch 0's micro-batch 1, after the last
 //                                                  layer's gradients were accumulated
@@ -50,7 +53,7 @@ struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
-  int oom_backward_rank = -1;
+  int oom_backward_rank = -1, resume = 0;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
 };
 
@@ -77,7 +80,7 @@ Args parse(int argc, char** argv) {
   take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
   take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank), take("reduce", a.reduce);
   take("sharding", a.sharding), take("flush", a.flush), take("overlap", a.overlap);
-  take("oom-backward-rank", a.oom_backward_rank);
+  take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -175,6 +178,7 @@ int run(const Args& a) {
       return sampler.batch(epoch, index);
     };
     task.loss = [&](const std::vector<std::int64_t>& b, tk::Metrics&) {
+      if (a.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.sleep_ms));
       if (rank == a.oom_rank && !oom_thrown && at_epoch == 0 && at_index == 1 && static_cast<std::int64_t>(b.size()) == a.batch) {
         oom_thrown = true;
         TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (the driver's --oom-rank)");
@@ -196,10 +200,10 @@ int run(const Args& a) {
     };
     const auto result = tk::fit(trainer, task,
                                 tk::FitOptions()
-                                    .output_path(a.fit + "/rank" + std::to_string(rank))
+                                    .output_path(a.resume ? a.fit : a.fit + "/rank" + std::to_string(rank))
                                     .end_epoch(2)
                                     .log_frequent(1)
-                                    .auto_resume(false)
+                                    .auto_resume(a.resume != 0)
                                     .handle_signals(false)
                                     .progress(false));
     std::cout << "fit wrote " << result.checkpoints.size() << " checkpoints, replayed " << result.replays

@@ -9,9 +9,13 @@
 
 #include <trainkit/plan.hpp>
 
+#include <chrono>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <signal.h>
 
 namespace {
 
@@ -182,6 +186,33 @@ TEST_CASE("a sharded checkpoint resumes at any world size, its state bit for bit
       for (int r = 0; r < 2; ++r) CHECK(torch::equal(params(dir / "resumed", r), params(dir / "straight", r)));
     }
   }
+}
+
+TEST_CASE("a sharded fit killed with SIGKILL resumes from its last checkpoint as if never stopped") {
+  testing::TempDir dir;
+  const std::vector<std::string> fit{"--steps", "0", "--batch", "4", "--accum", "2", "--bucket-bytes", "256",
+                                     "--model", "mlp-ln", "--precision", "fp16master", "--sharding", "2"};
+  auto with_fit = [&](const std::string& out, std::vector<std::string> extra) {
+    extra.insert(extra.begin(), {"--fit", dir / out});
+    extra.insert(extra.end(), fit.begin(), fit.end());
+    return extra;
+  };
+  run_ranks(2, dir / "straight", with_fit("straight-out", {}));
+  // Slowed down, killed in epoch 1 once epoch 0's checkpoint is there; then run again.
+  auto ranks = spawn_ranks(2, dir / "killed", std::to_string(free_port()),
+                           with_fit("killed-out", {"--sleep-ms", "40", "--resume", "1"}));
+  const std::string first = dir / "killed-out/model-0000.ckpt";
+  const auto start = std::chrono::steady_clock::now();
+  while (!testing::file_exists(first) && std::chrono::steady_clock::now() - start < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  REQUIRE(testing::file_exists(first));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // into epoch 1
+  for (auto& c : ranks) ::kill(c.pid, SIGKILL);
+  for (auto& c : ranks) wait_exit(c, 30);
+  CHECK_FALSE(testing::file_exists(dir / "killed-out/model-0001.ckpt"));
+  run_ranks(2, dir / "resumed", with_fit("killed-out", {"--resume", "1"}));
+  CHECK(slurp(dir / "resumed.log0.out").find("fit wrote 1 checkpoints") != std::string::npos);
+  for (int r = 0; r < 2; ++r) CHECK(torch::equal(params(dir / "resumed", r), params(dir / "straight", r)));
 }
 
 TEST_CASE("the reduction overlaps the backward: the same result, buckets sent during it") {
