@@ -75,9 +75,6 @@ class MasterStorage : public detail::FlatParameters {
   /// The fp32 gradient of the optimizer phase (whole); undefined between windows and in a
   /// chunked or sharded phase.
   const torch::Tensor& gradients() const { return grad_; }
-  /// Sharded: this rank's slices of the reduced fp32 gradient (in the phase; with
-  /// Sharding::gradients also the sum of the window's earlier micro-batches).
-  const torch::Tensor& local_gradients() const { return local_grad_; }
   /// The flat half storage the model's parameters and .grad are views into (same layout as
   /// the masters), and the fp32 gradients of the parameters kept in fp32 (undefined: none).
   const torch::Tensor& half_parameters() const { return half_.params(); }
@@ -220,13 +217,7 @@ class MasterStorage : public detail::FlatParameters {
   /// window's micro-batches so far, gathered by parameter name (a collective).
   void save_window(torch::serialize::OutputArchive& archive, bool snapshot = false) const {
     if (shards_gradients()) {
-      TORCH_CHECK(summed_, "Sharding::gradients: an open window without a reduced micro-batch");
-      if (snapshot) {
-        detail::write_tensor(archive, "snapshot.window_local", local_grad_);
-        return;
-      }
-      const auto global = global_of(local_grad_);
-      if (global.defined()) write_by_name(archive, "window.gradient_reduced.", global);
+      save_reduced_window(archive, snapshot);
       return;
     }
     layout_.write(archive, "window.gradient_half", half_.grad());
@@ -234,25 +225,7 @@ class MasterStorage : public detail::FlatParameters {
     if (half_.kept_grad().defined()) detail::write_tensor(archive, "window.gradient_kept", half_.kept_grad());
   }
   void load_window(torch::serialize::InputArchive& archive, bool snapshot = false) {
-    if (snapshot && shards_gradients()) {
-      local_grad_ = detail::read_tensor(archive, "snapshot.window_local").to(params_.device());
-      summed_ = true;
-      return;
-    }
-    torch::Tensor probe;
-    const bool reduced = !placed_.empty() && archive.try_read("window.gradient_reduced." + placed_.front().name, probe, true);
-    const bool stage2 = shards_gradients();
-    if (reduced != stage2)
-      throw std::runtime_error(std::string("it was written inside a window (PARTIAL_WINDOW: span) ") +
-                               (reduced ? "with gradients sharded (TRAIN.ZERO_STAGE: 2), and this run does not shard them"
-                                        : "without sharded gradients, and this run shards them (TRAIN.ZERO_STAGE: 2)") +
-                               "; resume with the checkpoint's TRAIN.ZERO_STAGE, or from a checkpoint at a window's end");
-    if (reduced) {
-      local_grad_ = torch::zeros({partition_.local_total()}, params_.options());
-      read_by_name(archive, "window.gradient_reduced.", local_grad_);
-      summed_ = true;
-      return;
-    }
+    if (load_reduced_window(archive, snapshot, shards_gradients())) return;
     half_.allocate_if_released();
     layout_.read_into(archive, "window.gradient_half", half_.grad());
     torch::Tensor sum;  // the fp32 sum of the window's earlier micro-batches, when it has some
@@ -381,9 +354,6 @@ class MasterStorage : public detail::FlatParameters {
   bool single_process_ = true;
   std::int64_t phase_chunks_ = 0;
   // Sharded:
-  torch::Tensor local_grad_;   // this rank's slices of the reduced fp32 gradient
-  torch::Tensor scratch_;      // Sharding::gradients: one reduction's slices
-  bool summed_ = false;        // local_grad_ holds this window's earlier micro-batches
   torch::Tensor kept_params_;  // the parameters kept in fp32, back to back
   torch::Tensor kept_local_index_, kept_compact_index_;  // the kept elements this rank updates
 };

@@ -188,6 +188,9 @@ class FlatParameters {
   /// Elements of the optimizer's flat state: the flat buffer, or this rank's slices.
   std::int64_t state_numel() const { return partition_.local_total(); }
   bool sharded() const { return partition_.sharded(); }
+  /// Sharded: this rank's slices of the reduced gradient (the window's sum over the ranks, in
+  /// the phase; with Sharding::gradients also the sum of the window's earlier micro-batches).
+  const torch::Tensor& local_gradients() const { return local_grad_; }
   /// Gradient buckets whose reduction started during a backward (TrainerOptions::
   /// overlap_reduction), since the replicas were attached.
   std::int64_t overlapped_buckets() const { return readiness_ ? readiness_->overlapped() : 0; }
@@ -433,6 +436,41 @@ class FlatParameters {
     }
   }
 
+  /// Sharding::gradients, a checkpoint inside a window: the reduced sum of its micro-batches so
+  /// far, gathered by parameter name (a collective), which any world size resumes; a snapshot
+  /// holds this rank's slices as they are.
+  void save_reduced_window(torch::serialize::OutputArchive& archive, bool snapshot) const {
+    TORCH_CHECK(summed_, "Sharding::gradients: an open window without a reduced micro-batch");
+    if (snapshot) {
+      write_tensor(archive, "snapshot.window_local", local_grad_);
+      return;
+    }
+    const auto global = global_of(local_grad_);
+    if (global.defined()) write_by_name(archive, "window.gradient_reduced.", global);
+  }
+  /// The reduced sum save_reduced_window() wrote, when this run shards its gradients
+  /// (`shards_gradients`): true when read; false when the checkpoint holds the storage's own
+  /// window records. Throws when the checkpoint's kind and this run's differ.
+  bool load_reduced_window(torch::serialize::InputArchive& archive, bool snapshot, bool shards_gradients) {
+    if (snapshot && shards_gradients) {
+      local_grad_ = read_tensor(archive, "snapshot.window_local").to(params_.device());
+      summed_ = true;
+      return true;
+    }
+    torch::Tensor probe;
+    const bool reduced = !placed_.empty() && archive.try_read("window.gradient_reduced." + placed_.front().name, probe, true);
+    if (reduced != shards_gradients)
+      throw std::runtime_error(std::string("it was written inside a window (PARTIAL_WINDOW: span) ") +
+                               (reduced ? "with gradients sharded (TRAIN.ZERO_STAGE: 2), and this run does not shard them"
+                                        : "without sharded gradients, and this run shards them (TRAIN.ZERO_STAGE: 2)") +
+                               "; resume with the checkpoint's TRAIN.ZERO_STAGE, or from a checkpoint at a window's end");
+    if (!reduced) return false;
+    local_grad_ = torch::zeros({partition_.local_total()}, params_.options());
+    read_by_name(archive, "window.gradient_reduced.", local_grad_);
+    summed_ = true;
+    return true;
+  }
+
   FlatLayout layout_;
   std::int64_t align_ = 16;
   std::vector<PlacedParameter> placed_;
@@ -442,6 +480,10 @@ class FlatParameters {
   Partition partition_;
   Replicas* replicas_ = nullptr;  // the trainer's, from attach()
   std::shared_ptr<Readiness> readiness_;  // overlap: defined when the hooks are installed
+  // Sharded:
+  torch::Tensor local_grad_;  // this rank's slices of the reduced gradient
+  torch::Tensor scratch_;     // Sharding::gradients with several micro-batches: one reduction's slices
+  bool summed_ = false;       // local_grad_ holds this window's earlier micro-batches
 
   struct View {
     torch::Tensor param;
@@ -481,10 +523,6 @@ class FlatStorage : public detail::FlatParameters {
   /// The flat gradient (every trainable parameter's .grad is a view into it). Sharded with
   /// Sharding::gradients, its memory exists only from a backward to the reduction after it.
   const torch::Tensor& gradients() const { return grad_; }
-  /// Sharded: this rank's slices of the reduced gradient (the window's sum over the ranks, in
-  /// the phase; with Sharding::gradients also the sum of the window's earlier micro-batches).
-  const torch::Tensor& local_gradients() const { return local_grad_; }
-
   bool attach(Replicas& replicas, torch::nn::Module& model) {
     replicas_ = &replicas;
     partition_ = partition_for(replicas, sharding_, /*element_size=*/4);
@@ -578,39 +616,13 @@ class FlatStorage : public detail::FlatParameters {
   /// record), or with Sharding::gradients the reduced sum of the window's micro-batches so far,
   /// gathered by parameter name (a collective), which any world size can resume.
   void save_window(torch::serialize::OutputArchive& archive, bool snapshot = false) const {
-    if (!shards_gradients()) {
-      layout_.write(archive, "window.gradient", grad_);
-      return;
-    }
-    TORCH_CHECK(summed_, "Sharding::gradients: an open window without a reduced micro-batch");
-    if (snapshot) {
-      detail::write_tensor(archive, "snapshot.window_local", local_grad_);
-      return;
-    }
-    const auto global = global_of(local_grad_);
-    if (global.defined()) write_by_name(archive, "window.gradient_reduced.", global);
+    if (shards_gradients()) save_reduced_window(archive, snapshot);
+    else layout_.write(archive, "window.gradient", grad_);
   }
   void load_window(torch::serialize::InputArchive& archive, bool snapshot = false) {
-    if (snapshot && shards_gradients()) {
-      local_grad_ = detail::read_tensor(archive, "snapshot.window_local").to(params_.device());
-      summed_ = true;
-      return;
-    }
-    torch::Tensor probe;
-    const bool reduced = !placed_.empty() && archive.try_read("window.gradient_reduced." + placed_.front().name, probe, true);
-    if (reduced != shards_gradients())
-      throw std::runtime_error(std::string("it was written inside a window (PARTIAL_WINDOW: span) ") +
-                               (reduced ? "with gradients sharded (TRAIN.ZERO_STAGE: 2), and this run does not shard them"
-                                        : "without sharded gradients, and this run shards them (TRAIN.ZERO_STAGE: 2)") +
-                               "; resume with the checkpoint's TRAIN.ZERO_STAGE, or from a checkpoint at a window's end");
-    if (!reduced) {
-      allocate_gradient();
-      layout_.read_into(archive, "window.gradient", grad_);
-      return;
-    }
-    local_grad_ = torch::zeros({partition_.local_total()}, params_.options());
-    read_by_name(archive, "window.gradient_reduced.", local_grad_);
-    summed_ = true;
+    if (load_reduced_window(archive, snapshot, shards_gradients())) return;
+    allocate_gradient();
+    layout_.read_into(archive, "window.gradient", grad_);
   }
 
  private:
@@ -698,9 +710,6 @@ class FlatStorage : public detail::FlatParameters {
   torch::Device device_;
   std::unique_ptr<Reduction> reduction_;  // overlap: started before the backward, finished after
   torch::Tensor grad_;
-  torch::Tensor local_grad_;  // sharded: this rank's slices of the reduced gradient
-  torch::Tensor scratch_;     // Sharding::gradients with several micro-batches: one reduction's slices
-  bool summed_ = false;       // local_grad_ holds this window's earlier micro-batches
 };
 
 }  // namespace trainkit
