@@ -16,10 +16,11 @@ install(FILES "${PROJECT_SOURCE_DIR}/src/registry/shard.hpp" DESTINATION "${CMAK
 install(FILES "${CMAKE_CURRENT_LIST_DIR}/trainkitRegistry.cmake" DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 install(EXPORT trainkitTargets NAMESPACE trainkit:: DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 
-# trainkit::yaml in its own export set: the package loads it only where yaml-cpp is found, so an
-# install made with YAML still serves a consumer without yaml-cpp.
+# trainkit::yaml in its own export set: the package loads it only where libyaml is found, so an
+# install made with YAML still serves a consumer without libyaml.
 if(TARGET trainkit_yaml)
   install(TARGETS trainkit_yaml EXPORT trainkitYamlTargets)
+  install(FILES "${CMAKE_CURRENT_LIST_DIR}/trainkitFindLibYaml.cmake" DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
   install(EXPORT trainkitYamlTargets NAMESPACE trainkit:: DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 endif()
 

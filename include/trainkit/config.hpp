@@ -81,17 +81,65 @@ class Config {
 
   /// Reads `path` (.json, or .yaml/.yml with YAML support), applies `overrides`
   /// ("SECTION.KEY=VALUE", in order) and validates. Replaces whatever was loaded before.
+  /// Every failure is a ConfigError naming the file (running out of memory included), and a
+  /// file over kMaxConfigBytes is refused before it is read.
   void load(const std::string& path, const std::vector<std::string>& overrides = {}) {
-    const Format format = format_of(path);
-    std::ifstream in(path, std::ios::binary);
-    if (!in || std::filesystem::is_directory(path)) throw ConfigError("", path + ": cannot open the file (does it exist, and is it readable?)");
-    std::ostringstream text;
-    text << in.rdbuf();
-    load_string(text.str(), format, overrides, path);
+    guarded(path, [&] {
+      const Format format = format_of(path);
+      std::error_code ec;
+      if (std::filesystem::is_directory(path, ec)) throw ConfigError("", path + ": is a directory, not a configuration file");
+      const auto bytes = std::filesystem::file_size(path, ec);
+      if (!ec) check_size(bytes, path);
+      std::ifstream in(path, std::ios::binary);
+      if (!in) throw ConfigError("", path + ": cannot open the file (does it exist, and is it readable?)");
+      std::string text;
+      text.resize(kMaxConfigBytes + 1);  // at most the bound and one byte: a file that grew is caught too
+      in.read(text.data(), static_cast<std::streamsize>(text.size()));
+      text.resize(static_cast<std::size_t>(in.gcount()));
+      load_string(text, format, overrides, path);
+    });
   }
   /// As load(), from text; `name` is the file name used in messages.
   void load_string(const std::string& text, Format format, const std::vector<std::string>& overrides = {},
                    const std::string& name = "<string>") {
+    guarded(name, [&] { load_checked(text, format, overrides, name); });
+  }
+  /// Applies one more override ("TRAIN.LR=2e-5") and validates; unchanged on error.
+  void set(const std::string& assignment) {
+    guarded("--set " + assignment, [&] {
+      Config next(*this);
+      next.overrides_.push_back(parse_override(assignment));
+      next.resolve();
+      *this = std::move(next);
+    });
+  }
+
+  /// The largest configuration text read (JSON or YAML): no configuration comes near it, and a
+  /// parser is never handed more than this.
+  static constexpr std::size_t kMaxConfigBytes = std::size_t{4} << 20;
+
+ private:
+  // Runs `f`: a ConfigError passes through; anything else becomes one naming `name`.
+  template <class F>
+  static void guarded(const std::string& name, F&& f) {
+    try {
+      f();
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const std::bad_alloc&) {
+      throw ConfigError("", name + ": ran out of memory while reading the configuration");
+    } catch (const std::exception& e) {
+      throw ConfigError("", name + ": " + e.what());
+    }
+  }
+  static void check_size(std::uintmax_t bytes, const std::string& name) {
+    if (bytes > kMaxConfigBytes)
+      throw ConfigError("", name + ": " + std::to_string(bytes) + " bytes; a configuration is at most " +
+                                std::to_string(kMaxConfigBytes >> 20) + " MiB (Config::kMaxConfigBytes), and never comes near it");
+  }
+  void load_checked(const std::string& text, Format format, const std::vector<std::string>& overrides,
+                    const std::string& name) {
+    check_size(text.size(), name);
     nlohmann::json raw = parse_text(text, format, name);
     if (raw.is_null()) raw = nlohmann::json::object();  // an empty file: all defaults
     if (!raw.is_object())
@@ -107,13 +155,8 @@ class Config {
     next.resolve();
     *this = std::move(next);
   }
-  /// Applies one more override ("TRAIN.LR=2e-5") and validates; unchanged on error.
-  void set(const std::string& assignment) {
-    Config next(*this);
-    next.overrides_.push_back(parse_override(assignment));
-    next.resolve();
-    *this = std::move(next);
-  }
+
+ public:
 
   /// The file format by extension: .json, or .yaml / .yml.
   static Format format_of(const std::string& path) {
@@ -183,7 +226,7 @@ class Config {
   }
 
   /// "SECTION.KEY=VALUE": the value is read as a YAML/JSON scalar (2e-5 a number, dynamic a
-  /// string, [8, 8] a list, 'x' or "x" a string).
+  /// string, [8, 8] a list, 'x' or "x" a string); nothing after '=' is the empty string.
   static Override parse_override(const std::string& text) {
     if (!detail::valid_utf8(text)) throw ConfigError("", "--set: the argument is not valid UTF-8 text");
     const auto eq = text.find('=');
@@ -213,6 +256,8 @@ class Config {
       } else if (!value.empty() && (value.front() == '"' || value.front() == '[' || value.front() == '{')) {
         const detail::YamlParser yaml = detail::yaml_parser();
         o.value = yaml ? yaml(value, where) : detail::parse_json_text(value, where);
+      } else if (value.empty()) {  // TRAIN.KEY= : the empty string, as a shell user means it
+        o.value = std::string();
       } else {
         o.value = detail::resolve_plain_scalar(value);
       }

@@ -402,7 +402,7 @@ class FitLoop {
     }
     if (!opened) return begin;
     const LoopState& saved = opened->state;
-    check_resume_changes(saved.config_json);  // before anything changes
+    check_resume_changes(saved.config_json, opened->path);  // before anything changes
     check_world_size(saved, opened->path);
     for (const auto& name : checkpoints_.restore(*opened, trainer_, callbacks_.state))
       say("trainkit: the checkpoint has no state for the callback '" + name + "' (written without it): it starts afresh");
@@ -584,15 +584,14 @@ class FitLoop {
   // The checkpoint's resolved configuration against this run's: a key that changes the
   // trajectory is refused with every difference (TRAIN.RESUME_CHANGES: allow lets it through,
   // said once); keys of length, rhythm, place and evaluation change freely.
-  void check_resume_changes(const std::string& saved_json) {
+  void check_resume_changes(const std::string& saved_json, const std::string& path) {
     if (saved_json.empty() || options_.config_json().empty()) return;  // not written from a configuration
     const auto changes = resume_changes(saved_json, options_.config_json());
     if (changes.empty()) return;
     std::string listed;
     for (const auto& c : changes) listed += "\n  " + c.key + ": " + c.before + " -> " + c.after;
     if (!options_.allow_resume_changes())
-      throw ConfigError("TRAIN.RESUME_CHANGES", "the checkpoint in '" + options_.output_path() +
-                                                    "' was written with another configuration, and these keys change "
+      throw ConfigError("TRAIN.RESUME_CHANGES", "the checkpoint '" + path + "' was written with another configuration, and these keys change "
                                                     "the training trajectory (checkpoint -> this run):" + listed +
                                                     "\nResume with the checkpoint's values, start in a new directory (--model-dir), or set "
                                                     "TRAIN.RESUME_CHANGES: allow (--set TRAIN.RESUME_CHANGES=allow) to continue with this run's");

@@ -263,12 +263,7 @@ class PieceRunner {
     // What the measurement would change: the buffers (batch norm's statistics), the generators.
     std::vector<torch::Tensor> buffers;
     for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
-    std::ostringstream generators;
-    {
-      torch::serialize::OutputArchive a;
-      save_rng_states(a, device);
-      a.save_to(generators);
-    }
+    const RngStates generators = RngStates::of(device);
     trainer_.model().train();
     std::vector<std::pair<std::int64_t, double>> measured;
     std::int64_t fails_from = total + 1;  // the smallest size that ran out of memory
@@ -310,10 +305,7 @@ class PieceRunner {
       torch::NoGradGuard no_grad;
       std::size_t i = 0;
       for (auto& b : trainer_.model().buffers()) b.copy_(buffers[i++]);
-      std::istringstream in(generators.str());
-      torch::serialize::InputArchive a;
-      a.load_from(in);
-      load_rng_states(a, device);
+      generators.restore();
     }
     if (!device.is_cpu()) c10::getDeviceAllocator(device.type())->emptyCache();
     if (measured.empty())
@@ -356,11 +348,16 @@ class PieceRunner {
     return items >= 0 ? trainer_.micro_step(closure, items) : trainer_.micro_step(closure);
   }
 
-  /// A window opens at micro-batch `index` of `epoch`: where a replay begins.
-  void window_opens(std::int64_t epoch, std::int64_t index) { window_ = {true, epoch, index}; }
+  /// A window opens at micro-batch `index` of `epoch`: where a replay begins, with the
+  /// generators as they are now (host state: no device sync).
+  void window_opens(std::int64_t epoch, std::int64_t index) {
+    window_ = {true, epoch, index, RngStates::of(trainer_.device())};
+  }
 
   /// Out of memory in micro-batch `index` (`e`): the open window is dropped and begins again at
-  /// its first micro-batch with pieces half the size of the largest that failed. Returns that
+  /// its first micro-batch with pieces half the size of the largest that failed, and with the
+  /// generators put back as they were when it opened, so that the replay draws the same
+  /// dropout masks wherever in the forward or backward the allocation failed. Returns that
   /// micro-batch (the loop puts its own sums back to the window's start). Throws, saying why,
   /// when the window cannot be replayed: no split, a window begun in an earlier epoch or
   /// before a resume, or pieces of one item.
@@ -381,6 +378,7 @@ class PieceRunner {
       throw std::runtime_error(where + "Pieces of one item do not fit: recompute activations (tk::recompute), train "
                                "in half precision, or use a smaller model" + intact);
     trainer_.discard_window();
+    window_.generators.restore();
     if (!trainer_.device().is_cpu()) c10::getDeviceAllocator(trainer_.device().type())->emptyCache();
     piece_items_ = std::max<std::int64_t>(1, last_piece_items_ / 2);
     ++replays_;
@@ -424,6 +422,7 @@ class PieceRunner {
   struct OpenWindow {
     bool open = false;
     std::int64_t epoch = 0, index = 0;
+    RngStates generators;
   } window_;
 };
 

@@ -37,6 +37,7 @@
 ///   - the loss is differentiated with backward(); torch::autograd::grad(), backward() with
 ///     `inputs`, and create_graph (higher-order gradients) are refused with an error.
 #include <trainkit/detail/module_of.hpp>
+#include <trainkit/detail/rng_state.hpp>
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
@@ -60,28 +61,6 @@
 namespace trainkit {
 
 namespace detail {
-
-/// The states of the default generators of some devices (the CPU, and CUDA devices).
-struct RngStates {
-  std::vector<std::pair<c10::Device, torch::Tensor>> states;
-
-  static RngStates capture(const std::vector<c10::Device>& devices) {
-    RngStates out;
-    for (const auto& device : devices) {
-      auto generator = at::globalContext().defaultGenerator(device);
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      out.states.emplace_back(device, generator.get_state());
-    }
-    return out;
-  }
-  void restore() const {
-    for (const auto& [device, state] : states) {
-      auto generator = at::globalContext().defaultGenerator(device);
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(state);
-    }
-  }
-};
 
 /// The CPU and every CUDA device an input is on, each once.
 inline std::vector<c10::Device> rng_devices(at::TensorList inputs) {

@@ -24,6 +24,14 @@
 //       [--oom-rank R]                             with --fit: rank R runs out of memory once, in
 //                                                  epoch 0's micro-batch 1 (a c10::OutOfMemoryError
 //                                                  from the loss), and replays its window in pieces
+//       [--cap-rank R --cap F]                     with --fit: a real allocation failure. Rank R measures
+//                                                  the peak of epoch 0's micro-batch 1, caps its address
+//                                                  space (RLIMIT_AS) at what it has plus F times that peak
+//                                                  for micro-batch 2 (F < 1: LibTorch's allocator fails
+//                                                  part way, where F says), and lifts the cap at
+//                                                  micro-batch 4; one intra-op thread
+//       [--model wide --width H --dropout P]       three H-wide layers with dropout: activations
+//                                                  dominate the memory (--model wide)
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/distributed.hpp>
@@ -38,6 +46,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <malloc.h>
+#include <sys/resource.h>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -53,8 +63,10 @@ struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
-  int oom_backward_rank = -1, resume = 0;
+  int oom_backward_rank = -1, resume = 0, cap_rank = -1;
+  std::int64_t width = 512;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
+  double cap = 0, dropout = 0;
 };
 
 Args parse(int argc, char** argv) {
@@ -81,6 +93,7 @@ Args parse(int argc, char** argv) {
   take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank), take("reduce", a.reduce);
   take("sharding", a.sharding), take("flush", a.flush), take("overlap", a.overlap);
   take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume);
+  take("cap-rank", a.cap_rank), take("cap", a.cap), take("width", a.width), take("dropout", a.dropout);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -88,15 +101,28 @@ Args parse(int argc, char** argv) {
 
 // `mlp`: Linear(8, 16), tanh, Linear(16, 4). `affine`: elementwise only (no op that autocast
 // runs in fp16), for comparisons that fp16 rounding of batch-size-dependent matmuls would blur.
+// `wide`: Linear(8, H), three times ReLU and dropout with Linear(H, H) between, Linear(H, 4).
 struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(const std::string& kind)
+  explicit MlpImpl(const std::string& kind, std::int64_t width = 16, double dropout = 0)
       : affine(kind == "affine"),
-        fc1(register_module("fc1", torch::nn::Linear(8, 16))),
-        fc2(register_module("fc2", torch::nn::Linear(16, 4))) {
+        wide(kind == "wide"),
+        p(dropout),
+        fc1(register_module("fc1", torch::nn::Linear(8, width))),
+        fc2(register_module("fc2", torch::nn::Linear(width, 4))) {
     // `mlp-ln`: a LayerNorm between them (master weights keep it fp32).
-    if (kind == "mlp-ln") ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    if (kind == "mlp-ln") ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+    if (wide) {
+      mid1 = register_module("mid1", torch::nn::Linear(width, width));
+      mid2 = register_module("mid2", torch::nn::Linear(width, width));
+    }
   }
   torch::Tensor forward(const torch::Tensor& x) {
+    if (wide) {
+      auto h = torch::dropout(torch::relu(fc1(x)), p, is_training());
+      h = torch::dropout(torch::relu(mid1(h)), p, is_training());
+      h = torch::dropout(torch::relu(mid2(h)), p, is_training());
+      return fc2(h);
+    }
     if (affine) {  // 8 inputs -> 4 outputs from the same 212 parameters, elementwise
       const auto w = fc1->weight.reshape({-1}).narrow(0, 0, 8), b = fc1->bias.narrow(0, 0, 8);
       const auto h = torch::tanh(x * w + b).reshape({-1, 4, 2}).sum(2);
@@ -111,8 +137,9 @@ struct MlpImpl : torch::nn::Module {
     }
     return fc2(h);
   }
-  bool affine, oom_in_backward = false;
-  torch::nn::Linear fc1, fc2;
+  bool affine, wide, oom_in_backward = false;
+  double p;
+  torch::nn::Linear fc1, fc2, mid1{nullptr}, mid2{nullptr};
   torch::nn::LayerNorm ln{nullptr};
 };
 TORCH_MODULE(Mlp);
@@ -133,8 +160,54 @@ std::int64_t gradient_bytes(const Trainer& trainer) {
     return static_cast<std::int64_t>(trainer.storage().gradients().storage().nbytes());
 }
 
+// --cap: a real out-of-memory error, LibTorch's CPU allocator failing under RLIMIT_AS. Big
+// allocations are mmap'ed (and given back) so that the address space follows the tensors.
+class AddressCap {
+ public:
+  AddressCap() { ::mallopt(M_MMAP_THRESHOLD, 64 << 10); }
+  ~AddressCap() { lift(); }
+  // Before micro-batch `index`'s loss: 1 starts measuring, 2 caps, 4 lifts.
+  void at(std::int64_t index, double fraction) {
+    if (index == 1 && !measuring_) {
+      measuring_ = true;
+      std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
+      resident_ = status("VmRSS");
+    } else if (index == 2 && !capped_) {
+      capped_ = true;
+      const double peak = status("VmHWM") - resident_;
+      const auto limit = static_cast<rlim_t>(status("VmSize") + fraction * peak);
+      rlimit r{};
+      ::getrlimit(RLIMIT_AS, &r);
+      saved_ = r;
+      r.rlim_cur = limit;
+      if (::setrlimit(RLIMIT_AS, &r) != 0) throw std::runtime_error("setrlimit(RLIMIT_AS) failed");
+      std::cout << "address space capped: micro-batch 1 peaked " << static_cast<long>(peak / 1024) << " KiB over "
+                << "its start; the cap leaves " << fraction << " of it" << std::endl;
+    } else if (index == 4) {
+      lift();
+    }
+  }
+
+ private:
+  void lift() {
+    if (capped_ && !lifted_) ::setrlimit(RLIMIT_AS, &saved_), lifted_ = true;
+  }
+  static double status(const char* name) {  // a "Name: 123 kB" line of /proc/self/status, bytes
+    std::ifstream in("/proc/self/status");
+    std::string line;
+    const std::string prefix = std::string(name) + ":";
+    while (std::getline(in, line))
+      if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size())) * 1024.0;
+    throw std::runtime_error(std::string("no ") + name + " in /proc/self/status");
+  }
+  bool measuring_ = false, capped_ = false, lifted_ = false;
+  double resident_ = 0;
+  rlimit saved_{};
+};
+
 template <class Trainer>
 int run(const Args& a) {
+  if (a.cap_rank >= 0) torch::set_num_threads(1);  // no thread (and its stack) made under the cap
   auto options = tk::DistributedOptions().timeout_seconds(a.timeout);
   if (a.heartbeat >= 0) options.heartbeat_seconds(a.heartbeat);
   auto base = tk::ProcessGroup::create(options);
@@ -144,9 +217,9 @@ int run(const Args& a) {
 
   // Every rank starts from other weights: the broadcast at attach makes them rank 0's.
   torch::manual_seed(1000 + rank);
-  if (a.model != "mlp" && a.model != "affine" && a.model != "mlp-ln")
-    throw std::invalid_argument("--model must be mlp, mlp-ln or affine");
-  Mlp model(a.model);
+  if (a.model != "mlp" && a.model != "affine" && a.model != "mlp-ln" && a.model != "wide")
+    throw std::invalid_argument("--model must be mlp, mlp-ln, affine or wide");
+  Mlp model(a.model, a.model == "wide" ? a.width : 16, a.dropout);
   auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
   const auto x = torch::randn({a.samples, 8}, data_gen);
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
@@ -177,7 +250,9 @@ int run(const Args& a) {
       at_epoch = epoch, at_index = index;
       return sampler.batch(epoch, index);
     };
+    AddressCap cap;
     task.loss = [&](const std::vector<std::int64_t>& b, tk::Metrics&) {
+      if (rank == a.cap_rank && at_epoch == 0) cap.at(at_index, a.cap);
       if (a.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.sleep_ms));
       if (rank == a.oom_rank && !oom_thrown && at_epoch == 0 && at_index == 1 && static_cast<std::int64_t>(b.size()) == a.batch) {
         oom_thrown = true;

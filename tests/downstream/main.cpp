@@ -14,8 +14,8 @@ int main() {
   const auto t = torch::arange(1, 4, torch::kFloat32);  // 1 2 3
   std::cout << "trainkit " << TRAINKIT_VERSION_STRING << ", tensor sum " << t.sum().item<float>();
 #if defined(TRAINKIT_WITH_YAML)
-  // Calls into yaml-cpp, so that trainkit::yaml's link to it is checked too.
-  std::cout << ", yaml " << YAML::Load("answer: 42")["answer"].as<int>();
+  // Calls into libyaml, so that trainkit::yaml's link to it is checked too.
+  std::cout << ", yaml " << trainkit::detail::parse_yaml_text("answer: 42", "downstream")["answer"].get<int>();
 #endif
   std::cout << "\n";
   return 0;

@@ -3,7 +3,7 @@
 // load or fail with a trainkit::ConfigError; nothing else may escape, crash or hang.
 // Build (clang from Debian):
 //   clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -Iinclude
-//       tests/fuzz/fuzz_config.cpp -lyaml-cpp -o fuzz_config       (one command line)
+//       tests/fuzz/fuzz_config.cpp -lyaml -o fuzz_config           (one command line; scripts/fuzz does it all)
 //   ./fuzz_config -max_total_time=300 -max_len=4096 tests/fuzz/corpus
 #include <trainkit/config_yaml.hpp>
 #include <trainkit/plan.hpp>

@@ -352,6 +352,17 @@ TEST_CASE("applications register schemas for their own sections") {
   CHECK(load_error("{}").empty());
   CHECK(c.tree()["NETWORK"]["VLBERT"]["hidden_size"] == 768);
 
+  // --set KEY= clears a text key (the empty string); a key of another type says what it got.
+  c.load_string(R"({"NETWORK": {"PARTIAL_PRETRAIN": "model/pretrained.ckpt"}})", tk::Config::Format::json,
+                {"NETWORK.PARTIAL_PRETRAIN="});
+  CHECK(c.tree()["NETWORK"]["PARTIAL_PRETRAIN"] == "");
+  c.set("NETWORK.PARTIAL_PRETRAIN=other.ckpt");
+  c.set("NETWORK.PARTIAL_PRETRAIN= ");
+  CHECK(c.tree()["NETWORK"]["PARTIAL_PRETRAIN"] == "");
+  CHECK_THROWS_WITH(c.set("NETWORK.VLBERT.hidden_size="),
+                    "NETWORK.VLBERT.hidden_size: expected an integer, got the string \"\" (an empty --set value, KEY=, is "
+                    "the empty string; remove the --set to keep the default) (from --set NETWORK.VLBERT.hidden_size=)");
+
   // Strict: every section needs a schema.
   c.strict_sections();
   CHECK(load_error(R"({"DATASET": {}})") == "DATASET: unknown section; the sections with a schema are TRAIN, NETWORK");

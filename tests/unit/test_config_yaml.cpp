@@ -1,14 +1,17 @@
-// trainkit::Config with YAML files: scalar typing, syntax errors, the JSON twins, and every
-// file in cfgs/ validating to its expected trainer type. Needs yaml-cpp (TRAINKIT_WITH_YAML,
-// set by linking trainkit::yaml) and the source tree (TRAINKIT_SOURCE_DIR).
+// trainkit::Config with YAML files: scalar typing, syntax errors, hostile files and the bounds,
+// the JSON twins, and every file in cfgs/ validating to its expected trainer type. Needs libyaml
+// (TRAINKIT_WITH_YAML, set by linking trainkit::yaml) and the source tree (TRAINKIT_SOURCE_DIR).
 #include <doctest/doctest.h>
 
 #if defined(TRAINKIT_WITH_YAML)
 #include <trainkit/config_yaml.hpp>
 #include <trainkit/plan.hpp>
 
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -90,8 +93,10 @@ TEST_CASE("YAML files: the broken ones, with their messages") {
   CHECK(error_of("TRAIN:\n  LR: 0.1\n  LR: 0.2\n") ==
         "TRAIN.LR: duplicate key (the file sets it twice; keep one) (test.yaml:3:3)");
   // Syntax errors: the parser's line and column.
-  CHECK(error_of("---\nTRAIN:\n  LR: 0.1\n   WD: 0.0001\n") == "test.yaml:4:6: invalid YAML: illegal map value");
-  CHECK(error_of("TRAIN:\n  BATCH_IMAGES: [8, 8\n") == "test.yaml:3:1: invalid YAML: end of sequence flow not found");
+  CHECK(error_of("---\nTRAIN:\n  LR: 0.1\n   WD: 0.0001\n") ==
+        "test.yaml:4:6: invalid YAML: mapping values are not allowed in this context");
+  CHECK(error_of("TRAIN:\n  BATCH_IMAGES: [8, 8\n") ==
+        "test.yaml:3:1: invalid YAML: while parsing a flow sequence: did not find expected ',' or ']'");
   try {
     from_yaml("TRAIN:\n  LR: [1\n");
     FAIL("expected a ConfigError");
@@ -100,21 +105,100 @@ TEST_CASE("YAML files: the broken ones, with their messages") {
     CHECK(e.column() == 1);
   }
   // Hostile files end in an error, not a crash.
-  CHECK(error_of("a: &a [*a]\n").find("nested more than 64 levels deep under a") != std::string::npos);
-  CHECK(error_of(std::string(5000, '[')) == "test.yaml:1:1: invalid YAML: values nested too deeply for a configuration");
+  CHECK(error_of("a: &a [*a]\n") == "a[0]: the alias *a refers to a value that holds it (a recursive alias) (test.yaml:1:8)");
+  CHECK(error_of("a: *b\n") == "a: the alias *b has no anchor &b before it (test.yaml:1:4)");
+  CHECK(error_of(std::string(5000, '[')) ==
+        "values nested more than 64 levels deep; a configuration is never that deep (test.yaml:1:65)");
   CHECK(error_of("? [a]\n: 1\n") == "a key must be a plain name, got a list as a key (test.yaml:1:3)");
-  // Bytes that are not UTF-8 (found by the fuzz target: they made messages throw).
+  CHECK(error_of("x: !foo 1\n") == "x: unsupported YAML tag !foo; write the value without a tag (test.yaml:1:4)");
+  // Bytes that are not UTF-8, and control characters: the parser refuses them where they are.
   CHECK(error_of("TRAIN:\n  BATCH_IMAGES:\n  - 8\x8a\n") ==
-        "TRAIN.BATCH_IMAGES[0]: the value is not valid UTF-8 text (test.yaml:3:5)");
-  CHECK(error_of("TRAIN:\n  L\xffR: 1\n") == "TRAIN: a key is not valid UTF-8 text (test.yaml:2:3)");
-  // Control characters are escaped in messages, not sent to the terminal (here an ANSI escape).
-  CHECK(error_of("TRAIN:\n  \"L\x1b[31mR\": 1\n").rfind("TRAIN.L\\u001b[31mR: unknown key", 0) == 0);
+        "test.yaml:3:6: invalid YAML: invalid leading UTF-8 octet (a configuration is UTF-8 text)");
+  CHECK(error_of("TRAIN:\n  L\xffR: 1\n") == "test.yaml:2:4: invalid YAML: invalid leading UTF-8 octet (a configuration is UTF-8 text)");
+  CHECK(error_of("TRAIN:\n  \"L\x1b[31mR\": 1\n") ==
+        "test.yaml:2:5: invalid YAML: control characters are not allowed (a configuration is UTF-8 text)");
+  // One written as an escape is text, and escaped again in messages, not sent to the terminal.
+  CHECK(error_of("TRAIN:\n  \"L\\u001b[31mR\": 1\n").rfind("TRAIN.L\\u001b[31mR: unknown key", 0) == 0);
   // An alias bomb: 10 KB of text referenced 10^4 times is 100 MB once expanded, in few values.
   std::string bomb = "a: &a \"" + std::string(10000, 'x') + "\"\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n";
   for (const char* level : {"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\n", "d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n",
                             "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n"})
     bomb += level;
-  CHECK(error_of(bomb) == "test.yaml: more than 64 MiB of text once aliases are expanded; a configuration is never that large");
+  CHECK(error_of(bomb) == "test.yaml: more than 16 MiB of text once aliases are expanded; a configuration is never that large");
+}
+
+// Files that took yaml-cpp 0.7 (the parser before libyaml) into an endless loop of allocations
+// (past 20 GB, or std::bad_alloc under a cap): a JSON fragment spliced into a scenario file, a
+// lone comma. Each is a syntax error at its place, at once.
+#if defined(TRAINKIT_SOURCE_DIR)
+TEST_CASE("YAML files that exhausted the old parser's memory are syntax errors with their place") {
+  const std::string root = TRAINKIT_SOURCE_DIR;
+  std::ifstream in(root + "/cfgs/scenarios/base_4x16G_fp16.yaml");
+  std::stringstream file;
+  file << in.rdbuf();
+  REQUIRE(!file.str().empty());
+  const std::string spliced = std::string("- macro: exclude_commands\n"
+                              "  condition:\n"
+                              "    (user.uid = 1001 and user.loginuid in (-1, 1001) and proc.exepath = \"/usr/bin/script\" and proc.args in (\n"
+                              "\"/usr/local/bin/script_metrics.sh\",\n"
+                              "    \"-c rsync\"\n"
+                              "    )  )  \n"
+                              "    )\n") + file.str();
+  const auto started = std::chrono::steady_clock::now();
+  const std::string e = error_of(spliced);
+  CHECK(e.find("invalid YAML: while scanning a simple key: could not find expected ':'") != std::string::npos);
+  CHECK(e.rfind("test.yaml:", 0) == 0);
+  CHECK(error_of("\n,\n") == "test.yaml:2:1: invalid YAML: while parsing a block node: did not find expected node content");
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(5));  // (yaml-cpp: until memory ran out)
+}
+#endif
+
+TEST_CASE("what a YAML file may cost is bounded, each bound named") {
+  // Values once aliases are expanded: 10 mappings of 10,001 values, 1,000 times.
+  std::string many = "a: &a [";
+  for (int i = 0; i < 10000; ++i) many += "1, ";
+  many += "1]\nb: [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n";
+  CHECK(error_of(many) == "test.yaml: more than 100000 values once aliases are expanded; a configuration is never that large");
+  // Depth through an alias: the anchored value's depth counts where it is copied.
+  const std::string deep = "a: &a " + std::string(40, '[') + std::string(40, ']') + "\nb: " + std::string(30, '[') + "*a" +
+                           std::string(30, ']') + "\n";
+  CHECK(error_of(deep) == "b: values nested more than 64 levels deep; a configuration is never that deep (test.yaml:2:34)");
+  // The parse's time (a bound of 0 s: the first check fails).
+  std::string long_list = "a: [";
+  for (int i = 0; i < 1000; ++i) long_list += "1, ";
+  long_list += "1]\n";
+  tk::detail::YamlLimits instant;
+  instant.seconds = 0;
+  try {
+    tk::detail::YamlReader(long_list, "test.yaml", instant).read();
+    FAIL("expected a ConfigError");
+  } catch (const tk::ConfigError& e) {
+    CHECK(std::string(e.what()) == "test.yaml: reading the YAML took more than 0 s; a configuration never does");
+  }
+  // The text's size, for YAML and JSON alike, before any parser sees it.
+  const std::string big = "a: \"" + std::string(tk::Config::kMaxConfigBytes, 'x') + "\"\n";
+  CHECK(error_of(big) == "test.yaml: " + std::to_string(big.size()) +
+                             " bytes; a configuration is at most 4 MiB (Config::kMaxConfigBytes), and never comes near it");
+  tk::Config c;
+  CHECK_THROWS_WITH_AS(c.load_string(big, tk::Config::Format::json, {}, "big.json"),
+                       ("big.json: " + std::to_string(big.size()) +
+                        " bytes; a configuration is at most 4 MiB (Config::kMaxConfigBytes), and never comes near it").c_str(),
+                       tk::ConfigError);
+}
+
+TEST_CASE("only ConfigError leaves Config::load: running out of memory is one, naming the file") {
+  const tk::detail::YamlParser yaml = tk::detail::yaml_parser();
+  tk::detail::yaml_parser() = [](const std::string&, const std::string&) -> nlohmann::json { throw std::bad_alloc(); };
+  std::string e;
+  try {
+    from_yaml("TRAIN: {}\n");
+  } catch (const tk::ConfigError& error) {
+    e = error.what();
+  } catch (...) {
+    e = "another exception type";
+  }
+  tk::detail::yaml_parser() = yaml;
+  CHECK(e == "test.yaml: ran out of memory while reading the configuration");
 }
 
 TEST_CASE("an empty YAML file or section means defaults") {
@@ -291,15 +375,15 @@ TEST:
   CHECK(tk::describe(d.schedule) == "triangle(warmup linear 16000 steps from 0; linear to 0 at epoch 10)");
 }
 
+TEST_CASE("a second YAML document is refused, not dropped") {
+  CHECK(error_of("TRAIN:\n  END_EPOCH: 1\n---\nTRAIN:\n  END_EPOCH: 5\n") ==
+        "test.yaml:3:1: a second YAML document (after '---'); a configuration file holds one document: merge them, or pass "
+        "the second with --set");
+  CHECK(error_of("---\nTRAIN:\n  END_EPOCH: 1\n").empty());  // one document, introduced by ---
+}
+
 #else
 TEST_CASE("YAML configuration tests") {
   MESSAGE("skipped: built without YAML support (link trainkit::yaml, which defines TRAINKIT_WITH_YAML)");
 }
 #endif
-
-TEST_CASE("a second YAML document is refused, not dropped") {
-  CHECK(error_of("TRAIN:\n  END_EPOCH: 1\n---\nTRAIN:\n  END_EPOCH: 5\n") ==
-        "test.yaml:4:1: a second YAML document (after '---'); a configuration file holds one document: merge them, or pass "
-        "the second with --set");
-  CHECK(error_of("---\nTRAIN:\n  END_EPOCH: 1\n").empty());  // one document, introduced by ---
-}

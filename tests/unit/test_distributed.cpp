@@ -210,6 +210,53 @@ TEST_CASE("data parallel: a rank that runs out of memory replays its window alon
   CHECK(testing::relative_error(params(dir / "oom", 0), params(dir / "straight", 0)) < 1e-5);
 }
 
+// A real out-of-memory error: LibTorch's CPU allocator failing under an address-space cap
+// (RLIMIT_AS) in the driver (--cap-rank, --cap), not a thrown error. The cap leaves a fraction of
+// what one micro-batch needs, so the allocation fails at another point of the forward or
+// backward for each fraction, after other dropout masks were drawn. The replayed window starts
+// from the window's generators and sums, so every run ends equal.
+TEST_CASE("out of memory for real (RLIMIT_AS): a replayed window is the same wherever the allocation failed") {
+  testing::TempDir dir;
+  auto with = [&](const std::string& out, const std::vector<std::string>& cap) {
+    std::vector<std::string> a{"--fit", dir / out, "--steps", "0", "--model", "wide", "--width", "512", "--dropout", "0.3",
+                               "--batch", "1024", "--accum", "1", "--overlap", "0"};
+    a.insert(a.end(), cap.begin(), cap.end());
+    return a;
+  };
+  SUBCASE("one process") {
+    std::vector<torch::Tensor> ends;
+    for (const char* fraction : {"0.55", "0.7", "0.85"}) {
+      CAPTURE(fraction);
+      const std::string out = dir / (std::string("one-") + fraction);
+      std::vector<std::string> a = with(out + "-fit", {"--cap-rank", "0", "--cap", fraction});
+      a.insert(a.end(), {"--samples", "8192"});
+      run_one(out, a);
+      const std::string log = slurp(out + ".log.out");
+      CHECK(log.find("address space capped") != std::string::npos);
+      CHECK(log.find("replayed 1 window(s)") != std::string::npos);
+      CHECK(slurp(out + ".log.err").find("can't allocate memory") != std::string::npos);  // LibTorch's own error
+      ends.push_back(params(out, 0));
+    }
+    CHECK(torch::equal(ends[0], ends[1]));
+    CHECK(torch::equal(ends[0], ends[2]));
+  }
+  SUBCASE("two Gloo ranks, rank 1 capped") {
+    std::vector<torch::Tensor> ends;
+    for (const char* fraction : {"0.55", "0.85"}) {
+      CAPTURE(fraction);
+      const std::string out = dir / (std::string("two-") + fraction);
+      std::vector<std::string> a = with(out + "-fit", {"--cap-rank", "1", "--cap", fraction});
+      a.insert(a.end(), {"--samples", "16384"});
+      run_two(out, a, 240);
+      CHECK(slurp(out + ".log1.out").find("replayed 1 window(s)") != std::string::npos);
+      CHECK(slurp(out + ".log0.out").find("replayed 0 window(s)") != std::string::npos);
+      CHECK(torch::equal(params(out, 0), params(out, 1)));
+      ends.push_back(params(out, 0));
+    }
+    CHECK(torch::equal(ends[0], ends[1]));
+  }
+}
+
 TEST_CASE("data parallel: torchrun --no-python trains like the harness' launch") {
   const std::string launcher = torchrun();
   if (!testing::file_exists(launcher)) {

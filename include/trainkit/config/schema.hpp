@@ -265,7 +265,9 @@ inline void Field::type_error(const nlohmann::json& v, const std::string& path) 
   if (v.is_string()) {
     const std::string s = v.get<std::string>();
     const nlohmann::json unquoted = detail::resolve_plain_scalar(s);
-    if (!unquoted.is_string() && !unquoted.is_null() && accepts_kind(unquoted))
+    if (s.empty() && !accepts_kind(v))
+      hint = " (an empty --set value, KEY=, is the empty string; remove the --set to keep the default)";
+    else if (!unquoted.is_string() && !unquoted.is_null() && accepts_kind(unquoted))
       hint = "; remove the quotes";
     else if (kind_ == Kind::boolean || (kind_ == Kind::either && accepts_kind(true))) {
       static const std::set<std::string> yaml11 = {"yes", "no", "on", "off", "y", "n",

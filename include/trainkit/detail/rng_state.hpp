@@ -2,6 +2,7 @@
 /// The random generators a training state includes (step.md, "State"), saved and restored in
 /// one place: the CPU generator (data order, CPU dropout) and, when the trainer's device is a
 /// GPU, that device's CUDA generator (dropout on the GPU). Records "rng.cpu" and "rng.cuda".
+/// RngStates holds them in memory.
 #include <trainkit/detail/checkpoint_io.hpp>
 
 #include <ATen/Context.h>
@@ -12,8 +13,41 @@
 #include <cstdint>
 #include <initializer_list>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 namespace trainkit::detail {
+
+/// The states of the default generators of some devices (the CPU, and CUDA devices), to put
+/// back in the same process: recompute's replayed forward, a replayed window. A CUDA
+/// generator's state (seed and offset) is host state: neither taking nor restoring it syncs.
+struct RngStates {
+  std::vector<std::pair<c10::Device, torch::Tensor>> states;
+
+  /// The generators a trainer on `device` draws from: the CPU's and, on a GPU, that device's.
+  static RngStates of(torch::Device device) {
+    std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+    if (device.is_cuda()) devices.push_back(device);
+    return capture(devices);
+  }
+
+  static RngStates capture(const std::vector<c10::Device>& devices) {
+    RngStates out;
+    for (const auto& device : devices) {
+      auto generator = at::globalContext().defaultGenerator(device);
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      out.states.emplace_back(device, generator.get_state());
+    }
+    return out;
+  }
+  void restore() const {
+    for (const auto& [device, state] : states) {
+      auto generator = at::globalContext().defaultGenerator(device);
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    }
+  }
+};
 
 inline void save_rng_states(torch::serialize::OutputArchive& archive, torch::Device device) {
   {
