@@ -103,10 +103,15 @@ class EpochClock {
 
   /// Optimizer windows per epoch (fractional for `span`).
   double windows_per_epoch() const { return numerator_ / denominator_; }
-  /// The applied-step position at which (possibly fractional) `epoch` begins.
+  /// The applied-step position at which (possibly fractional) `epoch` begins; an epoch whose
+  /// step is beyond int64 (LR_STEP: [7, 1e100]) is never reached: the largest step.
   std::int64_t step_at(double epoch) const {
     // Same operation order as VL-BERT's Python (epoch * len / N), so the rounding agrees.
-    return static_cast<std::int64_t>(std::floor(epoch * numerator_ / denominator_));
+    const double step = std::floor(epoch * numerator_ / denominator_);
+    constexpr double beyond = 9223372036854775808.0;  // 2^63: the first double past int64
+    if (!(step < beyond)) return std::numeric_limits<std::int64_t>::max();  // (NaN included)
+    if (step < -beyond) return std::numeric_limits<std::int64_t>::min();
+    return static_cast<std::int64_t>(step);
   }
 
  private:

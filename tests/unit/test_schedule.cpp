@@ -8,6 +8,8 @@
 
 #include <doctest/doctest.h>
 
+#include <limits>
+
 #include <vector>
 
 namespace tk = trainkit;
@@ -27,6 +29,11 @@ TEST_CASE("EpochClock converts epochs with the real windows per epoch") {
   CHECK(tk::EpochClock::span(1001, 4).step_at(14) == 3503);  // VL-BERT: int(14 * 1001 / 4)
   CHECK(tk::EpochClock::flush(1001, 4).step_at(14.5) == 3639);  // LR_STEP epochs may be fractional
   CHECK(tk::EpochClock::windows(100).step_at(3) == 300);
+  // An epoch whose step is past int64 is never reached (found by the fuzz target: LR_STEP
+  // [7, 1.9e105] was a float-to-integer overflow, undefined behaviour).
+  CHECK(tk::EpochClock::flush(1001, 4).step_at(1.9e105) == std::numeric_limits<std::int64_t>::max());
+  CHECK(tk::EpochClock::flush(1001, 4).step_at(std::numeric_limits<double>::infinity()) == std::numeric_limits<std::int64_t>::max());
+  CHECK(tk::EpochClock::flush(1001, 4).step_at(3.7e16) == std::numeric_limits<std::int64_t>::max());  // 251 x 3.7e16 > 2^63
   CHECK_THROWS_AS(tk::EpochClock::flush(0, 4), std::invalid_argument);
 }
 
