@@ -18,6 +18,7 @@
 
 #include <yaml.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <map>
