@@ -85,7 +85,6 @@ class YamlReader {
     std::size_t height = 1;     // levels of lists and mappings in it, itself included
     bool has_key = false;       // a mapping: the key that waits for its value
     std::string key;
-    yaml_mark_t key_mark{};
   };
   // A complete value under an anchor: what an alias to it copies, and what the copy costs.
   struct Anchored {
@@ -219,7 +218,6 @@ class YamlReader {
     Open& o = stack_.back();
     if (o.value.contains(key)) throw ConfigError(join_path(o.path, key), "duplicate key (the file sets it twice; keep one)" + at(mark));
     o.key = std::move(key);
-    o.key_mark = mark;
     o.has_key = true;
   }
 

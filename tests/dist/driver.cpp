@@ -192,13 +192,10 @@ class AddressCap {
   void lift() {
     if (capped_ && !lifted_) ::setrlimit(RLIMIT_AS, &saved_), lifted_ = true;
   }
-  static double status(const char* name) {  // a "Name: 123 kB" line of /proc/self/status, bytes
-    std::ifstream in("/proc/self/status");
-    std::string line;
-    const std::string prefix = std::string(name) + ":";
-    while (std::getline(in, line))
-      if (line.rfind(prefix, 0) == 0) return std::stod(line.substr(prefix.size())) * 1024.0;
-    throw std::runtime_error(std::string("no ") + name + " in /proc/self/status");
+  static double status(const char* name) {
+    const double bytes = tk::detail::proc_status_bytes(name);
+    if (bytes < 0) throw std::runtime_error(std::string("no ") + name + " in /proc/self/status");
+    return bytes;
   }
   bool measuring_ = false, capped_ = false, lifted_ = false;
   double resident_ = 0;
