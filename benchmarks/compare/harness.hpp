@@ -42,6 +42,9 @@ struct Settings {
   /// process (Result::fwdbwd_ms), then zero the gradients again: the limit measured in
   /// alternation with the windows it bounds, so that a change of load hits both alike.
   bool interleave_fwdbwd = false;
+  /// libtorch: zero_grad(set_to_none=false), the gradients kept allocated between windows as
+  /// trainkit's flat gradient (and DDP's buckets) are: the like-for-like memory comparison.
+  bool keep_grads = false;
 };
 
 inline double now_ms() {

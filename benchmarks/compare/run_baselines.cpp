@@ -101,7 +101,7 @@ Result run_libtorch(const Settings& s, Task& task) {
     } else {
       optimizer.step();
     }
-    optimizer.zero_grad();
+    optimizer.zero_grad(/*set_to_none=*/!s.keep_grads);
     return [window_loss] { return window_loss.item<double>(); };
   });
   r.skipped = scaler.skipped();
