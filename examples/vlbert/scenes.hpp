@@ -329,10 +329,17 @@ struct Batch {
     }
     return pieces;
   }
-  /// The same batch on `device` (the model's): every tensor moved, `types` kept.
+  /// The same batch on `device` (the model's): every tensor moved, `types` kept. To a GPU from
+  /// pinned memory without waiting (a copy from pageable memory blocks the host until it has
+  /// run: a host sync per tensor per micro-batch); the caching host allocator keeps each pinned
+  /// buffer until its copy has run.
   Batch to(torch::Device device) const {
     if (device == text.device()) return *this;
-    auto move = [&](const torch::Tensor& t) { return t.defined() ? t.to(device) : t; };
+    const bool pin = device.is_cuda() && text.device().is_cpu();
+    auto move = [&](const torch::Tensor& t) {
+      if (!t.defined()) return t;
+      return pin ? t.pin_memory().to(device, /*non_blocking=*/true) : t.to(device);
+    };
     return {move(text), move(features), move(boxes), move(regions), move(mlm_labels), move(mvrc_labels),
             move(answers), move(answer_at), types};
   }

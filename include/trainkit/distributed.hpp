@@ -33,7 +33,9 @@
 /// through the store (DistributedOptions::heartbeat_seconds, 15 s by default) names a rank
 /// that died or hangs within that time, on stderr; with NCCL, whose wait() does not fail on a
 /// dead peer, it also aborts the communicator so that the survivors stop then, not at the
-/// timeout.
+/// timeout. A rank that leaves with an error (an exception that unwinds its group, or
+/// ProcessGroup::leave_with_error) says so through the heartbeat: its peers stop within a beat,
+/// naming it and the error, where they would otherwise wait in a collective it never joins.
 ///
 /// Build: PyTorch's wheel ships c10d's headers but not Gloo's, which ProcessGroupGloo.hpp
 /// includes; any Gloo headers do (only declarations are used, the code is LibTorch's):
@@ -313,6 +315,17 @@ class ProcessGroup {
         });
   }
 
+  /// Tells the other ranks that this one leaves with an error (`reason`, its first line is
+  /// sent): each says so on stderr, naming this rank, within a heartbeat period, and with NCCL
+  /// aborts its communicator, so that ranks blocked in a collective this one will never join
+  /// stop then, not at the timeout. The group does this by itself when it is destroyed while an
+  /// exception unwinds the stack (an error that leaves main through it); call it where a rank
+  /// gives up without unwinding. Without a heartbeat (world size 1, heartbeat_seconds 0) it
+  /// does nothing.
+  void leave_with_error(const std::string& reason) {
+    if (state_->heartbeat) state_->heartbeat->leave_with_error(reason);
+  }
+
   /// From parts: a store, a backend built over it (e.g. a wrapper around another group's
   /// backend), the identity and timeout.
   ProcessGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
@@ -419,7 +432,11 @@ class ProcessGroup {
   /// (a mean is the sum divided on the host). Every rank calls it alike.
   void all_reduce(std::vector<double>& values, Reduce op, const std::string& what) const {
     if (values.empty()) return;
-    auto t = torch::tensor(values, torch::kDouble).to(device());
+    // One host sync: the copy back, which returning host values needs. The copy there is
+    // from pinned memory and does not wait (the caching host allocator keeps the buffer alive
+    // until the copy has run).
+    auto t = torch::tensor(values, torch::kDouble);
+    t = device().is_cuda() ? t.pin_memory().to(device(), /*non_blocking=*/true) : t;
     all_reduce(t, what, op == Reduce::max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM);
     const auto host = t.cpu();
     const double* v = host.data_ptr<double>();
@@ -616,12 +633,21 @@ class DataParallel final : public Replicas {
   }
   void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) override {
     std::vector<torch::Tensor> parts;
+    // In float64, a chunk at a time: the transient is at most 16 Mi doubles (128 MiB), not 8
+    // (and 8 more for the absolute values) bytes per element of the whole state.
+    constexpr std::int64_t chunk = std::int64_t{1} << 24;
     for (const auto& t : state) {
-      const auto d = t.detach().to(torch::kDouble);
+      const auto flat = t.detach().reshape({-1});
+      torch::Tensor sum = torch::zeros({}, flat.options().dtype(torch::kDouble)), abs_sum = sum.clone();
+      for (std::int64_t at = 0; at < flat.numel(); at += chunk) {
+        const auto d = flat.narrow(0, at, std::min(chunk, flat.numel() - at)).to(torch::kDouble, false, /*copy=*/true);
+        sum.add_(d.sum());
+        abs_sum.add_(d.abs_().sum());
+      }
       // On the group's device before the cat: the state mixes device tensors (parameters,
       // counters) with host ones (the window position).
-      parts.push_back(d.sum().reshape({1}).to(group_.device()));
-      parts.push_back(d.abs().sum().reshape({1}).to(group_.device()));
+      parts.push_back(sum.reshape({1}).to(group_.device()));
+      parts.push_back(abs_sum.reshape({1}).to(group_.device()));
     }
     const auto f = torch::cat(parts);
     auto both = torch::cat({f, -f});

@@ -58,12 +58,22 @@ class Metrics {
   Totals totals() const {
     Totals t;
     if (order_.empty()) return t;
-    std::vector<torch::Tensor> sums;
-    for (const auto& name : order_) sums.push_back(entries_.at(name).sum.reshape({1}).cpu());
-    const auto host = torch::cat(sums);
-    const double* v = host.data_ptr<double>();
-    for (size_t i = 0; i < order_.size(); ++i)
-      t.of[order_[i]] = {v[i], entries_.at(order_[i]).weight};
+    // The sums are gathered on their device and copied once (a copy per device where the
+    // metrics live on several: a CPU one after a load, say), not one copy per metric.
+    std::map<std::string, std::vector<size_t>> by_device;  // device -> indices into order_
+    std::map<std::string, std::vector<torch::Tensor>> sums;
+    for (size_t i = 0; i < order_.size(); ++i) {
+      const torch::Tensor& sum = entries_.at(order_[i]).sum;
+      const std::string device = sum.device().str();
+      by_device[device].push_back(i);
+      sums[device].push_back(sum.reshape({1}));
+    }
+    for (auto& [device, indices] : by_device) {
+      const torch::Tensor host = torch::cat(sums.at(device)).cpu();
+      const double* v = host.data_ptr<double>();
+      for (size_t j = 0; j < indices.size(); ++j)
+        t.of[order_[indices[j]]] = {v[j], entries_.at(order_[indices[j]]).weight};
+    }
     return t;
   }
   /// The running means (one sync).

@@ -627,9 +627,12 @@ class Trainer final : public AnyTrainer {
     std::vector<double> values(static_cast<size_t>(size));
     const double base = rule_->base_lr();
     for (std::int64_t i = 0; i < size; ++i) values[i] = base * schedule_->factor(i);
-    // CPU kernels read a double LR; CUDA's fused kernels read fp32.
+    // CPU kernels read a double LR; CUDA's fused kernels read fp32. Converted on the host and
+    // copied from pinned memory without waiting: a rebuild (every doubling of the step count,
+    // or a schedule change) costs no host sync.
     const auto dtype = device_.is_cpu() ? torch::kDouble : torch::kFloat;
-    lr_table_ = torch::tensor(values, torch::kDouble).to(torch::dtype(dtype).device(device_));
+    const auto host = torch::tensor(values, torch::kDouble).to(dtype);
+    lr_table_ = device_.is_cuda() ? host.pin_memory().to(device_, /*non_blocking=*/true) : host.to(device_);
   }
 
   TrainerOptions options_;

@@ -6,8 +6,12 @@
 #include "helpers.hpp"
 #include "../support/dist_driver.hpp"
 
-#include <nlohmann/json.hpp>
+#include <trainkit/detail/heartbeat.hpp>
 
+#include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include <future>
 #include <map>
 #include <string>
 #include <vector>
@@ -325,6 +329,78 @@ TEST_CASE("data parallel: the heartbeat names a hung rank within seconds, long b
   CHECK(wait_exit(ranks[0], timeout + 10) == 1);  // then Gloo's timeout ends it, with an error
   ::kill(ranks[1].pid, SIGKILL);
   wait_exit(ranks[1], 10);
+}
+
+TEST_CASE("heartbeat: a rank that leaves with an error stops its peers within a beat, naming it and the error") {
+  // NCCL's wait() does not fail when a peer has gone: a rank that leaves through an exception
+  // must say so, or its peers wait out NCCL's watchdog (30 minutes). Two ranks' heartbeats
+  // over one in-process store, the path ProcessGroup uses (its on_silent aborts NCCL).
+  using namespace std::chrono_literals;
+  using trainkit::detail::Heartbeat;
+  const auto silence = 2000ms;  // a beat every 400 ms
+  struct Heard {
+    std::mutex mutex;
+    std::vector<std::string> messages;
+    std::function<void(const std::string&)> callback() {
+      return [this](const std::string& m) {
+        std::lock_guard<std::mutex> lock(mutex);
+        messages.push_back(m);
+      };
+    }
+    std::vector<std::string> wait(std::chrono::milliseconds most) {
+      const auto end = std::chrono::steady_clock::now() + most;
+      for (;; std::this_thread::sleep_for(10ms)) {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!messages.empty() || std::chrono::steady_clock::now() >= end) return messages;
+      }
+    }
+  };
+  auto elapsed_ms = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+
+  SUBCASE("an exception unwinds rank 1's group") {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    Heard heard;
+    Heartbeat rank0(store, 0, 2, silence, heard.callback());
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      Heartbeat rank1(store, 1, 2, silence, [](const std::string&) {});
+      std::this_thread::sleep_for(600ms);  // both beat
+      t0 = std::chrono::steady_clock::now();
+      throw std::runtime_error("the batch at step 7 is empty");
+    } catch (const std::runtime_error&) {
+    }
+    const auto messages = heard.wait(silence);
+    const double took = elapsed_ms(t0);
+    REQUIRE(messages.size() == 1);
+    CHECK(messages[0] == "rank 1 left with an error (an exception unwound its process group)");
+    CHECK(took < 1000);  // within a beat (400 ms) and scheduling, not the 2 s of silence
+    CHECK(rank0.failure() == messages[0]);
+  }
+  SUBCASE("leave_with_error sends the reason's first line") {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    Heard heard;
+    Heartbeat rank1(store, 1, 2, silence, heard.callback());  // the peer, here rank 1
+    {
+      Heartbeat rank0(store, 0, 2, silence, [](const std::string&) {});
+      std::this_thread::sleep_for(600ms);
+      const auto t0 = std::chrono::steady_clock::now();
+      rank0.leave_with_error("out of memory in the optimizer phase of step 9\nbacktrace ...");
+      const auto messages = heard.wait(silence);
+      REQUIRE(messages.size() == 1);
+      CHECK(messages[0] == "rank 0 left with an error (out of memory in the optimizer phase of step 9)");
+      CHECK(elapsed_ms(t0) < 1000);
+    }  // said once: the destructor adds nothing (then rank 0, the store's host, waits for rank 1 at most 2 s)
+  }
+  SUBCASE("a rank that leaves cleanly is not reported, and its peer does not wait for it") {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    Heard heard;
+    Heartbeat rank0(store, 0, 2, silence, heard.callback());
+    { Heartbeat rank1(store, 1, 2, silence, [](const std::string&) {}); std::this_thread::sleep_for(600ms); }
+    CHECK(heard.wait(silence + 1000ms).empty());  // longer than the silence: "left" is not silence
+    CHECK(rank0.failure().empty());
+  }
 }
 
 #endif  // Gloo's headers

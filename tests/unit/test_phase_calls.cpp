@@ -80,3 +80,73 @@ TEST_CASE("the optimizer phase's ATen calls stay few") {
   CHECK(phase_calls<FP32Clip>(4) <= 14);
   CHECK(phase_calls<FP16Clip>(1) <= 18);
 }
+
+namespace {
+
+// Calls that read a tensor's value to the host, which on a GPU wait for the stream (.item(),
+// a data-dependent shape), at any depth. Not counted: reads inside the fused optimizer kernels
+// (aten::_fused_adamw_, _fused_sgd_), whose CPU version reads its tensor LR, scale and
+// found-inf flag on the host where the CUDA kernel reads them on the device. The CPU cannot
+// tell a device-to-host copy from a host one, so `.cpu()` is not counted either: gpu_check
+// counts those on a GPU (the CUDA runtime's synchronising calls).
+std::atomic<bool> reading{false};
+std::atomic<std::int64_t> reads{0};
+thread_local int in_fused_kernel = 0;
+bool fused_kernel(const std::string& name) { return name.rfind("aten::_fused_", 0) == 0; }
+struct ReadCounter {
+  ReadCounter() {
+    handle = at::addGlobalCallback(
+        at::RecordFunctionCallback(
+            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+              const std::string name = fn.name();
+              if (fused_kernel(name)) ++in_fused_kernel;
+              else if (reading && in_fused_kernel == 0 &&
+                       (name == "aten::_local_scalar_dense" || name == "aten::is_nonzero" || name == "aten::nonzero" ||
+                        name == "aten::equal"))
+                ++reads;
+              return nullptr;
+            },
+            [](const at::RecordFunction& fn, at::ObserverContext*) {
+              if (fused_kernel(fn.name())) --in_fused_kernel;
+            })
+            .scopes({at::RecordScope::FUNCTION}));
+  }
+  ~ReadCounter() { at::removeCallback(handle); }
+  at::CallbackHandle handle;
+};
+template <class F>
+std::int64_t host_reads_in(F&& f) {
+  ReadCounter counter;
+  reads = 0;
+  reading = true;
+  f();
+  reading = false;
+  return reads;
+}
+
+// Host reads in 3 windows of 2 micro-steps each, after 2 windows of warm-up.
+template <class Trainer>
+std::int64_t host_reads_per_window() {
+  auto model = testing::make_mlp(1);
+  Trainer trainer(model, tk::AdamW{1e-3}, tk::TrainerOptions().max_grad_norm(1.0).accumulation_steps(2));
+  const auto data = testing::regression(8);
+  auto window = [&] {
+    for (int i = 0; i < 2; ++i) trainer.micro_step([&] { return torch::mse_loss(model(data.x), data.y); });
+  };
+  window(), window();
+  const auto n = host_reads_in([&] { window(), window(), window(); });
+  REQUIRE(trainer.windows() == 5);
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("no optimizer step reads a value to the host: no .item(), no data-dependent shape") {
+  // The counter sees what it must (else its 0 proves nothing).
+  CHECK(host_reads_in([] { (void)torch::ones({2}).sum().item<float>(); }) >= 1);
+  CHECK(host_reads_in([] { (void)torch::ones({2}).nonzero(); }) >= 1);
+  using FP32Clip = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::ClipNorm>>;
+  using FP16Clip = tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, tk::AccumulationPolicy<tk::Dynamic>, tk::ClipPolicy<tk::ClipNorm>>;
+  CHECK(host_reads_per_window<FP32Clip>() == 0);
+  CHECK(host_reads_per_window<FP16Clip>() == 0);
+}

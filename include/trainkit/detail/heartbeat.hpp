@@ -12,12 +12,17 @@
 ///
 /// Shutdown: a rank that destroys its group writes "left" (its peers stop watching it), and
 /// the rank hosting the store (rank 0) waits, for at most `silence`, until every other rank has
-/// left, so that the store does not vanish under a peer's last beat.
+/// left, so that the store does not vanish under a peer's last beat. A rank that leaves with an
+/// error (leave_with_error(), or its group destroyed while an exception unwinds the stack) writes
+/// "failed:<reason>" instead: its peers, which may be blocked in a collective it will never
+/// join (NCCL's wait() does not fail then), call `on_silent` within a beat, naming it.
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <sstream>
@@ -43,17 +48,11 @@ class Heartbeat {
     thread_ = std::thread([this] { run(); });
   }
   ~Heartbeat() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    thread_.join();
+    finish(std::uncaught_exceptions() > uncaught_at_start_ ? "an exception unwound its process group" : "");
     try {
-      store_->set(key(rank_), left_text());
       if (rank_ == 0) wait_for_others_to_leave();
     } catch (const std::exception&) {
-      // The store is gone already: nothing to tell.
+      // The store is gone already.
     }
   }
   Heartbeat(const Heartbeat&) = delete;
@@ -66,6 +65,11 @@ class Heartbeat {
   }
   std::chrono::milliseconds silence() const { return silence_; }
 
+  /// This rank stops beating and tells its peers that it leaves with an error (`reason`, one
+  /// line): each calls its on_silent within a beat, naming this rank and the reason. Once; the
+  /// destructor then has nothing left to say.
+  void leave_with_error(const std::string& reason) { finish(reason.empty() ? "no reason given" : reason); }
+
  private:
   static std::string key(int rank) { return "heartbeat/" + std::to_string(rank); }
   static std::vector<std::uint8_t> beat_text(std::int64_t n) {
@@ -73,6 +77,33 @@ class Heartbeat {
     return {s.begin(), s.end()};
   }
   static std::vector<std::uint8_t> left_text() { return {'l', 'e', 'f', 't'}; }
+  static constexpr const char* kFailed = "failed:";
+  static bool is_failed(const std::vector<std::uint8_t>& v) {
+    const std::string prefix = kFailed;
+    return v.size() >= prefix.size() && std::equal(prefix.begin(), prefix.end(), v.begin());
+  }
+
+  // Stops the beat and writes this rank's last word, once: "left", or "failed:<error>" where
+  // `error` is not empty.
+  void finish(const std::string& error) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (finished_) return;
+      finished_ = stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+    try {
+      if (error.empty()) {
+        store_->set(key(rank_), left_text());
+      } else {
+        const std::string text = kFailed + error.substr(0, error.find('\n'));
+        store_->set(key(rank_), std::vector<std::uint8_t>(text.begin(), text.end()));
+      }
+    } catch (const std::exception&) {
+      // The store is gone already: nothing to tell.
+    }
+  }
 
   void run() {
     std::vector<std::string> keys;
@@ -92,14 +123,20 @@ class Heartbeat {
         // Keys a peer has not written yet (it is still joining) count as beating.
         const auto now = Clock::now();
         std::vector<int> silent;
+        std::string failed;  // the peers that left with an error, and why
         for (size_t i = 0; i < peers.size(); ++i) {
           if (left[i] || !store_->check({keys[i]})) continue;
           const auto value = store_->get(keys[i]);
           if (value == left_text()) left[i] = true;
+          else if (is_failed(value))
+            failed += (failed.empty() ? "" : "; ") + std::string("rank ") + std::to_string(peers[i]) +
+                      " left with an error (" + std::string(value.begin() + std::string(kFailed).size(), value.end()) + ")";
           else if (value != last[i]) last[i] = value, changed[i] = now;
           else if (now - changed[i] > silence_) silent.push_back(peers[i]);
         }
-        if (!silent.empty()) {
+        if (!failed.empty()) {
+          message = failed;
+        } else if (!silent.empty()) {
           std::string ranks;
           for (size_t i = 0; i < silent.size(); ++i) ranks += (i ? ", " : "") + std::to_string(silent[i]);
           std::ostringstream text;
@@ -123,8 +160,12 @@ class Heartbeat {
 
   void wait_for_others_to_leave() {
     const auto deadline = Clock::now() + silence_;
+    auto gone = [&](int r) {
+      const auto value = store_->get(key(r));
+      return value == left_text() || is_failed(value);
+    };
     for (int r = 1; r < world_size_; ++r)
-      while (Clock::now() < deadline && store_->check({key(r)}) && store_->get(key(r)) != left_text())
+      while (Clock::now() < deadline && store_->check({key(r)}) && !gone(r))
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 
@@ -134,7 +175,8 @@ class Heartbeat {
   std::function<void(const std::string&)> on_silent_;
   mutable std::mutex mutex_;
   std::condition_variable wake_;
-  bool stop_ = false;
+  bool stop_ = false, finished_ = false;
+  const int uncaught_at_start_ = std::uncaught_exceptions();
   std::string failure_;
   std::thread thread_;
 };
