@@ -522,15 +522,18 @@ class DataParallel final : public Replicas {
   /// Optimizer phases this replica has reduced.
   std::int64_t windows() const { return windows_; }
 
-  void attach(torch::nn::Module& model, const torch::Tensor& flat_params) override {
+  void attach(torch::nn::Module& model, const torch::Tensor& flat_params,
+              const torch::Tensor& rewritten = torch::Tensor()) override {
     check_device(flat_params, "the parameters");
     torch::NoGradGuard no_grad;
     group_.broadcast(flat_params, "broadcast of the parameters from rank 0 at start");
     // Everything else the model holds (frozen parameters, buffers, and any parameter that is
-    // not a view of the flat storage), one broadcast per dtype.
+    // not a view of the flat storage or of what the caller rewrites from it), one broadcast
+    // per dtype.
     std::map<c10::ScalarType, std::vector<torch::Tensor>> rest;
     for (const auto& p : model.parameters(true))
-      if (!p.is_alias_of(flat_params)) rest[p.scalar_type()].push_back(p);
+      if (!p.is_alias_of(flat_params) && !(rewritten.defined() && p.is_alias_of(rewritten)))
+        rest[p.scalar_type()].push_back(p);
     for (const auto& b : model.buffers(true))
       if (b.defined()) rest[b.scalar_type()].push_back(b);
     for (auto& [dtype, tensors] : rest) {

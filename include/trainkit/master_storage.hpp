@@ -86,8 +86,8 @@ class MasterStorage : public detail::FlatParameters {
   bool attach(Replicas& replicas, torch::nn::Module& model) {
     TORCH_CHECK(!sharded(), "MasterStorage: the replicas are attached once when the update is sharded");
     replicas_ = &replicas;
-    replicas.attach(model, params_);
-    half_.write_back(params_);  // rank 0's masters
+    replicas.attach(model, params_, /*rewritten=*/half_.params());
+    half_.write_back(params_);  // rank 0's masters, into the half parameters attach left alone
     single_process_ = dynamic_cast<const SingleProcess*>(&replicas) != nullptr;
     partition_ = partition_for(replicas, options_.sharding(), half_.params().element_size());
     if (sharded()) shard();

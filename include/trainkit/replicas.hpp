@@ -4,8 +4,10 @@
 /// talk to; <trainkit/distributed.hpp> implements it over PyTorch's c10d (tk::DataParallel).
 ///
 /// Contract — what the trainer calls, and when (every rank makes the same calls in the same order):
-///   attach(model, flat_params)    once, from Trainer::set_replicas(): every rank's parameters and
-///                                 buffers become rank 0's
+///   attach(model, flat_params, rewritten)
+///                                 once, from Trainer::set_replicas(): every rank's parameters and
+///                                 buffers become rank 0's (those that are views of `rewritten`
+///                                 the caller sets from flat_params afterwards)
 ///   reduce_gradients(flat_grad, window)
 ///                                 optimizer phase 5, once per window, never inside one:
 ///                                 `flat_grad` becomes the sum over ranks; returns the
@@ -96,7 +98,11 @@ class Replicas {
   bool is_main() const { return rank() == 0; }
 
   /// Makes every rank's parameters and buffers (and `flat_params`, the trainer's storage) rank 0's.
-  virtual void attach(torch::nn::Module& model, const torch::Tensor& flat_params) = 0;
+  /// Parameters that are views of `rewritten` (where defined) are left alone: the caller sets
+  /// them from `flat_params` afterwards (the master weights' half copy), so sending them too
+  /// would cost a collective and a temporary of their size for nothing.
+  virtual void attach(torch::nn::Module& model, const torch::Tensor& flat_params,
+                      const torch::Tensor& rewritten = torch::Tensor()) = 0;
   /// Phase 5: see the file comment.
   virtual GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) = 0;
   /// Throws (on every rank) unless `state` is the same on every rank; `what` names it.
@@ -128,7 +134,7 @@ class SingleProcess final : public Replicas {
  public:
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
-  void attach(torch::nn::Module&, const torch::Tensor&) override {}
+  void attach(torch::nn::Module&, const torch::Tensor&, const torch::Tensor& = torch::Tensor()) override {}
   GradientFactor reduce_gradients(torch::Tensor&, const WindowWeights& window) override {
     return {window.rescale, {}};
   }
