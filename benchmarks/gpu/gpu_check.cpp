@@ -29,6 +29,7 @@
 #include "harness.hpp"
 #include "memory_check.hpp"
 #include "resume_check.hpp"
+#include "../../tests/support/recompute_model.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -162,6 +163,13 @@ int main(int argc, char** argv) try {
   const double peak = matmul_peak_tflops(device, dry ? 256 : 8192);
   // FP32 rows against an fp32 product's peak (TF32 where LibTorch allows it), not bf16's.
   const double peak_fp32 = matmul_peak_tflops(device, dry ? 256 : 8192, torch::kFloat);
+  // A backward in fp32 and in bf16 before any row's baseline: the autograd thread's cuBLAS
+  // handle and its workspace (32 MiB on Hopper), which persist, then exist before the first
+  // row measures what its task holds, and are not counted as that row's state.
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    auto w = torch::randn({64, 64}, torch::TensorOptions().device(device).dtype(dtype)).requires_grad_();
+    w.matmul(w).sum().backward();
+  }
   const double flops = step_flops(spec, micro_batch, seq);
   std::printf("gpu_check: %s, micro-batch %lld x %lld tokens, %.3f TFLOP per step; matmul peaks measured: "
               "bf16 %.3g TFLOP/s, fp32 %.3g TFLOP/s (%s)\n",
@@ -307,7 +315,11 @@ int main(int argc, char** argv) try {
     const char* sep = "";
     for (const auto& [row, values] : losses_by_row) {
       out << sep << "\"" << row << "\": [";
-      for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << std::setprecision(9) << values[i];
+      for (size_t i = 0; i < values.size(); ++i) {
+        out << (i ? ", " : "");
+        if (std::isfinite(values[i])) out << std::setprecision(9) << values[i];
+        else out << (std::isnan(values[i]) ? "NaN" : values[i] > 0 ? "Infinity" : "-Infinity");  // Python's json reads these
+      }
       out << "]";
       sep = ", ";
     }
@@ -373,6 +385,46 @@ int main(int argc, char** argv) try {
 
   bench::check_memory(device, dry, failed);  // the memory plan and the out-of-memory replay (memory_check.hpp)
 
+  // tk::recompute on the device: tests/unit/test_recompute.cpp's CUDA case, which the unit
+  // tests (run on the CPU) skip. The recomputed forward gives the direct call's output and
+  // gradients bit for bit, dropout included; the backward's recomputation puts the CUDA
+  // generator back; FP16 autocast likewise, and autocast is off after it.
+  std::printf("\n#### Recomputation (tk::recompute) on %s\n\n", device.str().c_str());
+  {
+    namespace rm = trainkit_testing::recompute_model;
+    auto model = rm::make_model();
+    model->to(device);
+    const auto x = torch::randn({64, 32}).to(device), w = torch::randn({64, 32}).to(device);
+    auto differs = [](const rm::Run& a, const rm::Run& b) -> std::string {
+      if (!torch::equal(a.output, b.output)) return "the output";
+      if (!torch::equal(a.input_grad, b.input_grad)) return "the input's gradient";
+      for (size_t i = 0; i < a.grads.size(); ++i)
+        if (!a.grads[i].defined() || !b.grads[i].defined() || !torch::equal(a.grads[i], b.grads[i]))
+          return "parameter " + std::to_string(i) + "'s gradient";
+      if (!torch::equal(a.rng_after, b.rng_after)) return "the CPU generator after backward";
+      return "";
+    };
+    auto report = [&](const std::string& what, const std::string& diff) {
+      std::printf("- %s: %s\n", what.c_str(), diff.empty() ? "recomputed equals direct, bit for bit" : ("differs in " + diff).c_str());
+      if (!diff.empty()) failed.push_back("recompute, " + what + ": " + diff + " differs from the direct call's");
+    };
+    report("fp32", differs(rm::run(model, x, w, false, 21), rm::run(model, x, w, true, 21)));
+    if (device.is_cuda()) {
+      auto state = [&] { return at::globalContext().defaultGenerator(device).get_state(); };
+      torch::manual_seed(21);
+      const auto loss = model->forward(x.clone().requires_grad_(), true).sum();
+      (void)torch::rand({1000}, torch::TensorOptions().device(device));  // moves the CUDA generator on
+      const auto before = state();
+      loss.backward();
+      const bool kept = torch::equal(state(), before);
+      std::printf("- the CUDA generator after a recomputing backward: %s\n", kept ? "as before it" : "moved");
+      if (!kept) failed.push_back("recompute: the backward's recomputation left the CUDA generator moved");
+      const auto fp16 = [] { return std::optional<trainkit::AutocastRegion>(std::in_place, c10::kCUDA, at::kHalf); };
+      report("fp16 autocast", differs(rm::run(model, x, w, false, 22, true, fp16), rm::run(model, x, w, true, 22, true, fp16)));
+      if (at::autocast::is_autocast_enabled(c10::kCUDA)) failed.push_back("recompute: autocast is still on after the fp16 runs");
+    }
+  }
+
   // The same model, weights and first batch: the first FP32 loss is the same computation.
   if (first_loss.count("trainkit/fp32") && first_loss.count("libtorch/fp32")) {
     const double a = first_loss["trainkit/fp32"], b = first_loss["libtorch/fp32"];
@@ -383,6 +435,7 @@ int main(int argc, char** argv) try {
   // gradients as trainkit does, and over the set-to-none loop's by at most the flat gradient
   // (4 bytes per parameter), 2% allowed on top.
   const double flat_grad_mib = 4.0 * double(parameters) / 1048576.0;
+  std::printf("\n#### Peak memory against the hand-written loop\n\n");
   for (const auto& [row, mib] : peak_memory) {
     if (row.rfind("trainkit/", 0) != 0) continue;
     const std::string precision = row.substr(row.find('/') + 1);

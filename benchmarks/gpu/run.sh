@@ -14,16 +14,17 @@
 #   2. gpu_check: BERT-base, sequence 128: step time, TFLOP/s against a bf16 matrix-product peak
 #      it measures, peak GPU memory, bytes per parameter, host syncs per step, for FP32, BF16,
 #      FP16Dynamic (and FP16 with master weights), trainkit and the hand-written LibTorch loop;
-#      then the resume check (deterministic algorithms on) and the memory check,
+#      then the resume check (deterministic algorithms on), the memory check and tk::recompute
+#      on CUDA (the unit tests' CUDA case),
 #   3. the Python AMP loop (benchmarks/compare/loop.py --device cuda) on the same model; its FP32
 #      losses must equal gpu_check's trainkit FP32 losses (relative 1e-5 at the first window,
 #      2e-4 after: the same start, then the kernels' rounding apart),
 #   4. NCCL at world size 1: trainkit's process-group start-up and first all-reduce (10 s at
 #      most), a DataParallel trainer against one process, and a save after step 6 loaded into a
 #      fresh DataParallel trainer; torch.distributed's start-up for reference.
-# The unit tests are not run there: none of them has a CUDA case (the CUDA paths are what
-# gpu_check and nccl_startup run), they run in CI on the CPU, and building them would cost most
-# of the machine's time. Each step has a time limit out of one budget (TRAINKIT_GPU_BUDGET
+# The unit tests are not run there: they run in CI on the CPU, building them would cost most of
+# the machine's time, and their one CUDA case (test_recompute.cpp's "recompute on CUDA") runs in
+# gpu_check, on the same model and code (tests/support/recompute_model.hpp). Each step has a time limit out of one budget (TRAINKIT_GPU_BUDGET
 # seconds, default 360, so that a rerun fits in the 15 minutes a task is lent); a step that fails
 # or runs out is reported and the next one runs.
 set -uo pipefail
@@ -110,6 +111,14 @@ else
     say "FAIL: nlohmann-json is neither packed ($DEPS) nor installed: run 'benchmarks/gpu/run.sh --pack-deps' before borrowing the machine and carry build-gpu-deps"
     exit 1
   fi
+  # LibTorch's CUDA package needs the CUDA toolkit (nvcc) at configure time.
+  if ! command -v nvcc >/dev/null 2>&1; then
+    [[ -x /usr/local/cuda/bin/nvcc ]] && export PATH="/usr/local/cuda/bin:$PATH"
+  fi
+  if ! command -v nvcc >/dev/null 2>&1; then
+    say "FAIL: no nvcc (neither on PATH nor /usr/local/cuda/bin): LibTorch's CUDA package cannot be configured"
+    exit 1
+  fi
   TORCH_PREFIX="$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')"
   prefix="$TORCH_PREFIX"
   cxxflags=""
@@ -134,6 +143,7 @@ fi
 say ""
 say "### trainkit and the hand-written LibTorch loop (gpu_check)"
 say ""
+rm -f "$B/gpu_losses.json"  # only this run's losses are compared
 if [[ "$MODE" == "--dry-run" ]]; then
   step gpu_check 300 "$B/benchmarks/gpu/gpu_check" --dry-run --precisions fp32,bf16 \
     --losses-json "$B/gpu_losses.json"
@@ -159,6 +169,7 @@ else
   pyargs=(--device cuda --model bert-base --micro-batch 32 --windows 10 --warmup 3 --threads 8)
   precisions="fp32 bf16 fp16"
 fi
+python_fp32_ok=0
 for p in $precisions; do
   if step "python_$p" 60 "$PY" "$ROOT/benchmarks/compare/loop.py" "${pyargs[@]}" --precision "$p"; then
     tail -n 1 "$LOGS/python_$p.log" | "$PY" -c '
@@ -166,11 +177,12 @@ import json, statistics, sys
 r = json.loads(sys.stdin.read())
 print("| %s | %.2f | %.0f | %.4f / %.4f |" % (r["precision"], statistics.median(r["window_ms"]),
       r.get("gpu_peak_mib", 0.0), r["losses"][0], r["losses"][-1]))' | tee -a "$REPORT"
+    [[ "$p" == fp32 ]] && python_fp32_ok=1
   fi
 done
 # The Python FP32 losses against gpu_check's trainkit FP32 losses, window by window (warm-up
 # windows included in both).
-if [[ -f "$LOGS/python_fp32.log" && -f "$B/gpu_losses.json" ]]; then
+if ((python_fp32_ok)) && [[ -f "$B/gpu_losses.json" ]]; then
   compared="$(tail -n 1 "$LOGS/python_fp32.log" | "$PY" -c '
 import json, sys
 py = json.loads(sys.stdin.read())["losses"]
@@ -189,7 +201,7 @@ sys.exit(1 if bad else 0)' "$B/gpu_losses.json" 2>&1)"
   ((rc == 0)) || FAILED+=(python_fp32_losses)
 else
   FAILED+=(python_fp32_losses)
-  say "- FP32 losses, Python against trainkit: not compared (a log or $B/gpu_losses.json is missing)"
+  say "- FP32 losses, Python against trainkit: not compared (python_fp32 failed, or gpu_check wrote no $B/gpu_losses.json)"
 fi
 
 # --- 4. NCCL: start-up, DataParallel, resume ----------------------------------------------------

@@ -4,6 +4,7 @@
 /// compiled Trainer<P, A, C> and the type-erased AnyTrainer.
 #include <torch/types.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -64,9 +65,10 @@ class StepReport {
     if (!values_->host) {
       std::vector<torch::Tensor> parts;
       for (const auto& t : values_->device) parts.push_back(t.reshape({1}).to(torch::kDouble));
-      const auto host = torch::cat(parts).cpu();
+      const auto host = torch::cat(parts).cpu();  // the one copy (a sync on a GPU)
+      const double* read = host.data_ptr<double>();
       std::array<double, kFields> v{};
-      for (int i = 0; i < kFields; ++i) v[i] = host[i].item<double>();
+      std::copy(read, read + kFields, v.begin());
       values_->host = v;
     }
     return (*values_->host)[f];

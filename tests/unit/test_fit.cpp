@@ -2,6 +2,7 @@
 // scale, logged losses), also from a stop inside an epoch; metrics weighted by items; validation,
 // callbacks, best checkpoint; non-finite diagnostics; fit_options from a Config.
 #include "helpers.hpp"
+#include "../support/host_reads.hpp"
 
 #include <trainkit/callbacks.hpp>
 #include <trainkit/fit.hpp>
@@ -516,4 +517,34 @@ TEST_CASE("fit: the run's text log has its start, resume, log windows, validatio
   CHECK(has("end: at epoch 1, micro-batch 0, optimizer step 4"));
   CHECK(has("trainkit: resumed from '" + dir / "model-0000.ckpt" + "'"));
   CHECK(lines.back().rfind("end: at epoch 2", 0) == 0);
+}
+
+TEST_CASE("fit: the loop reads values to the host at log windows and epoch ends, never between them") {
+  // On a GPU a host read waits for the stream; between log windows the loop must let it run
+  // ahead (STYLE: no host sync in the step unless a value is asked for). Counted on the CPU by
+  // trainkit_testing::host_reads_in (.item() and data-dependent shapes) over one epoch of 7 or
+  // 15 micro-batches (4 or 8 windows of AccumulationPolicy<2>), with no log window inside the
+  // epoch, or one every window.
+  auto reads = [](std::int64_t micro_batches, std::int64_t log_frequent) {
+    TempDir dir;
+    torch::manual_seed(11);
+    RegressionTask t(testing::make_mlp(3, 8, 16, 3, 0.2));
+    t.task.batches_per_epoch = [micro_batches](std::int64_t) { return micro_batches; };
+    t.task.batch = [batch = t.task.batch](std::int64_t epoch, std::int64_t index) { return batch(epoch, index % 7); };
+    t.task.validate = nullptr;  // the test's own validation reads its MSE with .item()
+    t.task.best_metric.clear();
+    T trainer(t.model, tk::AdamW{1e-2}, trainer_options());
+    std::int64_t windows = 0;
+    const auto n = trainkit_testing::host_reads_in([&] {
+      windows = tk::fit(trainer, t.task, fit_options(dir.path, 1).log_frequent(log_frequent)).windows;
+    });
+    REQUIRE(windows == (micro_batches + 1) / 2);
+    return n;
+  };
+  const std::int64_t quiet4 = reads(7, 1000), quiet8 = reads(15, 1000), logged8 = reads(15, 1);
+  MESSAGE("host reads in one epoch: 4 windows " << quiet4 << ", 8 windows " << quiet8
+                                               << " (no log window inside the epoch); 8 windows, each logged: " << logged8);
+  CHECK(quiet8 == quiet4);  // 4 more windows, not one more read
+  // A log window reads what it reports by one copy (StepReport's), not value by value.
+  CHECK(logged8 == quiet8);
 }

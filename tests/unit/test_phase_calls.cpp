@@ -3,6 +3,7 @@
 // that adds calls to every window is seen. (Counted with RecordFunction, top-level calls
 // only, from the end of the window's last backward to the end of micro_step.)
 #include "helpers.hpp"
+#include "../support/host_reads.hpp"
 
 #include <trainkit/trainer.hpp>
 
@@ -83,46 +84,7 @@ TEST_CASE("the optimizer phase's ATen calls stay few") {
 
 namespace {
 
-// Calls that read a tensor's value to the host, which on a GPU wait for the stream (.item(),
-// a data-dependent shape), at any depth. Not counted: reads inside the fused optimizer kernels
-// (aten::_fused_adamw_, _fused_sgd_), whose CPU version reads its tensor LR, scale and
-// found-inf flag on the host where the CUDA kernel reads them on the device. The CPU cannot
-// tell a device-to-host copy from a host one, so `.cpu()` is not counted either: gpu_check
-// counts those on a GPU (the CUDA runtime's synchronising calls).
-std::atomic<bool> reading{false};
-std::atomic<std::int64_t> reads{0};
-thread_local int in_fused_kernel = 0;
-bool fused_kernel(const std::string& name) { return name.rfind("aten::_fused_", 0) == 0; }
-struct ReadCounter {
-  ReadCounter() {
-    handle = at::addGlobalCallback(
-        at::RecordFunctionCallback(
-            [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
-              const std::string name = fn.name();
-              if (fused_kernel(name)) ++in_fused_kernel;
-              else if (reading && in_fused_kernel == 0 &&
-                       (name == "aten::_local_scalar_dense" || name == "aten::is_nonzero" || name == "aten::nonzero" ||
-                        name == "aten::equal"))
-                ++reads;
-              return nullptr;
-            },
-            [](const at::RecordFunction& fn, at::ObserverContext*) {
-              if (fused_kernel(fn.name())) --in_fused_kernel;
-            })
-            .scopes({at::RecordScope::FUNCTION}));
-  }
-  ~ReadCounter() { at::removeCallback(handle); }
-  at::CallbackHandle handle;
-};
-template <class F>
-std::int64_t host_reads_in(F&& f) {
-  ReadCounter counter;
-  reads = 0;
-  reading = true;
-  f();
-  reading = false;
-  return reads;
-}
+using trainkit_testing::host_reads_in;
 
 // Host reads in 3 windows of 2 micro-steps each, after 2 windows of warm-up.
 template <class Trainer>

@@ -48,7 +48,14 @@ class Heartbeat {
     thread_ = std::thread([this] { run(); });
   }
   ~Heartbeat() {
-    finish(std::uncaught_exceptions() > uncaught_at_start_ ? "an exception unwound its process group" : "");
+    std::string error;
+    if (std::uncaught_exceptions() > uncaught_at_start_) {
+      // What this rank heard first, if anything, so that the others learn the first cause.
+      const std::string heard = failure();
+      error = heard.empty() ? "an exception unwound its process group" : "it stopped after: " + heard;
+    }
+    finish(error);
+    if (thread_.joinable()) thread_.detach();  // finish() was called on the beat's own thread: it returns by itself
     try {
       if (rank_ == 0) wait_for_others_to_leave();
     } catch (const std::exception&) {
