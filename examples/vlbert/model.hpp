@@ -67,9 +67,15 @@ struct LayerImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& bias) {
     const auto b = x.size(0), l = x.size(1), h = x.size(2);
     auto split = [&](const torch::Tensor& t) { return t.view({b, l, heads, h / heads}).transpose(1, 2); };
-    const auto scores = torch::matmul(split(query(x)), split(key(x)).transpose(-1, -2)) / std::sqrt(double(h / heads));
-    const auto probs = attention_dropout(torch::softmax(scores + bias, -1));
-    const auto context = torch::matmul(probs, split(value(x))).transpose(1, 2).reshape({b, l, h});
+    const auto q = split(query(x));
+    // softmax(q k^T / sqrt(d) + bias) v, with dropout on the probabilities while training, in
+    // one call: ATen picks a fused kernel where one fits (on CUDA the memory-efficient one,
+    // which takes an additive mask; on the CPU its flash kernel) and its math otherwise. The
+    // mask in the queries' dtype (half under autocast): the call wants one dtype.
+    const double p = is_training() ? attention_dropout->options.p() : 0.0;
+    const auto context = at::scaled_dot_product_attention(q, split(key(x)), split(value(x)), bias.to(q.scalar_type()), p)
+                             .transpose(1, 2)
+                             .reshape({b, l, h});
     const auto y = attention_ln(x + dropout(attention_output(context)));
     return output_ln(y + dropout(output(torch::gelu(intermediate(y)))));
   }
@@ -79,7 +85,7 @@ struct LayerImpl : torch::nn::Module {
   torch::nn::LayerNorm attention_ln;
   torch::nn::Linear intermediate, output;
   torch::nn::LayerNorm output_ln;
-  torch::nn::Dropout attention_dropout, dropout;
+  torch::nn::Dropout attention_dropout, dropout;  // attention_dropout: its p, given to the fused call
 };
 TORCH_MODULE(Layer);
 

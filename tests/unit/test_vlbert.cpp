@@ -283,3 +283,42 @@ TEST_CASE("NETWORK.RECOMPUTE: recomputing the encoder layers in backward trains 
   CHECK(recomputed.epoch_loss[0] == kept.epoch_loss[0]);
   CHECK(recomputed.val.back() == kept.val.back());
 }
+
+TEST_CASE("the layer's attention (at::scaled_dot_product_attention) equals BERT's formula written out") {
+  // softmax(q k^T / sqrt(d) + mask) v with padding, in fp32 without dropout, to 1e-6; and with
+  // dropout while training, a different output for another seed (the dropout is there).
+  VLBertConfig c;
+  c.hidden_size = 32, c.num_attention_heads = 4, c.intermediate_size = 64;
+  c.hidden_dropout_prob = 0.0, c.attention_probs_dropout_prob = 0.0;
+  torch::manual_seed(3);
+  Layer layer(c);
+  layer->eval();
+  const auto x = torch::randn({3, 7, 32});
+  auto bias = torch::zeros({3, 1, 1, 7});
+  bias.index_put_({1, 0, 0, torch::indexing::Slice(5, torch::indexing::None)}, -10000.0);  // 2 padded positions
+  bias.index_put_({2, 0, 0, torch::indexing::Slice(3, torch::indexing::None)}, -10000.0);
+  auto split = [](const torch::Tensor& t) { return t.view({3, 7, 4, 8}).transpose(1, 2); };
+  const auto scores = torch::matmul(split(layer->query(x)), split(layer->key(x)).transpose(-1, -2)) / std::sqrt(8.0);
+  const auto context = torch::matmul(torch::softmax(scores + bias, -1), split(layer->value(x))).transpose(1, 2).reshape({3, 7, 32});
+  const auto y = layer->attention_ln(x + layer->attention_output(context));
+  const auto expected = layer->output_ln(y + layer->output(torch::gelu(layer->intermediate(y))));
+  const auto got = layer->forward(x, bias);
+  CHECK((got - expected).abs().max().item<double>() < 1e-6);
+  // Not comparing nothing: the mask matters.
+  CHECK((layer->forward(x, torch::zeros_like(bias)) - expected).abs().max().item<double>() > 1e-3);
+
+  c.attention_probs_dropout_prob = 0.5;
+  torch::manual_seed(3);
+  Layer dropping(c);
+  dropping->train();
+  torch::manual_seed(1);
+  const auto a = dropping->forward(x, bias);
+  torch::manual_seed(1);
+  const auto again = dropping->forward(x, bias);
+  torch::manual_seed(2);
+  const auto other = dropping->forward(x, bias);
+  CHECK(torch::equal(a, again));                        // the same draws from the same seed
+  CHECK((a - other).abs().max().item<double>() > 1e-3);  // the probabilities are dropped
+  dropping->eval();
+  CHECK((dropping->forward(x, bias) - expected).abs().max().item<double>() < 1e-6);  // none in eval (same weights)
+}
