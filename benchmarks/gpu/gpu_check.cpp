@@ -24,7 +24,9 @@
 // trainer, must give the uninterrupted run's steps 7-12 (FP32, FP16Dynamic, and FP16 with
 // master weights where trainkit has them). Then the memory check (memory_check.hpp): a fit
 // planned under TRAIN.MEMORY_BUDGET and one with an injected out-of-memory error must end at
-// an unplanned run's parameters, the planned one within its budget.
+// an unplanned run's parameters, the planned one within its budget. Then the host syncs of
+// tk::fit: none between log windows, at most 4 per log window. Then tk::recompute on CUDA
+// (the unit tests' one CUDA case).
 #include "bench_features.hpp"  // generated: TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS (../compare/CMakeLists.txt)
 #include "harness.hpp"
 #include "memory_check.hpp"
@@ -384,6 +386,34 @@ int main(int argc, char** argv) try {
   }
 
   bench::check_memory(device, dry, failed);  // the memory plan and the out-of-memory replay (memory_check.hpp)
+
+  // Host syncs of tk::fit, between log windows and at one: one epoch of one-micro-batch windows
+  // (bert-tiny, files written as a run writes them), counted by the CUDA runtime calls above.
+  // Between log windows there must be none: 4 more windows add no sync. A log window reads
+  // what it reports in a few copies (the step report's one, the metrics' one): at most 4.
+  std::printf("\n#### Host syncs in tk::fit (bert-tiny, one micro-batch per window)\n\n");
+  try {
+    auto syncs = [&](std::int64_t windows, std::int64_t log_frequent) {
+      bench::FitShape shape;
+      shape.micro_batches = windows;
+      shape.log_frequent = log_frequent;
+      shape.write_files = true;
+      shape.syncs = [] { return cuda_syncs.load(); };
+      return bench::fit_for_memory(device, dry ? 2 : 8, dry ? 8 : 32, 0, false, shape).syncs;
+    };
+    (void)syncs(2, 1000);  // warm-up: one-time set-up is not counted
+    const long quiet4 = syncs(4, 1000), quiet8 = syncs(8, 1000), logged8 = syncs(8, 1);
+    std::printf("- CUDA synchronising calls in one epoch with no log window inside it: 4 windows %ld, 8 windows %ld; "
+                "8 windows, each logged: %ld (%.2f per log window)\n",
+                quiet4, quiet8, logged8, double(logged8 - quiet8) / 8.0);
+    if (device.is_cuda() && quiet8 != quiet4)
+      failed.push_back("tk::fit: " + std::to_string(quiet8 - quiet4) + " CUDA synchronising calls in 4 windows without a log window (must be 0)");
+    if (device.is_cuda() && logged8 - quiet8 > 8 * 4)
+      failed.push_back("tk::fit: " + std::to_string(double(logged8 - quiet8) / 8.0) +
+                       " CUDA synchronising calls per log window (at most 4: the report's copy and the metrics')");
+  } catch (const std::exception& e) {
+    failed.push_back(std::string("tk::fit syncs: ") + e.what());
+  }
 
   // tk::recompute on the device: tests/unit/test_recompute.cpp's CUDA case, which the unit
   // tests (run on the CPU) skip. The recomputed forward gives the direct call's output and

@@ -17,7 +17,10 @@
 
 #include <unistd.h>
 
+#include <ftw.h>
+
 #include <cstdio>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -28,9 +31,18 @@ struct MemoryFit {
   trainkit::FitResult result;
   torch::Tensor params;  // on the CPU
   double peak_bytes = 0;
+  long syncs = 0;  // FitShape::syncs() after the fit less before it
 };
 
-inline MemoryFit fit_for_memory(torch::Device device, int64_t rows, int64_t seq, double budget, bool inject_oom) {
+/// The epoch and its logging, for gpu_check's count of host syncs per log window.
+struct FitShape {
+  std::int64_t micro_batches = 3, log_frequent = 50;
+  bool write_files = false;
+  std::function<long()> syncs;  // a running count of host syncs (optional)
+};
+
+inline MemoryFit fit_for_memory(torch::Device device, int64_t rows, int64_t seq, double budget, bool inject_oom,
+                                const FitShape& shape = {}) {
   namespace tk = trainkit;
   struct Seqs {
     torch::Tensor ids, target;
@@ -41,7 +53,7 @@ inline MemoryFit fit_for_memory(torch::Device device, int64_t rows, int64_t seq,
   tk::Task<Seqs> task;
   std::int64_t position = -1;
   bool thrown = false;
-  task.batches_per_epoch = [](std::int64_t) { return std::int64_t{3}; };
+  task.batches_per_epoch = [n = shape.micro_batches](std::int64_t) { return n; };
   task.batch = [&](std::int64_t, std::int64_t index) {
     position = index;
     const auto& [x, y] = model.pool[static_cast<size_t>(index) % model.pool.size()];
@@ -64,14 +76,25 @@ inline MemoryFit fit_for_memory(torch::Device device, int64_t rows, int64_t seq,
   };
   char dir[] = "/tmp/gpu-check-memory-XXXXXX";
   if (!::mkdtemp(dir)) throw std::runtime_error("mkdtemp failed");
-  const auto options =
-      tk::FitOptions().output_path(dir).end_epoch(1).seed(1).progress(false).write_files(false).memory_budget(budget);
+  const auto options = tk::FitOptions()
+                           .output_path(dir)
+                           .end_epoch(1)
+                           .seed(1)
+                           .progress(false)
+                           .write_files(shape.write_files)
+                           .log_frequent(shape.log_frequent)
+                           .memory_budget(budget);
   tk::PeakMemory peak(device);
   peak.reset();
   MemoryFit f;
+  const long syncs_before = shape.syncs ? shape.syncs() : 0;
   f.result = tk::fit(trainer, task, options);
+  f.syncs = shape.syncs ? shape.syncs() - syncs_before : 0;
   f.peak_bytes = peak.bytes();  // since the plan's last measurement, or the start
-  ::rmdir(dir);
+  // (Not std::filesystem::remove_all: with -rdynamic it binds to LibTorch's exported copy,
+  // which crashes here.)
+  ::nftw(dir, [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
+         FTW_DEPTH | FTW_PHYS);
   std::vector<torch::Tensor> flat;
   for (const auto& p : model.module->parameters()) flat.push_back(p.detach().reshape({-1}).cpu());
   f.params = torch::cat(flat);
