@@ -2,6 +2,8 @@
 // windows follow PartialWindow (flush / span / drop).
 #include "helpers.hpp"
 
+namespace test_accumulation {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::flat;
 using testing::make_mlp;
 using testing::relative_error;
@@ -198,3 +200,5 @@ TEST_CASE("uneven item counts: after the first window, each micro-batch weighs i
   resumed.load_state(state);
   CHECK(resumed.weight(13) == policy.weight(13));
 }
+
+}  // namespace test_accumulation

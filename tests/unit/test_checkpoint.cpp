@@ -16,6 +16,8 @@
 #include <sys/mount.h>
 #include <sys/resource.h>
 
+namespace test_checkpoint {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 using testing::TempDir;
 
@@ -343,3 +345,5 @@ TEST_CASE("every reader refuses a checkpoint with one flipped byte, naming the f
   CHECK_THROWS_WITH_AS(tk::load_weights(*fresh.model, path), doctest::Contains(said.c_str()), std::runtime_error);
   CHECK(torch::equal(testing::flat(*fresh.model), before));
 }
+
+}  // namespace test_checkpoint

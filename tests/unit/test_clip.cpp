@@ -2,6 +2,8 @@
 // reported norm is the one before clipping.
 #include "helpers.hpp"
 
+namespace test_clip {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 
 namespace {
@@ -95,3 +97,5 @@ TEST_CASE("ClipValue clamps the unscaled gradient to [-v, v]") {
   CHECK(testing::relative_error(step, expected) <= 1e-2);  // fp16 forward
   CHECK(r.report.grad_norm() == doctest::Approx(raw.norm().item<double>()).epsilon(1e-2));
 }
+
+}  // namespace test_clip

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+namespace test_config {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace tk = trainkit;
 using nlohmann::json;
 
@@ -517,3 +519,5 @@ TEST_CASE("batch sizes are bounded and the total batch never wraps around") {
                                          "33554432 x GRAD_ACCUMULATE_STEPS 1048576) does not fit in 64 bits"),
                        tk::ConfigError);
 }
+
+}  // namespace test_config

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+namespace test_config_yaml {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace tk = trainkit;
 using nlohmann::json;
 
@@ -381,6 +383,8 @@ TEST_CASE("a second YAML document is refused, not dropped") {
         "the second with --set");
   CHECK(error_of("---\nTRAIN:\n  END_EPOCH: 1\n").empty());  // one document, introduced by ---
 }
+
+}  // namespace test_config_yaml
 
 #else
 TEST_CASE("YAML configuration tests") {

@@ -12,6 +12,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+namespace test_directory_lock {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::TempDir;
 
 namespace {
@@ -75,3 +77,5 @@ TEST_CASE("only the temporary files of dead processes are removed") {
   CHECK(testing::file_exists(live));
   CHECK_FALSE(testing::file_exists(dead));
 }
+
+}  // namespace test_directory_lock

@@ -8,6 +8,8 @@
 #include <limits>
 #include <sstream>
 
+namespace test_dispatch {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 using nlohmann::json;
 
@@ -202,3 +204,5 @@ TEST_CASE("a config-driven run: Dynamic window length, the schedule, skipped ste
     }
   });
 }
+
+}  // namespace test_dispatch

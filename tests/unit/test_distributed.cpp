@@ -18,6 +18,8 @@
 
 #include <signal.h>
 
+namespace test_distributed {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 using namespace trainkit_testing::dist_driver;
@@ -402,5 +404,7 @@ TEST_CASE("heartbeat: a rank that leaves with an error stops its peers within a 
     CHECK(rank0.failure().empty());
   }
 }
+
+}  // namespace test_distributed
 
 #endif  // Gloo's headers

@@ -1,6 +1,8 @@
 // Bad input gets an exception that names the problem.
 #include "helpers.hpp"
 
+namespace test_errors {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 
 TEST_CASE("the closure must return a scalar loss with a gradient") {
@@ -62,3 +64,5 @@ TEST_CASE("replacing the trainer's gradients is caught") {
                        doctest::Contains("the .grad of parameter 'fc1.weight' was replaced"),
                        std::logic_error);
 }
+
+}  // namespace test_errors

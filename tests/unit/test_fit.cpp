@@ -15,6 +15,8 @@
 #include <map>
 #include <sstream>
 
+namespace test_fit {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::TempDir;
 
 namespace {
@@ -548,3 +550,5 @@ TEST_CASE("fit: the loop reads values to the host at log windows and epoch ends,
   // A log window reads what it reports by one copy (StepReport's), not value by value.
   CHECK(logged8 == quiet8);
 }
+
+}  // namespace test_fit

@@ -17,6 +17,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+namespace test_fit_process {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::TempDir;
 
 namespace {
@@ -292,3 +294,5 @@ TEST_CASE("RESUME without a checkpoint is an error; a damaged newest checkpoint 
   CHECK(resumed.err.find("skipping checkpoint '" + newest + "': truncated") != std::string::npos);
   CHECK(final_hash(resumed.out) == final_hash(ref.out));
 }
+
+}  // namespace test_fit_process

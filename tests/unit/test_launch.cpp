@@ -13,6 +13,8 @@
 #include <string>
 #include <thread>
 
+namespace test_launch {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace tk = trainkit;
 
 TEST_CASE("GPUS empty: the CPU without CUDA (said once), else the local rank's GPU") {
@@ -83,5 +85,7 @@ TEST_CASE("joining the group has a deadline: a join that never returns is an err
   CHECK_THROWS_WITH_AS(tk::detail::within(5.0, "unused", []() -> int { throw std::runtime_error("no store"); }),
                        "no store", std::runtime_error);
 }
+
+}  // namespace test_launch
 
 #endif

@@ -4,6 +4,8 @@
 
 #include <limits>
 
+namespace test_loss_scale {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 
 namespace {
@@ -159,3 +161,5 @@ TEST_CASE("FP16Static: a fixed scale, and an overflowing window is skipped, not 
   CHECK(trainer.loss_scale().template item<float>() == 256.0f);
   CHECK_FALSE(torch::equal(testing::flat(*model), before));
 }
+
+}  // namespace test_loss_scale

@@ -7,6 +7,8 @@
 
 #include <limits>
 
+namespace test_master_weights {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 using testing::TempDir;
 
@@ -429,3 +431,5 @@ TEST_CASE("reduce_precision half without master weights is refused, naming the o
       tk::Trainer<>(model, tk::AdamW{1e-3}, tk::TrainerOptions().reduce_precision(tk::ReducePrecision::half)),
       doctest::Contains("reduce_precision half needs master weights"), std::invalid_argument);
 }
+
+}  // namespace test_master_weights

@@ -13,6 +13,8 @@
 #include <new>
 #include <set>
 
+namespace test_memory {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::TempDir;
 
 namespace {
@@ -432,3 +434,5 @@ TEST_CASE("fit: a budget or piece size needs a task that splits its batches") {
 }
 
 }  // namespace
+
+}  // namespace test_memory

@@ -3,6 +3,8 @@
 // recovers.
 #include "helpers.hpp"
 
+namespace test_mixed_precision {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 
 namespace {
@@ -80,3 +82,5 @@ TEST_CASE("FP16 started at an absurd scale backs off and recovers") {
   CHECK(skipped <= 40);
   CHECK(std::abs(accuracy - fp32) <= 0.02);
 }
+
+}  // namespace test_mixed_precision

@@ -10,6 +10,8 @@
 #include <sstream>
 #include <string>
 
+namespace test_nonfinite {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 // std::cerr into a string for the scope.
@@ -77,3 +79,5 @@ TEST_CASE("FP32: one transient skip warns once and the run goes on") {
   CHECK(said.find("trainkit: warning: epoch 0, micro-batch 4 of 8, optimizer step 5") != std::string::npos);
   CHECK(said.find("warning", said.find("warning") + 1) == std::string::npos);  // once
 }
+
+}  // namespace test_nonfinite

@@ -2,6 +2,8 @@
 // torch::optim::Optimizer can be given instead (the unfused path).
 #include "helpers.hpp"
 
+namespace test_optim {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 
 namespace {
@@ -130,3 +132,5 @@ TEST_CASE("no_decay: parameters named so get no weight decay (BERT's rule), matc
   CHECK_THROWS_WITH(tk::Trainer<>(e, sgd, tk::TrainerOptions().no_decay({"bias"})),
                     doctest::Contains("applies to trainkit's optimizers"));
 }
+
+}  // namespace test_optim

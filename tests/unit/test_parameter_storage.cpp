@@ -14,6 +14,8 @@
 #include <fstream>
 #include <string>
 
+namespace test_parameter_storage {  // this file's names, apart from those of the files it shares a unity batch with
+
 TEST_CASE("torch::load after the trainer is built is refused at the next optimizer phase, naming the parameter") {
   testing::TempDir dir;
   auto source = testing::make_mlp(11);
@@ -185,3 +187,5 @@ TEST_CASE("construction holds the parameters at most twice: the gradients come a
   CHECK(trainer.gradients().numel() >= 2 * 4096 * 4096);
 }
 #endif
+
+}  // namespace test_parameter_storage

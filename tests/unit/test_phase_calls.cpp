@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+namespace test_phase_calls {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 std::atomic<bool> counting{false};
@@ -112,3 +114,5 @@ TEST_CASE("no optimizer step reads a value to the host: no .item(), no data-depe
   CHECK(host_reads_per_window<FP32Clip>() == 0);
   CHECK(host_reads_per_window<FP16Clip>() == 0);
 }
+
+}  // namespace test_phase_calls

@@ -3,6 +3,8 @@
 
 #include <tuple>
 
+namespace test_policies {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 
 namespace {
@@ -110,3 +112,5 @@ TEST_CASE("a report costs no sync until a value is asked for, then one copy") {
   CHECK(r2.report.step() == 2);
   CHECK(r.report.step() == 1);  // each report keeps its own window's values
 }
+
+}  // namespace test_policies

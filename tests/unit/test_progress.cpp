@@ -7,6 +7,8 @@
 
 #include <sstream>
 
+namespace test_progress {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 struct Fixture {
@@ -208,3 +210,5 @@ TEST_CASE("progress: the whole run's ETA and the epoch count, when the state has
   progress.update(s);
   CHECK(f.out.str() == "Epoch 1/3  10%  10/100 | 0:00:01 ETA 0:00:19 | 320.0 samples/s | loss 0.5 lr 0.001 scale 1024\n");
 }
+
+}  // namespace test_progress

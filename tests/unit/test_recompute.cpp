@@ -19,6 +19,8 @@
 
 #include <malloc.h>
 
+namespace test_recompute {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace tk = trainkit;
 
 namespace {
@@ -343,3 +345,5 @@ TEST_CASE_TEMPLATE("a Trainer over recomputed blocks trains exactly as over plai
   CHECK(a.applied_steps().template item<std::int64_t>() == 3);
   CHECK(torch::equal(a.parameters(), b.parameters()));
 }
+
+}  // namespace test_recompute

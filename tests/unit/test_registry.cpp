@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+namespace test_registry {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 using testing::TempDir;
 
@@ -183,3 +185,5 @@ TEST_CASE("make_trainer refuses what the registry does not have, naming the key"
                                         model.ptr(), {}, {}),
                        doctest::Contains("TRAIN.GRAD_ACCUMULATE_STEPS: must be >= 1, got 0"), tk::ConfigError);
 }
+
+}  // namespace test_registry

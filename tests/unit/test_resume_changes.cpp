@@ -11,6 +11,8 @@
 #include <sstream>
 #include <string>
 
+namespace test_resume_changes {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 std::string config(double lr, std::int64_t end_epoch, std::int64_t log_frequent = 1, const std::string& optimizer = "AdamW") {
@@ -118,3 +120,5 @@ TEST_CASE("Trainer::load of another optimizer's checkpoint names both optimizers
   CHECK(sgd.windows() == 0);
   CHECK(sgd.applied_steps().item<std::int64_t>() == 0);
 }
+
+}  // namespace test_resume_changes

@@ -8,6 +8,8 @@
 #include <set>
 #include <vector>
 
+namespace test_sampler {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace tk = trainkit;
 using Remainder = tk::DistributedSampler::Remainder;
 
@@ -109,3 +111,5 @@ TEST_CASE("sampler: bad arguments say what is wrong") {
                        doctest::Contains("leaves no batch"), std::invalid_argument);
   CHECK_THROWS_AS(tk::DistributedSampler(10, 2).batch(0, 5), std::out_of_range);
 }
+
+}  // namespace test_sampler

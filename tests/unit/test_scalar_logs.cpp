@@ -8,6 +8,8 @@
 #include <fstream>
 #include <sstream>
 
+namespace test_scalar_logs {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 std::string read_file(const std::string& path) {
@@ -210,3 +212,5 @@ TEST_CASE("text logs: a full disk or an unwritable path is an error naming the f
     MESSAGE("running as root: the read-only-directory case is not checked (root ignores 0555)");
   }
 }
+
+}  // namespace test_scalar_logs

@@ -12,6 +12,8 @@
 
 #include <vector>
 
+namespace test_schedule {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace tk = trainkit;
 using doctest::Approx;
 
@@ -197,3 +199,5 @@ TEST_CASE("RunPlan::make_schedule uses TRAIN's keys and the real windows per epo
   }
   CHECK(tk::describe(tk::RunPlan::from(c, 1).schedule) == "triangle(warmup linear 5 steps from 0; linear to 0 at epoch 0)");
 }
+
+}  // namespace test_schedule

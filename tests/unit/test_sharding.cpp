@@ -17,6 +17,8 @@
 
 #include <signal.h>
 
+namespace test_sharding {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 using namespace trainkit_testing::dist_driver;
@@ -289,5 +291,7 @@ TEST_CASE("sharding: TRAIN.ZERO_STAGE in the plan, one process unsharded, a torc
   CHECK_THROWS_WITH_AS(T(model, sgd, tk::TrainerOptions().sharding(tk::Sharding::optimizer)),
                        doctest::Contains("fused optimizers"), std::invalid_argument);
 }
+
+}  // namespace test_sharding
 
 #endif

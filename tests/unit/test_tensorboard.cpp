@@ -11,6 +11,8 @@
 #include <fstream>
 #include <sstream>
 
+namespace test_tensorboard {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 std::string bytes(std::initializer_list<int> values) {
@@ -198,3 +200,5 @@ TEST_CASE("TensorBoardWriter: an unwritable log directory is an error naming it"
                          std::runtime_error);
   }
 }
+
+}  // namespace test_tensorboard

@@ -5,6 +5,8 @@
 #include <dirent.h>
 #include <unistd.h>
 
+namespace test_trainer_checkpoint {  // this file's names, apart from those of the files it shares a unity batch with
+
 using testing::make_mlp;
 using testing::TempDir;
 
@@ -118,3 +120,5 @@ TEST_CASE("a mismatching or damaged checkpoint is refused and changes nothing") 
     CHECK_THROWS_WITH(t.load(path), doctest::Contains(("checkpoint '" + path + "' is damaged: truncated").c_str()));
   }
 }
+
+}  // namespace test_trainer_checkpoint

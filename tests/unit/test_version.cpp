@@ -6,9 +6,13 @@
 
 #include <string>
 
+namespace test_version {  // this file's names, apart from those of the files it shares a unity batch with
+
 TEST_CASE("version macros match the CMake project version") {
   CHECK(TRAINKIT_VERSION_MAJOR == TRAINKIT_PROJECT_VERSION_MAJOR);
   CHECK(TRAINKIT_VERSION_MINOR == TRAINKIT_PROJECT_VERSION_MINOR);
   CHECK(TRAINKIT_VERSION_PATCH == TRAINKIT_PROJECT_VERSION_PATCH);
   CHECK(std::string(TRAINKIT_VERSION_STRING) == TRAINKIT_PROJECT_VERSION);
 }
+
+}  // namespace test_version

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+namespace test_vlbert {  // this file's names, apart from those of the files it shares a unity batch with
+
 namespace {
 
 using namespace vlbert;
@@ -322,3 +324,5 @@ TEST_CASE("the layer's attention (at::scaled_dot_product_attention) equals BERT'
   dropping->eval();
   CHECK((dropping->forward(x, bias) - expected).abs().max().item<double>() < 1e-6);  // none in eval (same weights)
 }
+
+}  // namespace test_vlbert

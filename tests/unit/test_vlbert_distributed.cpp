@@ -24,6 +24,8 @@
 
 #include <signal.h>
 
+namespace test_vlbert_distributed {  // this file's names, apart from those of the files it shares a unity batch with
+
 using namespace trainkit_testing::processes;
 
 namespace {
@@ -257,5 +259,7 @@ TEST_CASE("the main job refuses GPUS that the machine or the launch contradicts,
   // No CUDA here: the ids are refused; with CUDA, two devices for one process are.
   CHECK(said.find("error: GPUS: lists") != std::string::npos);
 }
+
+}  // namespace test_vlbert_distributed
 
 #endif
