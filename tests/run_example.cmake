@@ -5,7 +5,8 @@
 # crashes with LibTorch 2.11; see tests/unit/helpers.hpp.)
 file(REMOVE_RECURSE "${DIR}")
 file(MAKE_DIRECTORY "${DIR}")
-execute_process(COMMAND "${PROGRAM}" WORKING_DIRECTORY "${DIR}" RESULT_VARIABLE status)
+# ARGUMENT, where given, names the example in the program that holds them all (trainkit_doc_examples).
+execute_process(COMMAND "${PROGRAM}" ${ARGUMENT} WORKING_DIRECTORY "${DIR}" RESULT_VARIABLE status)
 if(NOT status EQUAL 0)
-  message(FATAL_ERROR "${PROGRAM} exited with ${status}")
+  message(FATAL_ERROR "${PROGRAM} ${ARGUMENT} exited with ${status}")
 endif()
