@@ -16,10 +16,10 @@
 /// TrainerOptions::accumulation_steps. Fixed counts stay for programs that name their type.
 ///
 /// Compiled once, in shards: make_trainer picks the precision's detail::make_registered<P>,
-/// declared here and defined per precision in a translation unit that CMake generates from
-/// the list below (the target trainkit::registry,
-/// src/registry/shard.hpp), so a program that includes this header compiles no Trainer type
-/// at all; the shards build in parallel.
+/// declared here and defined per precision in translation units that CMake generates from
+/// the list below (the target trainkit::registry, src/registry/shard.hpp; the precisions are
+/// dealt into TRAINKIT_REGISTRY_UNITS units), so a program that includes this header compiles
+/// no Trainer type at all.
 ///
 /// Adding a type: add its precision tag to TRAINKIT_REGISTRY_PRECISIONS (its shard follows), or
 /// its clip tag to TRAINKIT_REGISTRY_CLIPS. What a tag means (its kind, whether it scales the

@@ -4,7 +4,8 @@
 /// Included only by the shard files that trainkit_add_registry (cmake/trainkitRegistry.cmake)
 /// generates from the list in registry.hpp, each of which says
 ///   TRAINKIT_REGISTRY_SHARD(FP16Dynamic)
-/// once: every registered Trainer type is compiled in exactly one translation unit.
+/// for some of the precisions: every registered Trainer type is compiled in exactly one
+/// translation unit.
 #include <trainkit/dispatch.hpp>
 #include <trainkit/registry.hpp>
 #include <trainkit/trainer.hpp>
