@@ -1,9 +1,11 @@
 // trainkit::Config with YAML files: scalar typing, syntax errors, hostile files and the bounds,
 // the JSON twins, and every file in cfgs/ validating to its expected trainer type. Needs libyaml
-// (TRAINKIT_WITH_YAML, set by linking trainkit::yaml) and the source tree (TRAINKIT_SOURCE_DIR).
+// (TRAINKIT_WITH_YAML, set by linking trainkit::yaml) and the source tree (TRAINKIT_SOURCE_DIR in the environment).
 #include <doctest/doctest.h>
 
 #if defined(TRAINKIT_WITH_YAML)
+#include "../support/source_dir.hpp"
+
 #include <trainkit/config_yaml.hpp>
 #include <trainkit/plan.hpp>
 
@@ -132,10 +134,8 @@ TEST_CASE("YAML files: the broken ones, with their messages") {
 // Files that took yaml-cpp 0.7 (the parser before libyaml) into an endless loop of allocations
 // (past 20 GB, or std::bad_alloc under a cap): a JSON fragment spliced into a scenario file, a
 // lone comma. Each is a syntax error at its place, at once.
-#if defined(TRAINKIT_SOURCE_DIR)
 TEST_CASE("YAML files that exhausted the old parser's memory are syntax errors with their place") {
-  const std::string root = TRAINKIT_SOURCE_DIR;
-  std::ifstream in(root + "/cfgs/scenarios/base_4x16G_fp16.yaml");
+  std::ifstream in(trainkit_testing::source_dir() / "cfgs/scenarios/base_4x16G_fp16.yaml");
   std::stringstream file;
   file << in.rdbuf();
   REQUIRE(!file.str().empty());
@@ -153,7 +153,6 @@ TEST_CASE("YAML files that exhausted the old parser's memory are syntax errors w
   CHECK(error_of("\n,\n") == "test.yaml:2:1: invalid YAML: while parsing a block node: did not find expected node content");
   CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(5));  // (yaml-cpp: until memory ran out)
 }
-#endif
 
 TEST_CASE("what a YAML file may cost is bounded, each bound named") {
   // Values once aliases are expanded: 10 mappings of 10,001 values, 1,000 times.
@@ -230,10 +229,7 @@ TEST_CASE("without the YAML parser, a YAML file says how to enable it") {
         "target_link_libraries(<target> PRIVATE trainkit::yaml)), or use the JSON form of this file");
 }
 
-#if defined(TRAINKIT_SOURCE_DIR)
-namespace {
-const std::filesystem::path source_dir = TRAINKIT_SOURCE_DIR;
-}
+using trainkit_testing::source_dir;
 
 TEST_CASE("every file in cfgs/ validates and resolves to its trainer type") {
   // Adding a file to cfgs/ means adding its expected trainer type here.
@@ -245,7 +241,7 @@ TEST_CASE("every file in cfgs/ validates and resolves to its trainer type") {
       {"scenarios/base_4x16G_fp16.yaml", "Trainer<FP16Dynamic, Accumulate<Dynamic>, ClipNorm>"},
       {"scenarios/base_1x8G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
   };
-  const std::filesystem::path cfgs = source_dir / "cfgs";
+  const std::filesystem::path cfgs = source_dir() / "cfgs";
   REQUIRE(std::filesystem::is_directory(cfgs));
   std::size_t seen = 0;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(cfgs)) {
@@ -270,9 +266,9 @@ TEST_CASE("every file in cfgs/ validates and resolves to its trainer type") {
 
 TEST_CASE("the scenarios' derived values") {
   tk::Config one, many, small;
-  one.load((source_dir / "cfgs/scenarios/base_1x24G_fp32.yaml").string());
-  many.load((source_dir / "cfgs/scenarios/base_4x16G_fp16.yaml").string());
-  small.load((source_dir / "cfgs/scenarios/base_1x8G_fp32.yaml").string());
+  one.load((source_dir() / "cfgs/scenarios/base_1x24G_fp32.yaml").string());
+  many.load((source_dir() / "cfgs/scenarios/base_4x16G_fp16.yaml").string());
+  small.load((source_dir() / "cfgs/scenarios/base_1x8G_fp32.yaml").string());
   CHECK(tk::RunPlan::from(one, 1).total_batch == 64);
   CHECK(tk::RunPlan::from(many, 4).total_batch == 64);
   CHECK(tk::RunPlan::from(small, 1).total_batch == 32);
@@ -285,12 +281,11 @@ TEST_CASE("the scenarios' derived values") {
 
 TEST_CASE("a YAML file and its JSON twin give the same tree") {
   tk::Config yaml, json_twin;
-  yaml.load((source_dir / "cfgs/vlbert/pretrain/base_1x24G_fp32.yaml").string());
-  json_twin.load((source_dir / "cfgs/vlbert/pretrain/base_1x24G_fp32.json").string());
+  yaml.load((source_dir() / "cfgs/vlbert/pretrain/base_1x24G_fp32.yaml").string());
+  json_twin.load((source_dir() / "cfgs/vlbert/pretrain/base_1x24G_fp32.json").string());
   CHECK(yaml.raw() == json_twin.raw());
   CHECK(yaml.tree() == json_twin.tree());
 }
-#endif  // TRAINKIT_SOURCE_DIR
 
 TEST_CASE("a VL-BERT pretraining file passes, its application sections listed as not validated") {
   // The layout of VL-BERT's cfgs/pretrain/*.yaml: DATASET as a list of data sets, NETWORK with

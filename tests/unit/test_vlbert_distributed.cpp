@@ -10,6 +10,7 @@
 
 #include "helpers.hpp"
 #include "../support/processes.hpp"
+#include "../support/source_dir.hpp"
 
 #include <nlohmann/json.hpp>
 #include <torch/serialize/input-archive.h>
@@ -42,7 +43,7 @@ bool have_program() {
 // A run small enough for seconds: the shipped config with small data and the given overrides.
 std::vector<std::string> vlbert_args(const std::string& task, const std::string& dir, const std::vector<std::string>& sets) {
   std::vector<std::string> a{vlbert_program(), task, "--cfg",
-                             std::string(TRAINKIT_SOURCE_DIR) + "/cfgs/vlbert/" + task + "/base_1x24G_fp32.yaml",
+                             (trainkit_testing::source_dir() / "cfgs/vlbert" / task / "base_1x24G_fp32.yaml").string(),
                              "--model-dir", dir};
   for (const std::string s : {"DATASET.TRAIN_SCENES=32", "DATASET.VAL_SCENES=16", "LOG_FREQUENT=1", "DIST_TIMEOUT=15",
                               "TRAIN.WARMUP_STEPS=2", "CHECKPOINT_FREQUENT=1"})
