@@ -2,10 +2,10 @@
 # trainkit_registry (alias trainkit::registry) of the Trainer types that make_trainer() and
 # tk::dispatch choose from, outside `all`. The types are the one list in registry.hpp,
 # TRAINKIT_REGISTRY_PRECISIONS (each with every clip of TRAINKIT_REGISTRY_CLIPS): the precisions
-# are dealt in order into TRAINKIT_REGISTRY_UNITS translation units (default 2) generated in the
+# are dealt in order into TRAINKIT_REGISTRY_UNITS translation units (default 1) generated in the
 # build tree, so that a new entry in the list is compiled with no other change. Fewer units cost
 # less CPU time, since the code the types share compiles once per unit (GCC 12 -O2 here: one
-# precision 18.5 s, four 23.8 s, all seven 31.4 s); more build in parallel on more cores. Used
+# precision 18.5 s, four 23.8 s, all seven 31.4 s); more build in parallel on many cores. Used
 # by trainkit's own CMakeLists.txt and by the installed package (on the installed files), so
 # that an install stays header-only and independent of the compiler's ABI.
 function(trainkit_add_registry trainkit_target registry_header shard_header)
@@ -20,7 +20,7 @@ function(trainkit_add_registry trainkit_target registry_header shard_header)
   if(NOT _entries)
     message(FATAL_ERROR "trainkit: TRAINKIT_REGISTRY_PRECISIONS in ${registry_header} lists no precision")
   endif()
-  set(TRAINKIT_REGISTRY_UNITS 2 CACHE STRING "Translation units of trainkit::registry (precisions dealt in order)")
+  set(TRAINKIT_REGISTRY_UNITS 1 CACHE STRING "Translation units of trainkit::registry (precisions dealt in order)")
   if(NOT TRAINKIT_REGISTRY_UNITS MATCHES "^[1-9][0-9]*$")
     message(FATAL_ERROR "trainkit: TRAINKIT_REGISTRY_UNITS must be a positive count, not '${TRAINKIT_REGISTRY_UNITS}'")
   endif()
