@@ -3,6 +3,7 @@
 //   vlbert pretrain --cfg cfgs/vlbert/pretrain/base_1x24G_fp32.yaml [--set K=V]... [--model-dir DIR] [--resume]
 //   vlbert vqa      --cfg cfgs/vlbert/vqa/base_1x24G_fp32.yaml --set NETWORK.PARTIAL_PRETRAIN=DIR/vl-bert_base_pretrain-0009.ckpt
 //   torchrun --no-python --nproc-per-node N vlbert pretrain --cfg ...   N data-parallel processes
+//   vlbert encode --bert DIR SENTENCE...   BERT's token ids and the text stream's hidden states (JSON)
 //
 // The device comes from GPUS and the launch (tk::Launch, trainkit/launch.hpp): the CPU without
 // CUDA, else the local rank's GPU; under torchrun every rank trains its shard of each epoch and
@@ -35,7 +36,8 @@ static std::string rank_of_launch() {
 
 int main(int argc, char** argv) {
   const std::string usage =
-      "usage: vlbert pretrain|vqa --cfg FILE [--set SECTION.KEY=VALUE]... [--model-dir DIR] [--resume] [--eval WEIGHTS]\n";
+      "usage: vlbert pretrain|vqa --cfg FILE [--set SECTION.KEY=VALUE]... [--model-dir DIR] [--resume] [--eval WEIGHTS]\n"
+      "       vlbert encode --bert DIR SENTENCE...\n";
   if (argc >= 2 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
     std::cout << usage << R"(
 VL-BERT pre-training (pretrain) and VQA fine-tuning (vqa) on embedded synthetic scenes.
@@ -47,12 +49,29 @@ VL-BERT pre-training (pretrain) and VQA fine-tuning (vqa) on embedded synthetic 
   --eval WEIGHTS    no training: evaluate WEIGHTS (a checkpoint, .safetensors or PyTorch state_dict
                     holding every weight of the model) on the validation split, as VL-BERT's test.py
 
+vlbert encode --bert DIR SENTENCE...: for each sentence, the token ids of the BERT directory DIR's
+tokenizer ([CLS] ... [SEP]) and the text stream's last hidden states with DIR's weights, as one JSON
+object on stdout; transformers.BertModel gives the same (tests/bert/check_bert.py checks it).
+
 Several processes: torchrun --no-python --nproc-per-node N vlbert pretrain --cfg ... (GPUS picks the
 devices). The checks of a configuration without training: trainkit-config check FILE.
 The last line on stdout is the run's figures as JSON ("RESULT {...}"). Exit status: 0 done or
 stopped with a checkpoint, 2 a configuration or command-line error, 1 any other error.
 )";
     return 0;
+  }
+  if (argc >= 2 && std::string(argv[1]) == "encode") {
+    if (argc < 4 || std::string(argv[2]) != "--bert") {
+      std::cerr << "error: encode takes --bert DIR and sentences\n" << usage;
+      return 2;
+    }
+    try {
+      std::cout << vlbert::encode_sentences(argv[3], std::vector<std::string>(argv + 4, argv + argc)).dump() << "\n";
+      return 0;
+    } catch (const std::exception& e) {
+      std::cerr << "error: " << e.what() << "\n";
+      return 1;
+    }
   }
   if (argc < 2 || (std::string(argv[1]) != "pretrain" && std::string(argv[1]) != "vqa")) {
     std::cerr << usage << "(vlbert --help says more)\n";

@@ -45,7 +45,13 @@ struct VLBertConfig {
   // start as plain BERT input, the whole image's feature fading in as training finds it useful.
   double visual_scale_text_init = 0.0, visual_scale_object_init = 1.0;
   double initializer_range = 0.02;  // standard deviation of the initial weights (BERT's)
+  double layer_norm_eps = 1e-12;    // BERT's config.json layer_norm_eps
   bool recompute = false;  // NETWORK.RECOMPUTE: each layer's activations made again in backward
+  // The ids the model itself writes: padding, and the rows of word_embeddings that stand for
+  // every region ([IMG]) and for the end of the sequence ([END]). A real BERT vocabulary has no
+  // [IMG]/[END]: its [unused0]/[unused1] rows serve (untrained in BERT, as VL-BERT's own new
+  // object_linguistic_embeddings and end_embedding are).
+  std::int64_t pad_id = Vocabulary::PAD, img_id = Vocabulary::IMG, end_id = Vocabulary::END;
 };
 
 /// BERT's layer, post-LN: x = LN(x + Attention(x)); x = LN(x + W2 GELU(W1 x)).
@@ -56,10 +62,10 @@ struct LayerImpl : torch::nn::Module {
         key(register_module("key", torch::nn::Linear(c.hidden_size, c.hidden_size))),
         value(register_module("value", torch::nn::Linear(c.hidden_size, c.hidden_size))),
         attention_output(register_module("attention_output", torch::nn::Linear(c.hidden_size, c.hidden_size))),
-        attention_ln(register_module("attention_ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
+        attention_ln(register_module("attention_ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(c.layer_norm_eps)))),
         intermediate(register_module("intermediate", torch::nn::Linear(c.hidden_size, c.intermediate_size))),
         output(register_module("output", torch::nn::Linear(c.intermediate_size, c.hidden_size))),
-        output_ln(register_module("output_ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
+        output_ln(register_module("output_ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(c.layer_norm_eps)))),
         attention_dropout(register_module("attention_dropout", torch::nn::Dropout(c.attention_probs_dropout_prob))),
         dropout(register_module("dropout", torch::nn::Dropout(c.hidden_dropout_prob))) {}
 
@@ -102,9 +108,9 @@ struct VLBertImpl : torch::nn::Module {
         obj_downsample(register_module("obj_downsample", torch::nn::Linear(c.visual_size + 8 * c.geometry_frequencies, c.hidden_size))),
         visual_1x1_text(register_module("visual_1x1_text", torch::nn::Linear(c.hidden_size, c.hidden_size))),
         visual_1x1_object(register_module("visual_1x1_object", torch::nn::Linear(c.hidden_size, c.hidden_size))),
-        visual_ln_text(register_module("visual_ln_text", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
-        visual_ln_object(register_module("visual_ln_object", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
-        embedding_ln(register_module("embedding_LayerNorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(1e-12)))),
+        visual_ln_text(register_module("visual_ln_text", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(c.layer_norm_eps)))),
+        visual_ln_object(register_module("visual_ln_object", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(c.layer_norm_eps)))),
+        embedding_ln(register_module("embedding_LayerNorm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(c.layer_norm_eps)))),
         dropout(register_module("embedding_dropout", torch::nn::Dropout(c.hidden_dropout_prob))),
         layers(register_module("encoder", torch::nn::ModuleList())) {
     for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) layers->push_back(Layer(c));
@@ -126,26 +132,14 @@ struct VLBertImpl : torch::nn::Module {
     return torch::cat({angles.sin(), angles.cos()}, -1).flatten(2);
   }
 
-  torch::Tensor forward(const Batch& b) {
-    const auto t = b.text.size(1);
-    const auto device = word_embeddings->weight.device();
-    const auto text = b.text.to(device), regions = b.regions.to(device);
-    const auto text_len = text.ne(Vocabulary::PAD).sum(1, true);  // [B, 1]
-    // Visual feature embedding of every region [B, R, H]; words see the whole image (region 0).
-    const auto visual = torch::relu(obj_downsample(torch::cat({b.features.to(device), geometry(b.boxes.to(device))}, -1)));
-    auto object_visual = visual_1x1_object(visual), text_visual = visual_1x1_text(visual.select(1, 0)).unsqueeze(1);
-    if (config.visual_ln) object_visual = visual_ln_object(object_visual), text_visual = visual_ln_text(text_visual);
-    text_visual = text_visual * regions.select(1, 0).view({-1, 1, 1});  // no image: no visual term
+  /// BERT's embeddings of the words before their LayerNorm: word + position + segment A.
+  torch::Tensor text_embeddings(const torch::Tensor& text) {
+    const auto positions = torch::arange(text.size(1), text.options()).unsqueeze(0);
+    return word_embeddings(text) + position_embeddings(positions) + token_type_embeddings->weight[0];
+  }
 
-    const auto positions = torch::arange(t, text.options()).unsqueeze(0);
-    const auto segment = [&](std::int64_t s) { return token_type_embeddings->weight[s]; };
-    const auto words = word_embeddings(text) + position_embeddings(positions) + segment(0) + text_visual;
-    const auto img = word_embeddings->weight[Vocabulary::IMG] + position_embeddings(text_len) + segment(2) + object_visual;
-    const auto end = word_embeddings->weight[Vocabulary::END] + position_embeddings(text_len + 1) + segment(2);
-    auto x = dropout(embedding_ln(torch::cat({words, img, end}, 1)));
-
-    const auto keep = torch::cat({text.ne(Vocabulary::PAD).to(x.dtype()), regions.to(x.dtype()), torch::ones({text.size(0), 1}, x.options())}, 1);
-    const auto bias = ((1.0 - keep) * -10000.0).view({keep.size(0), 1, 1, keep.size(1)});
+  /// The encoder's layers over x [B, L, H] with BERT's additive mask bias [B, 1, 1, L].
+  torch::Tensor encode(torch::Tensor x, const torch::Tensor& bias) {
     for (const auto& layer : *layers) {
       LayerImpl* l = layer->as<Layer>();
       // NETWORK.RECOMPUTE: keep only each layer's input; its activations are made again in
@@ -155,6 +149,40 @@ struct VLBertImpl : torch::nn::Module {
                            : l->forward(x, bias);
     }
     return x;
+  }
+
+  /// BERT's mask bias of keep [B, L] (1 attended, 0 padding): 0 or -10000 (BERT's additive mask).
+  static torch::Tensor mask_bias(const torch::Tensor& keep) {
+    return ((1.0 - keep) * -10000.0).view({keep.size(0), 1, 1, keep.size(1)});
+  }
+
+  /// The text stream alone, as BERT reads a sentence: text [B, T] (padded with pad_id) -> the
+  /// last hidden states [B, T, H]. With a BERT directory's weights this is BertModel's
+  /// last_hidden_state (tests/bert/check_bert.py).
+  torch::Tensor encode_text(const torch::Tensor& text) {
+    const auto ids = text.to(word_embeddings->weight.device());
+    const auto x = dropout(embedding_ln(text_embeddings(ids)));
+    return encode(x, mask_bias(ids.ne(config.pad_id).to(x.dtype())));
+  }
+
+  torch::Tensor forward(const Batch& b) {
+    const auto device = word_embeddings->weight.device();
+    const auto text = b.text.to(device), regions = b.regions.to(device);
+    const auto text_len = text.ne(config.pad_id).sum(1, true);  // [B, 1]
+    // Visual feature embedding of every region [B, R, H]; words see the whole image (region 0).
+    const auto visual = torch::relu(obj_downsample(torch::cat({b.features.to(device), geometry(b.boxes.to(device))}, -1)));
+    auto object_visual = visual_1x1_object(visual), text_visual = visual_1x1_text(visual.select(1, 0)).unsqueeze(1);
+    if (config.visual_ln) object_visual = visual_ln_object(object_visual), text_visual = visual_ln_text(text_visual);
+    text_visual = text_visual * regions.select(1, 0).view({-1, 1, 1});  // no image: no visual term
+
+    const auto segment_c = token_type_embeddings->weight[2];
+    const auto words = text_embeddings(text) + text_visual;
+    const auto img = word_embeddings->weight[config.img_id] + position_embeddings(text_len) + segment_c + object_visual;
+    const auto end = word_embeddings->weight[config.end_id] + position_embeddings(text_len + 1) + segment_c;
+    const auto x = dropout(embedding_ln(torch::cat({words, img, end}, 1)));
+
+    const auto keep = torch::cat({text.ne(config.pad_id).to(x.dtype()), regions.to(x.dtype()), torch::ones({text.size(0), 1}, x.options())}, 1);
+    return encode(x, mask_bias(keep));
   }
 
   VLBertConfig config;

@@ -3,6 +3,7 @@
 /// with tk::Config), partial loading of pre-trained weights, and the two tasks (pre-training,
 /// VQA) as functions of a validated configuration. The trainer comes from tk::make_trainer (the
 /// registry's compiled types, trainkit::registry): nothing here is compiled per trainer type.
+#include "bert.hpp"
 #include "model.hpp"
 #include "scenes.hpp"
 
