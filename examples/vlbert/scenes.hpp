@@ -12,6 +12,8 @@
 /// Everything is a pure function of (seed, split, index): scene i of the training split is the
 /// same in every run and on every rank, validation is a fixed, separate split, and the batch at
 /// (epoch, index) is reproducible (its text masking is drawn from (seed, epoch, sample)).
+#include "tokenizer.hpp"
+
 #include <torch/types.h>
 
 #include <algorithm>
@@ -86,6 +88,8 @@ class Vocabulary {
   }
   const std::string& word(std::int64_t id) const { return words_.at(static_cast<std::size_t>(id)); }
   std::int64_t size() const { return static_cast<std::int64_t>(words_.size()); }
+  /// Every word, by id (the special tokens first).
+  const std::vector<std::string>& words() const { return words_; }
 
  private:
   void add(const std::string& w) {
@@ -94,6 +98,53 @@ class Vocabulary {
   }
   std::vector<std::string> words_;
   std::map<std::string, std::int64_t> index_;
+};
+
+/// How the data set writes its words as ids: the example's own Vocabulary (one id per word), or a
+/// BERT tokenizer's WordPiece ids (NETWORK.BERT_MODEL_NAME: "leftmost" may be two pieces), with
+/// its special tokens. Every word the generator writes is looked up once, up front.
+class Lexicon {
+ public:
+  /// The built-in vocabulary.
+  Lexicon() : cls_(Vocabulary::CLS), sep_(Vocabulary::SEP), mask_(Vocabulary::MASK), pad_(Vocabulary::PAD) {
+    const Vocabulary v;
+    for (std::int64_t id = Vocabulary::kSpecials; id < v.size(); ++id) {
+      pieces_[v.word(id)] = {id};
+      random_.push_back(id);
+    }
+  }
+  /// A BERT tokenizer's ids; throws naming the vocabulary where it spells a generator's word as
+  /// [UNK] (it could not learn it).
+  explicit Lexicon(const BertTokenizer& t) : cls_(t.id("[CLS]")), sep_(t.id("[SEP]")), mask_(t.id("[MASK]")), pad_(t.id("[PAD]")) {
+    const Vocabulary v;
+    for (std::int64_t id = Vocabulary::kSpecials; id < v.size(); ++id) {
+      const auto& word = v.word(id);
+      auto ids = t.encode(word);
+      if (std::find(ids.begin(), ids.end(), t.id("[UNK]")) != ids.end())
+        throw std::runtime_error(t.source() + ": the data set's word '" + word + "' is [UNK] in this vocabulary");
+      for (const auto i : ids)
+        if (std::find(random_.begin(), random_.end(), i) == random_.end()) random_.push_back(i);
+      pieces_[word] = std::move(ids);
+    }
+  }
+
+  /// The ids of a word the generator writes.
+  const std::vector<std::int64_t>& ids(const std::string& word) const {
+    const auto it = pieces_.find(word);
+    if (it == pieces_.end()) throw std::logic_error("vlbert::Lexicon: no word '" + word + "'");
+    return it->second;
+  }
+  /// BERT's random replacement of a masked token: one of the data set's own pieces.
+  std::int64_t random_token(Rng& rng) const { return random_[static_cast<std::size_t>(rng.below(static_cast<int>(random_.size())))]; }
+  std::int64_t cls() const { return cls_; }
+  std::int64_t sep() const { return sep_; }
+  std::int64_t mask() const { return mask_; }
+  std::int64_t pad() const { return pad_; }
+
+ private:
+  std::int64_t cls_, sep_, mask_, pad_;
+  std::map<std::string, std::vector<std::int64_t>> pieces_;
+  std::vector<std::int64_t> random_;  // in the vocabulary's order of the words
 };
 
 /// The answers of the VQA task (the classifier's classes): colours, shapes, sizes, yes/no, counts.
@@ -352,7 +403,8 @@ enum class Blank { none, image, question };
 /// Lays out samples as a Batch. Text and region lists are given per sample.
 class BatchBuilder {
  public:
-  BatchBuilder(int feature_dim, bool image_box) : d_(feature_dim), image_box_(image_box) {}
+  BatchBuilder(int feature_dim, bool image_box, const Lexicon& lexicon = {})
+      : d_(feature_dim), image_box_(image_box), cls_(lexicon.cls()), sep_(lexicon.sep()), mask_(lexicon.mask()), pad_(lexicon.pad()) {}
 
   struct Sample {
     std::vector<std::int64_t> text;  // without [CLS]/[SEP]
@@ -372,7 +424,7 @@ class BatchBuilder {
     }
     if (blank == Blank::question) t = 3;
     Batch out;
-    out.text = torch::zeros({b, t}, torch::kLong);
+    out.text = torch::full({b, t}, pad_, torch::kLong);
     out.mlm_labels = torch::full({b, t}, -1, torch::kLong);
     out.features = torch::zeros({b, r, d_});
     out.boxes = torch::zeros({b, r, 4});
@@ -389,14 +441,14 @@ class BatchBuilder {
     for (std::int64_t i = 0; i < b; ++i) {
       const Sample& s = samples[static_cast<std::size_t>(i)];
       std::vector<std::int64_t> words = s.text;
-      if (blank == Blank::question) words = {Vocabulary::MASK};
-      text[i][0] = Vocabulary::CLS;
+      if (blank == Blank::question) words = {mask_};
+      text[i][0] = cls_;
       for (std::size_t k = 0; k < words.size(); ++k) {
         text[i][static_cast<std::int64_t>(k) + 1] = words[k];
-        if (words[k] == Vocabulary::MASK && s.answer >= 0) out.answer_at[i] = static_cast<std::int64_t>(k) + 1;
+        if (words[k] == mask_ && s.answer >= 0) out.answer_at[i] = static_cast<std::int64_t>(k) + 1;
         if (k < s.mlm.size() && blank != Blank::question) mlm[i][static_cast<std::int64_t>(k) + 1] = s.mlm[k];
       }
-      text[i][static_cast<std::int64_t>(words.size()) + 1] = Vocabulary::SEP;
+      text[i][static_cast<std::int64_t>(words.size()) + 1] = sep_;
       out.answers[i] = s.answer;
       out.types.push_back(s.type);
       if (blank == Blank::image) continue;
@@ -429,6 +481,7 @@ class BatchBuilder {
  private:
   int d_;
   bool image_box_;
+  std::int64_t cls_, sep_, mask_, pad_;
 };
 
 // --- the data set -----------------------------------------------------------------------------
@@ -448,7 +501,8 @@ struct DataOptions {
 /// batch at a position is a pure function of the seed, the epoch and the index.
 class SyntheticData {
  public:
-  explicit SyntheticData(DataOptions o) : o_(o), generator_(o.scenes), builder_(o.scenes.feature_dim, o.image_box) {
+  explicit SyntheticData(DataOptions o, Lexicon lexicon = {})
+      : o_(o), generator_(o.scenes), lexicon_(std::move(lexicon)), builder_(o.scenes.feature_dim, o.image_box, lexicon_) {
     for (std::int64_t i = 0; i < o_.train_scenes; ++i) train_.push_back(generator_.scene(false, i));
     for (std::int64_t i = 0; i < o_.val_scenes; ++i) val_.push_back(generator_.scene(true, i));
     auto ask = [&](const std::vector<Scene>& scenes, bool val, std::vector<Asked>& out) {
@@ -467,7 +521,7 @@ class SyntheticData {
   };
 
   const DataOptions& options() const { return o_; }
-  const Vocabulary& vocabulary() const { return vocab_; }
+  const Lexicon& lexicon() const { return lexicon_; }
   const std::vector<std::string>& answers() const { return answers_; }
   const std::vector<Scene>& scenes(bool val) const { return val ? val_ : train_; }
   const std::vector<Asked>& questions(bool val) const { return val ? val_questions_ : train_questions_; }
@@ -525,14 +579,15 @@ class SyntheticData {
     const Scene& sc = scenes(val)[static_cast<std::size_t>(i)];
     BatchBuilder::Sample s{{}, {}, &sc, {}, -1, -1};
     // BERT's masking: a chosen word becomes [MASK] (80%), a random word (10%) or stays (10%).
-    for (const auto& w : caption(sc)) s.text.push_back(vocab_(w));
+    for (const auto& w : caption(sc))
+      for (const auto id : lexicon_.ids(w)) s.text.push_back(id);
     s.mlm.assign(s.text.size(), -1);
-    for (std::size_t k = 0; k < s.text.size(); ++k) {
+    for (std::size_t k = 0; k < s.text.size(); ++k) {  // per token, as BERT's (WordPiece pieces alike)
       if (!rng.chance(o_.text_mask_prob)) continue;
       s.mlm[k] = s.text[k];
       const double u = rng.uniform();
-      if (u < 0.8) s.text[k] = Vocabulary::MASK;
-      else if (u < 0.9) s.text[k] = Vocabulary::kSpecials + rng.below(static_cast<int>(vocab_.size() - Vocabulary::kSpecials));
+      if (u < 0.8) s.text[k] = lexicon_.mask();
+      else if (u < 0.9) s.text[k] = lexicon_.random_token(rng);
     }
     for (std::size_t o = 0; o < sc.objects.size(); ++o)
       if (rng.chance(o_.region_mask_prob)) s.masked_regions.push_back(static_cast<int>(o));
@@ -542,8 +597,9 @@ class SyntheticData {
   BatchBuilder::Sample vqa_sample(bool val, std::int64_t i) const {
     const Asked& a = questions(val)[static_cast<std::size_t>(i)];
     BatchBuilder::Sample s{{}, {}, &scenes(val)[a.scene], {}, answer_index(a.question.answer), static_cast<int>(a.question.type)};
-    for (const auto& w : a.question.words) s.text.push_back(vocab_(w));
-    s.text.push_back(Vocabulary::MASK);  // the answer is read here
+    for (const auto& w : a.question.words)
+      for (const auto id : lexicon_.ids(w)) s.text.push_back(id);
+    s.text.push_back(lexicon_.mask());  // the answer is read here
     return s;
   }
 
@@ -567,8 +623,8 @@ class SyntheticData {
 
   DataOptions o_;
   SceneGenerator generator_;
+  Lexicon lexicon_;
   BatchBuilder builder_;
-  Vocabulary vocab_;
   std::vector<std::string> answers_ = answer_words();
   std::vector<Scene> train_, val_;
   std::vector<Asked> train_questions_, val_questions_;

@@ -22,6 +22,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -58,6 +59,17 @@ inline tk::Schema network_schema() {
                                                                s["num_attention_heads"].dump());
   });
   tk::Schema n;
+  n.string("BERT_MODEL_NAME", "")
+      .doc("a Hugging Face BERT directory (config.json, vocab.txt, model.safetensors or pytorch_model.bin; scripts/get-bert "
+           "puts one at ./model/pretrained_model/all-MiniLM-L6-v2): its tokenizer, the text stream's sizes (VLBERT's may "
+           "only repeat them) and the language stream's initial weights. '' = the example's own 64-word vocabulary, "
+           "random weights");
+  n.string("BERT_PRETRAINED", "")
+      .doc("the language stream's weights from this file instead of BERT_MODEL_NAME's (any weights format, BERT's names); "
+           "where no such file exists, VL-BERT's BERT_PRETRAINED-<BERT_PRETRAINED_EPOCH, 4 digits>.model");
+  n.integer("BERT_PRETRAINED_EPOCH", 0).min(0);
+  n.boolean("BERT_FROZEN", false)
+      .doc("the weights loaded from BERT (embeddings, encoder) are not trained; the visual part and the heads are");
   n.string("PARTIAL_PRETRAIN", "")
       .doc("weights to initialise from (a trainkit checkpoint, .safetensors, or a PyTorch state_dict): every weight "
            "whose name and shape match");
@@ -152,8 +164,83 @@ inline DataOptions data_options(const tk::Config& config, std::int64_t seed) {
   return o;
 }
 
-/// NETWORK.VLBERT, checked against what the data need.
-inline VLBertConfig model_config(const tk::Config& config) {
+// --- BERT (NETWORK.BERT_MODEL_NAME, BERT_PRETRAINED, BERT_FROZEN) ------------------------------
+
+/// NETWORK.BERT_MODEL_NAME's directory, checked (errors name the key and the file); none where
+/// the key is empty.
+inline std::optional<BertDirectory> bert_directory(const tk::Config& config) {
+  const auto dir = config.get<std::string>("NETWORK.BERT_MODEL_NAME");
+  if (dir.empty()) return std::nullopt;
+  try {
+    return BertDirectory::open(dir);
+  } catch (const std::exception& e) {
+    throw tk::ConfigError("NETWORK.BERT_MODEL_NAME", std::string(e.what()) +
+                                                         (dir.find("pretrained_model/all-MiniLM-L6-v2") != std::string::npos
+                                                              ? " (scripts/get-bert puts it there)"
+                                                              : ""));
+  }
+}
+
+/// How the data set writes its words: BERT's tokenizer, or the example's own vocabulary.
+inline Lexicon lexicon_of(const std::optional<BertDirectory>& bert) {
+  if (!bert) return Lexicon();
+  return Lexicon(bert->tokenizer());
+}
+
+/// The file NETWORK.BERT_PRETRAINED names, else BERT_MODEL_NAME's weights; "" where neither is set.
+inline std::string language_weights(const tk::Config& config, const std::optional<BertDirectory>& bert) {
+  const auto file = config.get<std::string>("NETWORK.BERT_PRETRAINED");
+  if (file.empty()) {
+    if (!bert) return "";
+    try {
+      return bert->weights_file();
+    } catch (const std::exception& e) {
+      throw tk::ConfigError("NETWORK.BERT_MODEL_NAME", e.what());
+    }
+  }
+  if (std::ifstream(file).good()) return file;
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, "-%04lld.model", static_cast<long long>(config.get<std::int64_t>("NETWORK.BERT_PRETRAINED_EPOCH")));
+  if (std::ifstream(file + suffix).good()) return file + suffix;  // VL-BERT's name
+  throw tk::ConfigError("NETWORK.BERT_PRETRAINED", "neither '" + file + "' nor '" + file + suffix + "' can be read");
+}
+
+/// Loads the language stream's weights (language_weights) into `model`, whose VLBert backbone is
+/// at `prefix`, and freezes them with NETWORK.BERT_FROZEN; prints the report on the main rank.
+/// Nothing is loaded where no BERT is configured.
+inline std::optional<BertLoad> load_language(torch::nn::Module& model, const std::string& prefix, const tk::Config& config,
+                                             const std::optional<BertDirectory>& bert, bool report) {
+  const std::string file = language_weights(config, bert);
+  const bool frozen = config.get<bool>("NETWORK.BERT_FROZEN");
+  if (file.empty()) {
+    if (frozen) throw tk::ConfigError("NETWORK.BERT_FROZEN", "freezes the weights loaded from BERT: set BERT_MODEL_NAME or BERT_PRETRAINED");
+    return std::nullopt;
+  }
+  BertLoad load = load_bert(model, prefix, file);
+  std::int64_t frozen_count = 0;
+  if (frozen)
+    for (auto& p : model.named_parameters(true))
+      if (p.key().rfind(prefix, 0) == 0 &&
+          std::find(load.weights.loaded.begin(), load.weights.loaded.end(), p.key()) != load.weights.loaded.end()) {
+        p.value().set_requires_grad(false);
+        ++frozen_count;
+      }
+  if (report) {
+    std::cerr << "[vlbert] BERT " << file << ": loaded " << load.weights.loaded.size() << " weights"
+              << (frozen ? " (" + std::to_string(frozen_count) + " of them frozen: BERT_FROZEN)" : std::string()) << ", "
+              << load.weights.not_loaded.size() << " new, " << load.weights.unused.size() << " in the file unused\n";
+    for (const auto& n : load.notes) std::cerr << "[vlbert]   " << n << "\n";
+    for (const auto& n : load.weights.not_loaded) std::cerr << "[vlbert]   new (not in BERT): " << n << "\n";
+    for (const auto& n : load.weights.unused) std::cerr << "[vlbert]   unused from the file: " << n << "\n";
+    for (const auto& n : load.weights.converted) std::cerr << "[vlbert]   dtype converted: " << n << "\n";
+  }
+  return load;
+}
+
+/// NETWORK.VLBERT, checked against what the data need; with a BERT directory its config.json's
+/// sizes (a size VLBERT also gives must equal it) and, where VLBERT leaves them out, its dropouts,
+/// initializer_range and layer_norm_eps.
+inline VLBertConfig model_config(const tk::Config& config, const std::optional<BertDirectory>& bert) {
   const auto& v = config.tree()["NETWORK"]["VLBERT"];
   const auto& d = config.tree()["DATASET"];
   VLBertConfig c;
@@ -173,20 +260,53 @@ inline VLBertConfig model_config(const tk::Config& config) {
   c.visual_scale_object_init = v["visual_scale_object_init"].get<double>();
   c.geometry_frequencies = v["geometry_frequencies"].get<std::int64_t>();
   c.recompute = config.tree()["NETWORK"]["RECOMPUTE"].get<bool>();
-  const auto words = Vocabulary().size();
-  if (c.vocab_size < words)
-    throw tk::ConfigError("NETWORK.VLBERT.vocab_size", "must be >= " + std::to_string(words) + ", the words the data set uses; got " +
-                                                           std::to_string(c.vocab_size));
+  std::int64_t pieces_per_word = 1;
+  if (bert) {
+    VLBertConfig b = c;
+    bert->apply(b);
+    const std::map<std::string, std::pair<std::int64_t, std::int64_t>> sizes = {
+        {"vocab_size", {c.vocab_size, b.vocab_size}},
+        {"hidden_size", {c.hidden_size, b.hidden_size}},
+        {"num_hidden_layers", {c.num_hidden_layers, b.num_hidden_layers}},
+        {"num_attention_heads", {c.num_attention_heads, b.num_attention_heads}},
+        {"intermediate_size", {c.intermediate_size, b.intermediate_size}},
+        {"max_position_embeddings", {c.max_position_embeddings, b.max_position_embeddings}}};
+    for (const auto& [key, values] : sizes)
+      if (config.given("NETWORK.VLBERT." + key) && values.first != values.second)
+        throw tk::ConfigError("NETWORK.VLBERT." + key, "is " + std::to_string(values.first) + ", but NETWORK.BERT_MODEL_NAME's " +
+                                                           bert->dir + "/config.json says " + std::to_string(values.second) +
+                                                           ": leave it out, or give the same value");
+    if (config.given("NETWORK.VLBERT.type_vocab_size") && c.type_vocab_size < b.type_vocab_size)
+      throw tk::ConfigError("NETWORK.VLBERT.type_vocab_size", "is " + std::to_string(c.type_vocab_size) + ", fewer than the " +
+                                                                  std::to_string(b.type_vocab_size) + " of " + bert->dir + "/config.json");
+    b.type_vocab_size = std::max(c.type_vocab_size, b.type_vocab_size);
+    for (const auto& [key, value] : {std::pair<const char*, double*>{"hidden_dropout_prob", &b.hidden_dropout_prob},
+                                     {"attention_probs_dropout_prob", &b.attention_probs_dropout_prob},
+                                     {"initializer_range", &b.initializer_range}})
+      if (config.given(std::string("NETWORK.VLBERT.") + key)) *value = v[key].get<double>();
+    c = b;
+    const Lexicon lexicon = lexicon_of(bert);
+    const Vocabulary vocabulary;
+    for (const auto& w : vocabulary.words())
+      if (w.front() != '[') pieces_per_word = std::max<std::int64_t>(pieces_per_word, static_cast<std::int64_t>(lexicon.ids(w).size()));
+  } else {
+    const auto words = Vocabulary().size();
+    if (c.vocab_size < words)
+      throw tk::ConfigError("NETWORK.VLBERT.vocab_size", "must be >= " + std::to_string(words) + ", the words the data set uses; got " +
+                                                             std::to_string(c.vocab_size));
+  }
   if (c.visual_size != d["FEATURE_DIM"].get<std::int64_t>())
     throw tk::ConfigError("NETWORK.VLBERT.visual_size", "must equal DATASET.FEATURE_DIM (" + d["FEATURE_DIM"].dump() + "), got " +
                                                             std::to_string(c.visual_size));
-  // Longest text: a caption of 4 words per object, [CLS], [SEP]; regions and [END] follow it.
-  const auto longest = 4 * d["MAX_OBJECTS"].get<std::int64_t>() + 4;
+  // Longest text: a caption of 4 words per object (each of up to pieces_per_word tokens), [CLS],
+  // [SEP]; regions and [END] follow it.
+  const auto longest = 4 * d["MAX_OBJECTS"].get<std::int64_t>() * pieces_per_word + 4;
   if (c.max_position_embeddings < longest)
     throw tk::ConfigError("NETWORK.VLBERT.max_position_embeddings", "must be >= " + std::to_string(longest) +
                                                                         " for DATASET.MAX_OBJECTS, got " + std::to_string(c.max_position_embeddings));
   return c;
 }
+inline VLBertConfig model_config(const tk::Config& config) { return model_config(config, bert_directory(config)); }
 
 // --- partial loading (NETWORK.PARTIAL_PRETRAIN) ----------------------------------------------
 
@@ -240,6 +360,7 @@ struct RunResult {
   double plan_seconds = 0;                         // TRAIN.MEMORY_BUDGET's measuring (in train_seconds)
   double chance = 0, question_prior = 0, majority = 0;  // VQA reference points
   PartialLoad partial;
+  std::optional<tk::WeightsReport> language;  // what BERT (NETWORK.BERT_MODEL_NAME / BERT_PRETRAINED) gave
   std::string checkpoint;  // the last one written (or resumed from)
   std::string evaluated;   // --eval: the weights evaluated (nothing was trained)
 };
@@ -331,9 +452,12 @@ RunResult run_fit(const tk::RunPlan& plan, const tk::Launch& launch, Model& mode
 inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, const std::string& eval = {}) {
   const tk::RunPlan plan = tk::plan(config, launch);
   const tk::FitOptions& options = plan.fit;
-  const SyntheticData data(data_options(config, options.seed()));
+  const auto bert = bert_directory(config);
+  const SyntheticData data(data_options(config, options.seed()), lexicon_of(bert));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
-  VLBertForPretraining model(model_config(config), 6);
+  VLBertForPretraining model(model_config(config, bert), 6);
+  std::optional<BertLoad> language;  // on the CPU, before the move (every rank reads the same file)
+  if (eval.empty()) language = load_language(*model, "vlbert.", config, bert, launch.is_main());
   model->to(launch.device());
   const auto bs = plan.batch_images, val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
@@ -343,7 +467,7 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
   const tk::DistributedSampler sampler(data.samples(false, false), bs, launch.rank(), launch.world_size(),
                                        static_cast<std::uint64_t>(options.seed()), config.get<bool>("TRAIN.SHUFFLE"));
   const torch::Device device = launch.device();
-  return run_fit(plan, launch, model, "pretrain", eval, [&](const InPrecision& in_precision) {
+  RunResult r = run_fit(plan, launch, model, "pretrain", eval, [&](const InPrecision& in_precision) {
     tk::Task<Batch> task;
     task.batches_per_epoch = [&](std::int64_t) { return sampler.batches_per_epoch(); };
     task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch_of(false, false, e, sampler.batch(e, i)).to(device); };
@@ -371,6 +495,8 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
     task.best_metric = "MLM-Acc";
     return task;
   });
+  if (language) r.language = language->weights;
+  return r;
 }
 
 /// VQA fine-tuning: the answer classifier over the [MASK] token, from PARTIAL_PRETRAIN's weights;
@@ -378,11 +504,15 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
 inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, const std::string& eval = {}) {
   const tk::RunPlan plan = tk::plan(config, launch);
   const tk::FitOptions& options = plan.fit;
-  const SyntheticData data(data_options(config, options.seed()));
+  const auto bert = bert_directory(config);
+  const SyntheticData data(data_options(config, options.seed()), lexicon_of(bert));
   torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
   const auto& n = config.tree()["NETWORK"];
-  VLBertForVQA model(model_config(config), static_cast<std::int64_t>(data.answers().size()),
+  VLBertForVQA model(model_config(config, bert), static_cast<std::int64_t>(data.answers().size()),
                      n["CLASSIFIER_HIDDEN_SIZE"].get<std::int64_t>(), n["CLASSIFIER_DROPOUT"].get<double>());
+  // BERT's weights first, then PARTIAL_PRETRAIN's over them (VL-BERT's order).
+  std::optional<BertLoad> language;
+  if (eval.empty()) language = load_language(*model, "vlbert.", config, bert, launch.is_main());
   PartialLoad partial;
   const auto pretrained = n["PARTIAL_PRETRAIN"].get<std::string>();
   if (!pretrained.empty() && eval.empty()) {  // on the CPU, before the move (every rank reads the same file)
@@ -440,6 +570,7 @@ inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, co
     return task;
   });
   r.partial = partial;
+  if (language) r.language = language->weights;
   r.chance = 1.0 / static_cast<double>(data.answers().size());
   r.question_prior = data.question_prior_accuracy();
   std::map<std::string, double> counts;
@@ -472,6 +603,7 @@ inline std::string result_json(const RunResult& r) {
   j["device"] = r.device;
   j["checkpoint"] = r.checkpoint;
   if (!r.evaluated.empty()) j["evaluated"] = r.evaluated;
+  if (r.language) j["bert"] = {{"loaded", r.language->loaded.size()}, {"new", r.language->not_loaded.size()}, {"unused", r.language->unused}};
   if (r.task == "vqa") {
     j["chance"] = r.chance;
     j["majority_answer"] = r.majority;

@@ -196,6 +196,20 @@ class Config {
       from = dot + 1;
     }
   }
+  /// Whether the file or a --set gave "SECTION.KEY" (false where the value is its default):
+  /// for a program that takes a value from elsewhere unless the configuration names one.
+  bool given(const std::string& dotted) const {
+    const nlohmann::json* node = &given_;
+    std::size_t from = 0;
+    while (true) {
+      const auto dot = dotted.find('.', from);
+      const std::string key = dotted.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
+      if (!node->is_object() || !node->contains(key)) return false;
+      node = &(*node)[key];
+      if (dot == std::string::npos) return !node->is_null();
+      from = dot + 1;
+    }
+  }
   template <class T>
   T get(const std::string& dotted) const {
     const nlohmann::json& v = at(dotted);
@@ -344,6 +358,7 @@ class Config {
       notes.push_back("TRAIN.BATCH_IMAGES is not used: TRAIN.TARGET_BATCH sets the per-device batch");
 
     std::sort(unvalidated.begin(), unvalidated.end());
+    given_ = given;
     tree_ = std::move(tree);
     unvalidated_ = std::move(unvalidated);
     notes_ = std::move(notes);
@@ -356,6 +371,7 @@ class Config {
   std::vector<Override> overrides_;
   std::string source_;
   nlohmann::json tree_;
+  nlohmann::json given_ = nlohmann::json::object();  // raw_ with the overrides applied
   std::vector<std::string> unvalidated_;
   std::vector<std::string> notes_;
 };

@@ -8,6 +8,7 @@
 #include "../../examples/vlbert/vlbert.hpp"
 
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,55 @@ std::string vocab_text(const Strings& vocab) {
   std::string s;
   for (const auto& w : vocab) s += w + "\n";
   return s;
+}
+
+/// A BERT directory with the data set's words (hidden 16, 1 layer; "leftmost" and "rightmost"
+/// as two pieces each) and random weights under BERT's names, without "bert." or an MLM head as
+/// a sentence encoder's. Returns the file's tensors.
+trainkit::NamedTensors write_tiny_bert(const std::string& dir, bool with_diamond = true) {
+  REQUIRE(::mkdir(dir.c_str(), 0755) == 0);
+  Strings vocab = {"[PAD]", "[unused0]", "[unused1]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "left", "right", "##most"};
+  const Vocabulary words;
+  for (std::int64_t id = Vocabulary::kSpecials; id < words.size(); ++id) {
+    const auto& w = words.word(id);
+    if (w != "leftmost" && w != "rightmost" && w != "left" && w != "right" && (with_diamond || w != "diamond")) vocab.push_back(w);
+  }
+  const std::int64_t v = static_cast<std::int64_t>(vocab.size()), h = 16, inter = 32;
+  write_file(dir + "/vocab.txt", vocab_text(vocab));
+  const nlohmann::json config = {{"model_type", "bert"}, {"vocab_size", v}, {"hidden_size", h}, {"num_hidden_layers", 1},
+                                 {"num_attention_heads", 2}, {"intermediate_size", inter}, {"max_position_embeddings", 64},
+                                 {"type_vocab_size", 2}, {"hidden_dropout_prob", 0.0}, {"attention_probs_dropout_prob", 0.0}};
+  write_file(dir + "/config.json", config.dump());
+  torch::manual_seed(3);
+  trainkit::NamedTensors file;
+  auto add = [&](const std::string& name, std::vector<std::int64_t> shape, bool ones = false) {
+    file.push_back({name, ones ? torch::ones(shape) : torch::randn(shape) * 0.05});
+  };
+  add("embeddings.word_embeddings.weight", {v, h});
+  add("embeddings.position_embeddings.weight", {64, h});
+  add("embeddings.token_type_embeddings.weight", {2, h});
+  add("embeddings.LayerNorm.weight", {h}, true), add("embeddings.LayerNorm.bias", {h});
+  for (const char* m : {"attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"})
+    add(std::string("encoder.layer.0.") + m + ".weight", {h, h}), add(std::string("encoder.layer.0.") + m + ".bias", {h});
+  add("encoder.layer.0.attention.output.LayerNorm.weight", {h}, true), add("encoder.layer.0.attention.output.LayerNorm.bias", {h});
+  add("encoder.layer.0.intermediate.dense.weight", {inter, h}), add("encoder.layer.0.intermediate.dense.bias", {inter});
+  add("encoder.layer.0.output.dense.weight", {h, inter}), add("encoder.layer.0.output.dense.bias", {h});
+  add("encoder.layer.0.output.LayerNorm.weight", {h}, true), add("encoder.layer.0.output.LayerNorm.bias", {h});
+  trainkit::write_weights(dir + "/model.safetensors", file);
+  return file;
+}
+
+trainkit::Config bert_config(const std::string& bert_dir, const std::string& out, const std::vector<std::string>& overrides = {}) {
+  trainkit::Config c;
+  register_sections(c);
+  c.load_string(R"({
+    "RNG_SEED": 7, "OUTPUT_PATH": ")" + out + R"(", "MODEL_PREFIX": "bert", "LOG_FREQUENT": 1,
+    "DATASET": {"TRAIN_SCENES": 64, "VAL_SCENES": 20, "MAX_OBJECTS": 4, "FEATURE_DIM": 16},
+    "NETWORK": {"BERT_MODEL_NAME": ")" + bert_dir + R"(", "BERT_FROZEN": true, "VLBERT": {"visual_size": 16}},
+    "TRAIN": {"BATCH_IMAGES": 16, "END_EPOCH": 1, "OPTIMIZER": "AdamW", "LR": 1e-3, "LR_SCHEDULE": "constant"},
+    "VAL": {"BATCH_IMAGES": 20}})",
+                trainkit::Config::Format::json, overrides, "bert.json");
+  return c;
 }
 
 }  // namespace
@@ -230,6 +280,71 @@ TEST_CASE("A broken BERT directory: each error names the file and what is wrong"
                         "the model (config.json and the weights disagree)")
                            .c_str(),
                        std::runtime_error);
+}
+
+TEST_CASE("The main job from a BERT directory: its tokenizer writes the data, its sizes make the model, its weights start it") {
+  TempDir dir;
+  const auto file = write_tiny_bert(dir / "bert");
+  const auto bert = BertDirectory::open(dir / "bert");
+  const Lexicon lexicon(bert.tokenizer());
+  const auto tok = bert.tokenizer();
+  CHECK(lexicon.ids("leftmost") == std::vector<std::int64_t>{tok.id("left"), tok.id("##most")});
+  CHECK(lexicon.ids("red") == std::vector<std::int64_t>{tok.id("red")});
+  CHECK(lexicon.mask() == tok.id("[MASK]"));
+  // Captions and questions in WordPiece ids; [CLS] and [SEP] are BERT's; the answer is read at BERT's [MASK].
+  DataOptions o;
+  o.train_scenes = 20, o.val_scenes = 10, o.scenes.feature_dim = 16;
+  const SyntheticData data(o, lexicon);
+  const Batch b = data.batch(true, false, 0, 0, 20, false);
+  for (std::int64_t i = 0; i < b.size(); ++i) {
+    CHECK(b.text[i][0].item<std::int64_t>() == tok.id("[CLS]"));
+    CHECK(b.text[i][b.answer_at[i].item<std::int64_t>()].item<std::int64_t>() == tok.id("[MASK]"));
+    CHECK(b.text[i][b.answer_at[i].item<std::int64_t>() + 1].item<std::int64_t>() == tok.id("[SEP]"));
+  }
+
+  // NETWORK.VLBERT may repeat config.json's sizes, not contradict them; the rest come from the directory.
+  const auto given = bert_config(dir / "bert", dir / "out", {"NETWORK.VLBERT.hidden_size=16", "NETWORK.VLBERT.hidden_dropout_prob=0.2"});
+  const VLBertConfig c = model_config(given);
+  CHECK(c.hidden_size == 16);
+  CHECK(c.vocab_size == tok.size());
+  CHECK(c.num_hidden_layers == 1);
+  CHECK(c.hidden_dropout_prob == doctest::Approx(0.2));  // given: kept
+  CHECK(c.attention_probs_dropout_prob == doctest::Approx(0.0));  // config.json's
+  CHECK_THROWS_WITH_AS(model_config(bert_config(dir / "bert", dir / "out", {"NETWORK.VLBERT.hidden_size=64"})),
+                       ("NETWORK.VLBERT.hidden_size: is 64, but NETWORK.BERT_MODEL_NAME's " + dir.path +
+                        "/bert/config.json says 16: leave it out, or give the same value")
+                           .c_str(),
+                       trainkit::ConfigError);
+  CHECK_THROWS_WITH_AS(model_config(bert_config(dir / "missing", dir / "out")),
+                       ("NETWORK.BERT_MODEL_NAME: BERT directory '" + dir.path + "/missing': cannot open " + dir.path + "/missing/config.json")
+                           .c_str(),
+                       trainkit::ConfigError);
+  CHECK_THROWS_WITH_AS(pretrain(bert_config(dir / "bert", dir / "out", {"NETWORK.BERT_PRETRAINED=" + dir / "none"})),
+                       ("NETWORK.BERT_PRETRAINED: neither '" + dir.path + "/none' nor '" + dir.path + "/none-0000.model' can be read").c_str(),
+                       trainkit::ConfigError);
+  write_tiny_bert(dir / "no_diamond", /*with_diamond=*/false);
+  CHECK_THROWS_WITH_AS(Lexicon(BertDirectory::open(dir / "no_diamond").tokenizer()),
+                       (dir.path + "/no_diamond/vocab.txt: the data set's word 'diamond' is [UNK] in this vocabulary").c_str(),
+                       std::runtime_error);
+
+  // A pre-training epoch with BERT_FROZEN: BERT's weights are loaded and stay as they were;
+  // the new ones train.
+  const RunResult r = pretrain(bert_config(dir / "bert", dir / "out"));
+  REQUIRE(r.language);
+  CHECK(r.language->loaded.size() == 5 + 16);
+  CHECK(r.steps == 4);
+  std::map<std::string, torch::Tensor> trained;
+  for (auto& [name, t] : trainkit::read_weights(r.checkpoint)) trained[name] = t;
+  for (const auto& [name, t] : file) {
+    const std::string mapped = bert_name(name, "vlbert.");
+    INFO(mapped);
+    REQUIRE(trained.count(mapped));
+    if (mapped == "vlbert.token_type_embeddings.weight") CHECK(torch::equal(trained[mapped].narrow(0, 0, 2), t));
+    else CHECK(torch::equal(trained[mapped], t));
+  }
+  torch::manual_seed(7);  // RNG_SEED: the model as pretrain() made it, before training
+  const VLBertForPretraining fresh(model_config(bert_config(dir / "bert", dir / "out")), 6);
+  CHECK_FALSE(torch::equal(trained["vlbert.obj_downsample.weight"], fresh->vlbert->obj_downsample->weight));
 }
 
 }  // namespace test_bert

@@ -112,6 +112,17 @@ TEST_CASE("an empty TRAIN section means all defaults, not 'no section'") {
   CHECK_NOTHROW(tk::RunPlan::from(from_json(R"({"TRAIN": {"END_EPOCH": 2}})"), 1).require_training());
 }
 
+TEST_CASE("given(): what the file or a --set named, apart from the defaults") {
+  tk::Config c;
+  c.load_string(R"({"TRAIN": {"LR": 0.1}})", tk::Config::Format::json, {"TRAIN.WD=0.01"}, "given.json");
+  CHECK(c.given("TRAIN.LR"));
+  CHECK(c.given("TRAIN.WD"));               // by --set
+  CHECK_FALSE(c.given("TRAIN.BEGIN_EPOCH"));  // a default
+  CHECK_FALSE(c.given("TRAIN.LR.X"));
+  CHECK_FALSE(c.given("NETWORK.VLBERT.hidden_size"));
+  CHECK(c.given("TRAIN"));
+}
+
 TEST_CASE("broken configurations, each with its message") {
   struct Case {
     const char* text;
