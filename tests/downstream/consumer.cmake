@@ -1,7 +1,7 @@
 # What every downstream project does once it has trainkit (find_package, add_subdirectory or
 # FetchContent): the program tests/downstream/main.cpp linked to trainkit::trainkit (and
 # trainkit::yaml where it exists), and a check that trainkit::registry is defined with a shard
-# for each of its 7 precisions (built only when linked: they take a minute here).
+# for each precision of registry.hpp's list (built only when linked: they take a minute here).
 set(TRAINKIT_DOWNSTREAM_MAIN "${CMAKE_CURRENT_LIST_DIR}/main.cpp" CACHE FILEPATH "The program")
 
 add_executable(downstream "${TRAINKIT_DOWNSTREAM_MAIN}")
@@ -21,7 +21,15 @@ foreach(_source IN LISTS _registry_sources)
   list(LENGTH _lines _count)
   math(EXPR _registry_shards "${_registry_shards} + ${_count}")
 endforeach()
-if(NOT _registry_shards EQUAL 7)
+# As many as registry.hpp's list has entries, counted here from the file itself.
+get_target_property(_registry_header trainkit::registry TRAINKIT_REGISTRY_HEADER)
+file(READ "${_registry_header}" _registry_text)
+if(NOT _registry_text MATCHES "#define TRAINKIT_REGISTRY_PRECISIONS\\(X\\)(([^\n]*\\\\\n)*[^\n]*)")
+  message(FATAL_ERROR "${_registry_header} has no TRAINKIT_REGISTRY_PRECISIONS(X) list")
+endif()
+string(REGEX MATCHALL "X\\([^()]+\\)" _registry_entries "${CMAKE_MATCH_1}")
+list(LENGTH _registry_entries _registry_precisions)
+if(_registry_precisions LESS 1 OR NOT _registry_shards EQUAL _registry_precisions)
   message(FATAL_ERROR "trainkit::registry's sources (${_registry_sources}) instantiate ${_registry_shards} "
-                      "precisions' shards, expected the 7 of registry.hpp")
+                      "precisions' shards, expected the ${_registry_precisions} of ${_registry_header}")
 endif()

@@ -3,6 +3,7 @@
 # downstream-init.cmake, given with -C), from scratch, and runs its program `downstream`:
 #   downstream.install         cmake --install this build into downstream/prefix (fixture)
 #   downstream.install_unbuilt cmake --install of a freshly configured, unbuilt tree
+#   downstream.unit_counts     the registry's and the tests' unit counts, as configured
 #   downstream.find_package    find_package(trainkit CONFIG REQUIRED) against that prefix
 #   downstream.add_subdirectory / downstream.fetchcontent   the source tree itself
 # The projects compile tests/downstream/main.cpp; another program can be given to any of them with
@@ -55,3 +56,9 @@ add_test(NAME downstream.install_unbuilt
                  "-DINIT_CACHE=${_work}/downstream-init.cmake" "-DGENERATOR=${CMAKE_GENERATOR}"
                  -P "${_here}/install_unbuilt.cmake")
 set_tests_properties(downstream.install_unbuilt PROPERTIES LABELS downstream TIMEOUT 600)
+
+add_test(NAME downstream.unit_counts
+         COMMAND "${CMAKE_COMMAND}" "-DSOURCE=${PROJECT_SOURCE_DIR}" "-DWORK=${_work}/unit_counts"
+                 "-DINIT_CACHE=${_work}/downstream-init.cmake" "-DGENERATOR=${CMAKE_GENERATOR}"
+                 -P "${_here}/unit_counts.cmake")
+set_tests_properties(downstream.unit_counts PROPERTIES LABELS downstream TIMEOUT 600)
