@@ -125,6 +125,11 @@ stopped with a checkpoint, 2 a configuration or command-line error, 1 any other 
       std::printf("VQA validation accuracy %.4f | chance %.4f (1 of %zu answers) | majority answer %.4f | "
                   "text-only (best answer per question type) %.4f\n",
                   acc, result.chance, static_cast<std::size_t>(1.0 / result.chance + 0.5), result.majority, result.question_prior);
+    // Each question type next to the best a model that does not look at the picture can do.
+    for (const auto& [type, prior] : result.prior_by_type) {
+      const auto it = result.val.back().find("Acc-" + type);
+      if (it != result.val.back().end()) std::printf("  %-10s %.4f | text-only %.4f\n", type.c_str(), it->second, prior);
+    }
     }
     std::printf("RESULT %s\n", vlbert::result_json(result).c_str());
     return 0;

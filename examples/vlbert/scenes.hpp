@@ -561,19 +561,37 @@ class SyntheticData {
   /// training answer of each question type (answers do not depend on the question's other words),
   /// scored on the validation questions.
   double question_prior_accuracy() const {
-    std::map<int, std::map<std::string, int>> counts;
-    for (const auto& a : train_questions_) ++counts[static_cast<int>(a.question.type)][a.question.answer];
     std::int64_t right = 0;
-    for (const auto& a : val_questions_) {
-      const auto& c = counts[static_cast<int>(a.question.type)];
-      const auto best = std::max_element(c.begin(), c.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
-      right += best != c.end() && best->first == a.question.answer;
-    }
+    for (const auto& [type, tally] : question_prior_tally()) right += tally.first;
     return val_questions_.empty() ? 0.0 : static_cast<double>(right) / static_cast<double>(val_questions_.size());
+  }
+  /// The same, per question type (by name): what a type's accuracy must beat to show that the
+  /// model looked at the picture.
+  std::map<std::string, double> question_prior_by_type() const {
+    std::map<std::string, double> out;
+    for (const auto& [type, tally] : question_prior_tally())
+      out[name(static_cast<QuestionType>(type))] = static_cast<double>(tally.first) / static_cast<double>(tally.second);
+    return out;
   }
 
  private:
   std::uint64_t seed() const { return static_cast<std::uint64_t>(o_.scenes.seed); }
+
+  /// Per question type: (validation questions whose answer is the type's most frequent training
+  /// answer, validation questions).
+  std::map<int, std::pair<std::int64_t, std::int64_t>> question_prior_tally() const {
+    std::map<int, std::map<std::string, int>> counts;
+    for (const auto& a : train_questions_) ++counts[static_cast<int>(a.question.type)][a.question.answer];
+    std::map<int, std::pair<std::int64_t, std::int64_t>> tally;
+    for (const auto& a : val_questions_) {
+      const int type = static_cast<int>(a.question.type);
+      const auto& c = counts[type];
+      const auto best = std::max_element(c.begin(), c.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
+      tally[type].first += best != c.end() && best->first == a.question.answer;
+      tally[type].second += 1;
+    }
+    return tally;
+  }
 
   BatchBuilder::Sample pretrain_sample(bool val, std::int64_t i, Rng& rng) const {
     const Scene& sc = scenes(val)[static_cast<std::size_t>(i)];

