@@ -233,9 +233,20 @@ struct VLBertForPretrainingImpl : torch::nn::Module {
     const auto h = vlbert(b);
     const auto t = b.text.size(1), r = b.features.size(1);
     Output out;
-    // Decoder tied to the word embeddings, as BERT's.
-    const auto words = torch::matmul(mlm_transform->forward(h.narrow(1, 0, t)), vlbert->word_embeddings->weight.t()) + mlm_bias;
-    out.mlm = masked_cross_entropy(words, b.mlm_labels);
+    // Decoder tied to the word embeddings, as BERT's. Only the labelled positions are scored
+    // against the vocabulary (b.mlm_at, made on the host with the batch: no host sync): with a
+    // real BERT's 30522 words, scoring every position would cost about what the encoder does.
+    const auto decode = [&](const torch::Tensor& hidden) {
+      return torch::matmul(mlm_transform->forward(hidden), vlbert->word_embeddings->weight.t()) + mlm_bias;
+    };
+    if (b.mlm_at.defined()) {
+      const auto at = b.mlm_at.to(h.device());
+      const auto rows = at.div(t, "floor"), columns = at.remainder(t);
+      const auto picked = h.reshape({-1, h.size(2)}).index_select(0, rows * h.size(1) + columns);  // [N, H]
+      out.mlm = masked_cross_entropy(decode(picked), b.mlm_labels.to(h.device()).reshape({-1}).index_select(0, at));
+    } else {
+      out.mlm = masked_cross_entropy(decode(h.narrow(1, 0, t)), b.mlm_labels);
+    }
     out.mvrc = masked_cross_entropy(mvrc_classifier(mvrc_transform->forward(h.narrow(1, t, r))), b.mvrc_labels);
     out.loss = (with_mlm ? out.mlm.loss : out.mlm.loss * 0) + (with_mvrc ? out.mvrc.loss : out.mvrc.loss * 0);
     return out;

@@ -360,14 +360,22 @@ struct Batch {
   torch::Tensor answers;      // [B] answer index (VQA)
   torch::Tensor answer_at;    // [B] position of the [MASK] that the answer is read from (VQA)
   std::vector<int> types;     // question types (VQA), for per-type accuracy
+  torch::Tensor mlm_at;       // [N] the labelled entries of mlm_labels, as row * T + column, in order
+                              // (pre-training): the MLM head scores only these against the vocabulary
   std::int64_t size() const { return text.size(0); }
+  /// mlm_at of `labels` [B, T] (nonzero: a host sync where the labels are on a GPU; the batches
+  /// are built on the host, so only a split batch's pieces pay it).
+  static torch::Tensor labelled(const torch::Tensor& labels) {
+    return labels.defined() ? labels.reshape({-1}).ge(0).nonzero().squeeze(1) : labels;
+  }
   /// Rows [begin, end) (padding kept at the batch's widths).
   Batch rows(std::int64_t begin, std::int64_t end) const {
     auto cut = [&](const torch::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
     std::vector<int> kept;
     if (!types.empty()) kept.assign(types.begin() + begin, types.begin() + end);
-    return {cut(text), cut(features), cut(boxes), cut(regions), cut(mlm_labels), cut(mvrc_labels),
-            cut(answers), cut(answer_at), kept};
+    const auto labels = cut(mlm_labels);
+    return {cut(text), cut(features), cut(boxes), cut(regions), labels, cut(mvrc_labels),
+            cut(answers), cut(answer_at), kept, labelled(labels)};
   }
   /// `parts` batches of consecutive rows, sizes differing by at most one (tk::Task::split).
   std::vector<Batch> split(std::int64_t parts) const {
@@ -392,7 +400,7 @@ struct Batch {
       return pin ? t.pin_memory().to(device, /*non_blocking=*/true) : t.to(device);
     };
     return {move(text), move(features), move(boxes), move(regions), move(mlm_labels), move(mvrc_labels),
-            move(answers), move(answer_at), types};
+            move(answers), move(answer_at), types, move(mlm_at)};
   }
 };
 
@@ -475,6 +483,7 @@ class BatchBuilder {
         box[i][0][2] = box[i][0][3] = 1;
       }
     }
+    out.mlm_at = Batch::labelled(out.mlm_labels);  // on the host, here
     return out;
   }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -186,6 +187,53 @@ struct OneThread {
   ~OneThread() { torch::set_num_threads(before); }
 };
 }  // namespace
+
+TEST_CASE("the MLM head scores only the labelled positions, with the loss and accuracy of scoring every one") {
+  const SyntheticData d(small_data(3));
+  Batch b = d.batch(false, false, 0, 0, 16, false);
+  REQUIRE(b.mlm_at.defined());
+  CHECK(b.mlm_at.numel() == b.mlm_labels.ge(0).sum().item<std::int64_t>());
+  CHECK(b.mlm_at.numel() > 0);
+  VLBertConfig c;
+  c.visual_size = 32;
+  torch::manual_seed(0);
+  VLBertForPretraining model(c, 6);
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const auto picked = model->forward(b);
+  Batch dense = b;
+  dense.mlm_at = torch::Tensor();
+  const auto all = model->forward(dense);
+  CHECK(picked.mlm.loss.item<double>() == doctest::Approx(all.mlm.loss.item<double>()).epsilon(1e-6));
+  CHECK(picked.mlm.count.item<std::int64_t>() == all.mlm.count.item<std::int64_t>());
+  CHECK(picked.mlm.correct.item<std::int64_t>() == all.mlm.correct.item<std::int64_t>());
+  // A split batch's pieces carry their own positions.
+  const auto pieces = b.split(3);
+  std::int64_t labelled = 0;
+  for (const auto& p : pieces) {
+    CHECK(p.mlm_at.equal(Batch::labelled(p.mlm_labels)));
+    labelled += p.mlm_at.numel();
+  }
+  CHECK(labelled == b.mlm_at.numel());
+}
+
+TEST_CASE("the text-only prior per question type: each type's share, averaging to the overall prior") {
+  const SyntheticData d(small_data(5));
+  const auto by_type = d.question_prior_by_type();
+  REQUIRE(by_type.size() == static_cast<std::size_t>(QuestionType::kCount));
+  std::map<std::string, double> questions;
+  for (const auto& a : d.questions(true)) questions[name(a.question.type)] += 1;
+  double right = 0;
+  for (const auto& [type, prior] : by_type) {
+    CAPTURE(type);
+    CHECK(prior >= 0.0);
+    CHECK(prior <= 1.0);
+    right += prior * questions.at(type);
+  }
+  CHECK(right / static_cast<double>(d.questions(true).size()) == doctest::Approx(d.question_prior_accuracy()));
+  CHECK(by_type.at("exists") > 0.3);      // yes or no: about half
+  CHECK(by_type.at("colour_of") < 0.35);  // one of six colours
+}
 
 TEST_CASE("a short pre-training and fine-tuning run learns, and fine-tuning loads every matching weight") {
   const OneThread one_thread;
