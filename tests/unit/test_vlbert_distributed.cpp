@@ -45,8 +45,8 @@ std::vector<std::string> vlbert_args(const std::string& task, const std::string&
   std::vector<std::string> a{vlbert_program(), task, "--cfg",
                              (trainkit_testing::source_dir() / "cfgs/vlbert" / task / "base_1x24G_fp32.yaml").string(),
                              "--model-dir", dir};
-  for (const std::string s : {"DATASET.TRAIN_SCENES=32", "DATASET.VAL_SCENES=16", "LOG_FREQUENT=1", "DIST_TIMEOUT=15",
-                              "TRAIN.WARMUP_STEPS=2", "CHECKPOINT_FREQUENT=1"})
+  for (const std::string s : {"DATASET.TRAIN_SCENES=32", "DATASET.VAL_SCENES=16", "DATASET.QUESTIONS_PER_SCENE=2",
+                              "LOG_FREQUENT=1", "DIST_TIMEOUT=15", "TRAIN.WARMUP_STEPS=2", "CHECKPOINT_FREQUENT=1"})
     a.insert(a.end(), {"--set", s});
   for (const auto& s : sets) a.insert(a.end(), {"--set", s});
   return a;
