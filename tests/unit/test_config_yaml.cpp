@@ -237,6 +237,8 @@ TEST_CASE("every file in cfgs/ validates and resolves to its trainer type") {
       {"vlbert/pretrain/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
       {"vlbert/pretrain/base_1x24G_fp32.json", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
       {"vlbert/vqa/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
+      {"vlbert/pretrain/minilm_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
+      {"vlbert/vqa/minilm_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
       {"scenarios/base_1x24G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
       {"scenarios/base_4x16G_fp16.yaml", "Trainer<FP16Dynamic, Accumulate<Dynamic>, ClipNorm>"},
       {"scenarios/base_1x8G_fp32.yaml", "Trainer<FP32, Accumulate<Dynamic>, ClipNorm>"},
