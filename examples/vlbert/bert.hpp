@@ -1,12 +1,12 @@
 #pragma once
 /// A Hugging Face BERT directory as VL-BERT's language stream (NETWORK.BERT_MODEL_NAME): its
 /// config.json gives the text stream's sizes, vocab.txt the tokenizer, and model.safetensors or
-/// pytorch_model.bin the weights, loaded under BERT's names through one table (kBertNames).
+/// pytorch_model.bin the weights, loaded under BERT's names through one table (bert_name_table).
 ///
 ///   const auto bert = vlbert::BertDirectory::open("model/");   // config.json, vocab.txt, weights
 ///   bert.apply(config);                 // VLBertConfig: sizes from config.json
 ///   VLBertForPretraining model(config, 6);
-///   const auto report = vlbert::load_bert(*model, "vlbert.", bert.weights);
+///   const auto report = vlbert::load_bert(*model, "vlbert.", bert.weights_file());
 ///
 /// What does not match by design is said in the report, as VL-BERT does it: BERT has 2 token
 /// types and VL-BERT 3 (the two are loaded, the third keeps its initialisation); a file without
@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <regex>
 #include <set>
 #include <stdexcept>
@@ -66,7 +67,8 @@ struct BertDirectory {
         d.weights = dir + "/" + name;
         break;
       }
-    const auto vocab = d.tokenizer().size();  // opens vocab.txt: a missing one is named
+    d.tokenizer_.emplace(BertTokenizer::from_directory(dir));  // vocab.txt, read once: a missing one is named
+    const auto vocab = d.tokenizer_->size();
     if (vocab != d.config["vocab_size"].get<std::int64_t>())
       throw std::runtime_error(dir + "/vocab.txt has " + std::to_string(vocab) + " tokens, but " + config_path + " says vocab_size " +
                                d.config["vocab_size"].dump() + ": the vocabulary does not match the embedding");
@@ -74,7 +76,7 @@ struct BertDirectory {
   }
 
   /// The directory's tokenizer (vocab.txt, tokenizer_config.json).
-  BertTokenizer tokenizer() const { return BertTokenizer::from_directory(dir); }
+  const BertTokenizer& tokenizer() const { return *tokenizer_; }
 
   /// The weights file; throws naming the directory where it has none.
   const std::string& weights_file() const {
@@ -100,18 +102,21 @@ struct BertDirectory {
     c.initializer_range = config.value("initializer_range", c.initializer_range);
     c.layer_norm_eps = config.value("layer_norm_eps", c.layer_norm_eps);
     c.type_vocab_size = std::max<std::int64_t>(3, size("type_vocab_size"));
-    const BertTokenizer t = tokenizer();
+    const BertTokenizer& t = tokenizer();
     c.pad_id = config.value("pad_token_id", t.id("[PAD]"));
     c.img_id = t.id("[unused0]");
     c.end_id = t.id("[unused1]");
   }
+
+ private:
+  std::optional<BertTokenizer> tokenizer_;  // made by open()
 };
 
 /// BERT's names (Hugging Face's BertModel / BertForPreTraining, without "bert.") -> the example's,
 /// as regular expressions: one table for every weight the text stream and the MLM head take.
 /// "gamma"/"beta" are the LayerNorm names of files saved before PyTorch 1.0.
-inline const std::vector<std::pair<std::string, std::string>>& bert_name_table() {
-  static const std::vector<std::pair<std::string, std::string>> table = {
+inline const std::vector<std::pair<std::regex, std::string>>& bert_name_table() {
+  static const std::pair<const char*, const char*> names[] = {
       {R"(embeddings\.word_embeddings\.weight)", "word_embeddings.weight"},
       {R"(embeddings\.position_embeddings\.weight)", "position_embeddings.weight"},
       {R"(embeddings\.token_type_embeddings\.weight)", "token_type_embeddings.weight"},
@@ -131,6 +136,11 @@ inline const std::vector<std::pair<std::string, std::string>>& bert_name_table()
       {R"(cls\.predictions\.transform\.LayerNorm\.(bias|beta))", "../mlm_head_transform.2.bias"},
       {R"(cls\.predictions\.bias)", "../mlm_head_bias"},
   };
+  static const auto table = [] {  // compiled once
+    std::vector<std::pair<std::regex, std::string>> t;
+    for (const auto& [pattern, target] : names) t.emplace_back(std::regex(pattern), target);
+    return t;
+  }();
   return table;
 }
 
@@ -139,8 +149,7 @@ inline const std::vector<std::pair<std::string, std::string>>& bert_name_table()
 /// the model, e.g. "vlbert.").
 inline std::string bert_name(std::string name, const std::string& prefix) {
   if (name.rfind("bert.", 0) == 0) name = name.substr(5);
-  for (const auto& [pattern, target] : bert_name_table()) {
-    const std::regex re(pattern);
+  for (const auto& [re, target] : bert_name_table()) {
     if (!std::regex_match(name, re)) continue;
     std::string mapped = std::regex_replace(name, re, target);
     if (mapped.rfind("../", 0) == 0) return mapped.substr(3);  // beside the backbone, at the top
@@ -218,7 +227,7 @@ inline BertLoad load_bert(torch::nn::Module& model, const std::string& prefix, c
 /// directory against transformers.BertModel).
 inline nlohmann::json encode_sentences(const std::string& dir, const std::vector<std::string>& sentences) {
   const BertDirectory bert = BertDirectory::open(dir);
-  const BertTokenizer tok = bert.tokenizer();
+  const BertTokenizer& tok = bert.tokenizer();
   VLBertConfig c;
   bert.apply(c);
   torch::manual_seed(0);
