@@ -6,7 +6,7 @@
 #
 #   benchmarks/compile_times.sh [WORK_DIR]     (default /tmp/trainkit-compile-times; emptied)
 #
-# Prints markdown tables. Needs nothing but scripts/setup's LibTorch. Takes ~5-10 minutes here.
+# Prints markdown tables. Needs nothing but scripts/setup's LibTorch. Takes ~15 minutes here.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -95,20 +95,31 @@ int main() {
   }
 }
 EOF
+# The same two programs including the one header they need (<trainkit/trainer.hpp>,
+# <trainkit/registry.hpp>) instead of the umbrella, and the README's example in the compiled mode
+# (trainkit::compiled: TRAINKIT_COMPILED_LIB, the non-template definitions in a library). The
+# registry's users are in the compiled mode whatever they include (trainkit::registry links it).
+cp "$WORK/user/src/readme_example.cpp" "$WORK/user/src/readme_compiled.cpp"
+sed 's|<trainkit/trainkit.hpp>|<trainkit/trainer.hpp>|' "$WORK/user/src/readme_example.cpp" >"$WORK/user/src/trainer_hpp_compiled.cpp"
+sed 's|<trainkit/trainkit.hpp>|<trainkit/registry.hpp>|' "$WORK/user/src/registry_user.cpp" >"$WORK/user/src/registry_hpp_user.cpp"
 cat >"$WORK/user/CMakeLists.txt" <<EOF
 cmake_minimum_required(VERSION 3.18)
 project(user LANGUAGES CXX)
 add_subdirectory("$ROOT" trainkit)
-foreach(name plain_torch trainkit_header readme_example registry_user)
+foreach(name plain_torch trainkit_header readme_example readme_compiled trainer_hpp_compiled registry_user
+             registry_hpp_user)
   add_executable(\${name} src/\${name}.cpp)
   target_link_libraries(\${name} PRIVATE trainkit::trainkit)
 endforeach()
+target_link_libraries(readme_compiled PRIVATE trainkit::compiled)
+target_link_libraries(trainer_hpp_compiled PRIVATE trainkit::compiled)
 target_link_libraries(registry_user PRIVATE trainkit::registry)
+target_link_libraries(registry_hpp_user PRIVATE trainkit::registry)
 EOF
 cmake -S "$WORK/user" -B "$WORK/user/build" "${flags[@]}" >"$WORK/user-configure.log" 2>&1
 # Objects first (the registry's shards too), so that the commands below find their headers' build.
 cmake --build "$WORK/user/build" --parallel 2 >"$WORK/user-build.log" 2>&1
-names=(plain_torch trainkit_header readme_example registry_user)
+names=(plain_torch trainkit_header readme_example readme_compiled trainer_hpp_compiled registry_user registry_hpp_user)
 for name in "${names[@]}"; do
   (cd "$WORK/user/build" && ninja -t commands "$name" | grep -- " -c .*src/$name.cpp" | head -n 1) >"$WORK/cmd_$name.sh"
 done

@@ -14,6 +14,9 @@ install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" DESTINATION "${CMAKE_INSTALL_DATAD
 # The registry's shard as a source: the package builds trainkit::registry from it on demand.
 install(FILES "${PROJECT_SOURCE_DIR}/src/registry/shard.hpp" DESTINATION "${CMAKE_INSTALL_DATADIR}/trainkit/registry")
 install(FILES "${CMAKE_CURRENT_LIST_DIR}/trainkitRegistry.cmake" DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
+# The compiled mode's source: the package builds trainkit::compiled from it on demand.
+install(FILES "${PROJECT_SOURCE_DIR}/src/trainkit.cpp" DESTINATION "${CMAKE_INSTALL_DATADIR}/trainkit/compiled")
+install(FILES "${CMAKE_CURRENT_LIST_DIR}/trainkitCompiled.cmake" DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 install(EXPORT trainkitTargets NAMESPACE trainkit:: DESTINATION "${TRAINKIT_INSTALL_CMAKEDIR}")
 
 # trainkit::yaml in its own export set: the package loads it only where libyaml is found, so an

@@ -25,9 +25,12 @@ add_library(trainkit_pch OBJECT "${PROJECT_BINARY_DIR}/trainkit_pch.cpp")
 target_link_libraries(trainkit_pch PUBLIC trainkit_dev)
 target_precompile_headers(trainkit_pch PRIVATE <torch/torch.h> <nlohmann/json.hpp>)
 
-# The registry's shards get the same flags and reuse the same precompiled header.
-target_link_libraries(trainkit_registry PRIVATE trainkit_dev)
-target_precompile_headers(trainkit_registry REUSE_FROM trainkit_pch)
+# The compiled mode's unit and the registry's shards get the same flags and reuse the same
+# precompiled header.
+foreach(_library trainkit_compiled trainkit_registry)
+  target_link_libraries(${_library} PRIVATE trainkit_dev)
+  target_precompile_headers(${_library} REUSE_FROM trainkit_pch)
+endforeach()
 
 function(trainkit_add_program target)
   cmake_parse_arguments(PARSE_ARGV 1 ARG "" "OUTPUT_NAME" "SOURCES;LIBRARIES")

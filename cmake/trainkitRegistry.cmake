@@ -1,6 +1,7 @@
 # trainkit_add_registry(<trainkit target> <registry.hpp> <shard.hpp>): the static library
 # trainkit_registry (alias trainkit::registry) of the Trainer types that make_trainer() and
-# tk::dispatch choose from, outside `all`. The types are the one list in registry.hpp,
+# tk::dispatch choose from, outside `all`, in the compiled mode (trainkit_compiled, made first by
+# trainkit_add_compiled: its users get TRAINKIT_COMPILED_LIB). The types are the one list in registry.hpp,
 # TRAINKIT_REGISTRY_PRECISIONS (each with every clip of TRAINKIT_REGISTRY_CLIPS): the precisions
 # are dealt in order into TRAINKIT_REGISTRY_UNITS translation units (default 1; at most one per
 # precision) generated in the build tree, so that a new entry in the list is compiled with no
@@ -68,5 +69,6 @@ function(trainkit_add_registry trainkit_target registry_header shard_header)
   add_library(trainkit::registry ALIAS trainkit_registry)
   # The list's file, for checks that count its entries (tests/downstream/consumer.cmake).
   set_property(TARGET trainkit_registry PROPERTY TRAINKIT_REGISTRY_HEADER "${registry_header}")
-  target_link_libraries(trainkit_registry PUBLIC ${trainkit_target})
+  # In the compiled mode, as its users then are: one mode for every file of a program.
+  target_link_libraries(trainkit_registry PUBLIC ${trainkit_target} trainkit_compiled)
 endfunction()

@@ -14,6 +14,7 @@
 ///   save / load       the window's counts and the running mean, for checkpoints
 /// Guarantees: with item counts, the window's gradient is the gradient of the mean over all
 /// its items, exactly, whatever the counts; every factor is a host double (no device work).
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/options.hpp>
 
@@ -27,6 +28,19 @@ namespace trainkit {
 
 /// `AccumulationPolicy<Dynamic>`: the window length is TrainerOptions::accumulation_steps.
 inline constexpr int Dynamic = -1;
+
+namespace detail {
+/// An AccumulationPolicy's counts, whatever its N: the open window's and the running mean's.
+struct WindowState {
+  std::int64_t position, items;
+  double reference;
+  bool counted;
+  std::int64_t seen_items = 0, seen_batches = 0;  // the closed windows' counts (reference)
+};
+/// The window.* records of a checkpoint.
+void save_window_state(torch::serialize::OutputArchive& archive, const WindowState& state);
+WindowState load_window_state(torch::serialize::InputArchive& archive);
+}  // namespace detail
 
 template <int N>
 class AccumulationPolicy {
@@ -119,12 +133,7 @@ class AccumulationPolicy {
   }
 
   /// For checkpoints taken inside a window (PartialWindow::span).
-  struct State {
-    std::int64_t position, items;
-    double reference;
-    bool counted;
-    std::int64_t seen_items = 0, seen_batches = 0;  // the closed windows' counts (reference)
-  };
+  using State = detail::WindowState;
   State state() const { return {position_, items_, reference_, counted_, seen_items_, seen_batches_}; }
   void load_state(const State& s) {
     position_ = s.position;
@@ -137,25 +146,8 @@ class AccumulationPolicy {
   /// Whether the open window's micro-batches gave item counts.
   bool counted() const { return counted_; }
 
-  void save(torch::serialize::OutputArchive& archive) const {
-    detail::write_value(archive, "window.position", position_);
-    detail::write_value(archive, "window.items", items_);
-    detail::write_value(archive, "window.reference", reference_);
-    detail::write_value(archive, "window.counted", counted_);
-    detail::write_value(archive, "window.seen_items", seen_items_);
-    detail::write_value(archive, "window.seen_batches", seen_batches_);
-  }
-  void load(torch::serialize::InputArchive& archive) {
-    State s{};
-    s.position = detail::read_value(archive, "window.position").toInt();
-    s.items = detail::read_value(archive, "window.items").toInt();
-    s.reference = detail::read_value(archive, "window.reference").toDouble();
-    s.counted = detail::read_value(archive, "window.counted").toBool();
-    c10::IValue seen;  // (absent from older checkpoints: the running mean starts again)
-    if (archive.try_read("window.seen_items", seen)) s.seen_items = seen.toInt();
-    if (archive.try_read("window.seen_batches", seen)) s.seen_batches = seen.toInt();
-    load_state(s);
-  }
+  void save(torch::serialize::OutputArchive& archive) const { detail::save_window_state(archive, state()); }
+  void load(torch::serialize::InputArchive& archive) { load_state(detail::load_window_state(archive)); }
 
  private:
   std::int64_t window_;
@@ -172,3 +164,7 @@ template <int N>
 struct is_accumulation_policy<AccumulationPolicy<N>> : std::true_type {};
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/accumulation-inl.hpp>
+#endif

@@ -27,6 +27,7 @@
 ///   autocast_dtype()             the dtype of the forward's autocast region; none for FP32
 /// Costs: one indirect call and one std::function call per micro-step (nanoseconds against a
 /// forward and backward); nothing per optimizer phase beyond what Trainer does.
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
@@ -66,16 +67,11 @@ class AnyTrainer {
   /// Trainer::micro_step(closure).
   MicroStepResult micro_step(const LossClosure& loss) { return run_micro_step(loss, -1); }
   /// Trainer::micro_step(closure, items): the window's gradient is the mean over its items.
-  MicroStepResult micro_step(const LossClosure& loss, std::int64_t items) {
-    TORCH_CHECK(items >= 0, "micro_step: the item count must be >= 0, got ", items);
-    return run_micro_step(loss, items);
-  }
+  MicroStepResult micro_step(const LossClosure& loss, std::int64_t items);
   /// The forward of piece j of a micro-batch (micro_step_pieces): returns its loss.
   using PieceLoss = std::function<torch::Tensor(std::int64_t)>;
   /// Trainer::micro_step_pieces(loss, items): one micro-batch as pieces of items[j] items.
-  MicroStepResult micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items) {
-    return run_micro_step_pieces(loss, items);
-  }
+  MicroStepResult micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items);
   /// Trainer::discard_window(): the open window's gradient and counts dropped.
   virtual void discard_window() = 0;
   /// End of epoch: the partial window by TrainerOptions::partial_window (step.md).
@@ -99,11 +95,7 @@ class AnyTrainer {
 
   /// The precision region of the forward as an RAII guard, for code that runs the model outside
   /// micro_step (validation): `{ auto region = trainer.precision_region(); model(x); }`.
-  std::optional<AutocastRegion> precision_region() const {
-    const auto dtype = autocast_dtype();
-    if (!dtype) return std::nullopt;
-    return std::optional<AutocastRegion>(std::in_place, device().type(), *dtype);
-  }
+  std::optional<AutocastRegion> precision_region() const;
 
   // --- schedule and replicas -----------------------------------------------------------------
   virtual void set_schedule(std::shared_ptr<Schedule> schedule) = 0;
@@ -139,19 +131,10 @@ class AnyTrainer {
   /// The state written to `path` atomically (a temporary file in the same directory, flushed,
   /// renamed): a crash never leaves a partial file under that name. Sharded, every rank calls
   /// it and the main rank writes the file.
-  void save(const std::string& path) const {
-    torch::serialize::OutputArchive archive;
-    save(archive);
-    if (saves_collectively() && !replicas().is_main()) return;
-    detail::write_archive_atomically(archive, path);
-  }
+  void save(const std::string& path) const;
   /// The state read from `path` (its CRCs checked). Changes nothing when it fails: a mismatch
   /// is refused before anything changes, and a later failure puts the previous state back.
-  void load(const std::string& path) {
-    torch::serialize::InputArchive archive;
-    detail::read_archive(archive, path);
-    detail::load_or_restore(*this, archive, path);
-  }
+  void load(const std::string& path);
 
  protected:
   /// The compiled micro-step; items < 0 means no item count.
@@ -160,3 +143,7 @@ class AnyTrainer {
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/any_trainer-inl.hpp>
+#endif

@@ -15,6 +15,7 @@
 ///                                                 update (nothing for NoClip and ClipNorm)
 /// Guarantees: clipping never sees scaled gradients; a non-finite norm gives a non-finite
 /// result, and the trainer skips the update then; nothing is read back to the host.
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/type_traits.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/tags.hpp>
@@ -45,13 +46,7 @@ class ClipPolicy<ClipNorm> {
  public:
   using mode = ClipNorm;
   explicit ClipPolicy(const TrainerOptions& options) : max_norm_(options.max_grad_norm()) {}
-  torch::Tensor divisor(const torch::Tensor& divisor, const torch::Tensor& true_norm) {
-    // The same coefficient as torch::nn::utils::clip_grad_norm_ (eps 1e-6, capped at 1), with
-    // max_norm as a device scalar made once (a Scalar / Tensor costs two more ATen calls).
-    if (!max_norm_tensor_.defined()) max_norm_tensor_ = torch::full({}, max_norm_, true_norm.options());
-    const auto coef = at::div(max_norm_tensor_, true_norm + 1e-6).clamp_max(1.0);
-    return divisor / coef;
-  }
+  torch::Tensor divisor(const torch::Tensor& divisor, const torch::Tensor& true_norm);
   void apply(torch::Tensor&, const torch::Tensor&) const {}
   double max_norm() const { return max_norm_; }
 
@@ -67,9 +62,7 @@ class ClipPolicy<ClipValue> {
   using mode = ClipValue;
   explicit ClipPolicy(const TrainerOptions& options) : value_(options.clip_value()) {}
   torch::Tensor divisor(const torch::Tensor& divisor, const torch::Tensor&) { return torch::ones_like(divisor); }
-  void apply(torch::Tensor& gradient, const torch::Tensor& divisor) const {
-    gradient.div_(divisor).clamp_(-value_, value_);
-  }
+  void apply(torch::Tensor& gradient, const torch::Tensor& divisor) const;
   double value() const { return value_; }
 
  private:
@@ -84,3 +77,7 @@ struct is_clip_policy<ClipPolicy<Mode>>
                          std::is_same_v<Mode, ClipValue>> {};
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/clip-inl.hpp>
+#endif

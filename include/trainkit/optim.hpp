@@ -19,6 +19,7 @@
 ///                                         (moments, momentum), which the storage saves by
 ///                                         parameter name
 ///   save / load                           the rest of the state (the step count)
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/flat_layout.hpp>
 #include <trainkit/detail/type_traits.hpp>
@@ -125,50 +126,22 @@ struct ParamGroup {
 /// padding stay zero), with the views of the rule's own groups made once.
 class FlatState {
  public:
-  FlatState(std::string kind, const std::vector<ParamGroup>& groups) : kind_(std::move(kind)) {
-    for (const auto& g : groups) {
-      numel_ = std::max(numel_, g.state_offset + g.params.numel());
-      offsets_.push_back(g.state_offset);
-      sizes_.push_back(g.params.numel());
-    }
-    options_ = groups.front().params.options();
-  }
+  FlatState(std::string kind, const std::vector<ParamGroup>& groups);
   /// The part of the state `group` (the rule's group g, or a chunk of it) covers.
-  torch::Tensor of(const ParamGroup& group, size_t g) const {
-    materialize();
-    const auto n = group.params.numel();
-    if (g < views_.size() && offsets_[g] == group.state_offset && views_[g].numel() == n) return views_[g];
-    return flat_.narrow(0, group.state_offset, n);
-  }
+  torch::Tensor of(const ParamGroup& group, size_t g) const;
   /// For `numel` local elements (set_replicas with sharding: the state of this rank's slices
   /// only); the groups' views go.
-  void resize(std::int64_t numel) {
-    numel_ = numel;
-    flat_ = torch::Tensor();
-    offsets_.clear();
-    sizes_.clear();
-    views_.clear();
-  }
+  void resize(std::int64_t numel);
   /// "exp_avg", "exp_avg_sq", "momentum": checkpoints hold it as optim.<kind>.<parameter name>.
   const std::string& kind() const { return kind_; }
   /// The state; zeros until the first step. (Allocated on first use, not at construction: a
   /// trainer sharded by set_replicas never holds the whole state.)
-  const torch::Tensor& flat() const {
-    materialize();
-    return flat_;
-  }
+  const torch::Tensor& flat() const;
   /// The rule's groups' parts (empty once resized).
-  const std::vector<torch::Tensor>& views() const {
-    materialize();
-    return views_;
-  }
+  const std::vector<torch::Tensor>& views() const;
 
  private:
-  void materialize() const {
-    if (flat_.defined()) return;
-    flat_ = torch::zeros({numel_}, options_);
-    for (size_t g = 0; g < offsets_.size(); ++g) views_.push_back(flat_.narrow(0, offsets_[g], sizes_[g]));
-  }
+  void materialize() const;
 
   std::string kind_;
   torch::TensorOptions options_;
@@ -192,19 +165,13 @@ class UpdateRule {
   /// reads it by parameter name (storage.hpp), so checkpoints do not depend on the layout or
   /// on the world size.
   virtual std::vector<FlatState*> flat_states() { return {}; }
-  std::vector<const FlatState*> flat_states() const {
-    std::vector<const FlatState*> out;
-    for (auto* s : const_cast<UpdateRule*>(this)->flat_states()) out.push_back(s);
-    return out;
-  }
+  std::vector<const FlatState*> flat_states() const;
   /// The rest of the state (step counts; a torch::optim optimizer's own archive).
   virtual void save(torch::serialize::OutputArchive& archive) const = 0;
   virtual void load(torch::serialize::InputArchive& archive) = 0;
 };
 
-inline void check_lr(double lr, const char* who) {
-  TORCH_CHECK(lr > 0 && std::isfinite(lr), who, ": the learning rate must be finite and > 0, got ", lr);
-}
+void check_lr(double lr, const char* who);
 
 /// Adam and AdamW share moments and the step count; only the decay rule differs.
 template <class Options, bool Decoupled>
@@ -264,42 +231,17 @@ class FusedAdam final : public UpdateRule {
 
 class FusedSGD final : public UpdateRule {
  public:
-  FusedSGD(const SGD& options, const std::vector<ParamGroup>& groups) : options_(options) {
-    check_lr(options.lr(), "SGD");
-    TORCH_CHECK(options.momentum() >= 0, "SGD: momentum must be >= 0, got ", options.momentum());
-    TORCH_CHECK(!options.nesterov() || options.momentum() > 0,
-                "SGD: nesterov needs momentum > 0");
-    TORCH_CHECK(options.weight_decay() >= 0, "SGD: weight_decay must be >= 0, got ",
-                options.weight_decay());
-    if (options.momentum() > 0) momentum_.emplace("momentum", groups);
-  }
+  FusedSGD(const SGD& options, const std::vector<ParamGroup>& groups);
 
-  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
-            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs,
-            const torch::Tensor& /*applied*/) override {
-    for (size_t g = 0; g < groups.size(); ++g) {
-      if (!groups[g].params.defined()) continue;
-      // A zero-initialised buffer with dampening 0 equals torch's "buffer = grad on the first
-      // step", without the host needing to know which step was the first applied one.
-      const auto buffers = momentum_ ? std::vector<torch::Tensor>{momentum_->of(groups[g], g)}
-                                     : std::vector<torch::Tensor>{};
-      at::_fused_sgd_({groups[g].params}, {groups[g].grads}, buffers, groups[g].weight_decay(options_.weight_decay()),
-                      options_.momentum(), lrs[g], /*dampening=*/0.0, options_.nesterov(),
-                      /*maximize=*/false, /*is_first_step=*/false, divisor, found_inf);
-    }
-  }
+  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor, const torch::Tensor& found_inf,
+            const std::vector<torch::Tensor>& lrs, const torch::Tensor& /*applied*/) override;
   double base_lr() const override { return options_.lr(); }
   std::string name() const override { return "SGD(fused)"; }
-  std::vector<FlatState*> flat_states() override {
-    return momentum_ ? std::vector<FlatState*>{&*momentum_} : std::vector<FlatState*>{};
-  }
+  std::vector<FlatState*> flat_states() override;
   void save(torch::serialize::OutputArchive&) const override {}
   void load(torch::serialize::InputArchive&) override {}
   /// The momentum of the rule's groups (one view per group; none without momentum).
-  const std::vector<torch::Tensor>& momentum_buffers() const {
-    static const std::vector<torch::Tensor> none;
-    return momentum_ ? momentum_->views() : none;
-  }
+  const std::vector<torch::Tensor>& momentum_buffers() const;
 
  private:
   SGD options_;
@@ -310,39 +252,14 @@ class FusedSGD final : public UpdateRule {
 /// flag is read on the host (one sync per window) because torch::optim cannot skip on device.
 class TorchOptimizer final : public UpdateRule {
  public:
-  explicit TorchOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer)
-      : optimizer_(std::move(optimizer)) {
-    TORCH_CHECK(optimizer_ != nullptr, "Trainer: the torch::optim::Optimizer is null");
-    for (auto& group : optimizer_->param_groups()) base_lrs_.push_back(group.options().get_lr());
-  }
-  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor,
-            const torch::Tensor& found_inf, const std::vector<torch::Tensor>& lrs,
-            const torch::Tensor& /*applied*/) override {
-    // The overflow flag and the LR in one read (the one host sync of this path).
-    const auto host = torch::stack({found_inf.reshape({}).to(torch::kDouble), lrs.front().reshape({}).to(torch::kDouble)}).cpu();
-    const double* values = host.data_ptr<double>();
-    if (values[0] != 0.0) return;
-    for (const auto& g : groups) g.grads.div_(divisor);
-    // The schedule's factor relative to the base LR, applied to each group's own LR.
-    const double factor = values[1] / base_lr();
-    auto& param_groups = optimizer_->param_groups();
-    for (size_t i = 0; i < param_groups.size(); ++i)
-      param_groups[i].options().set_lr(base_lrs_[i] * factor);
-    optimizer_->step();
-  }
+  explicit TorchOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer);
+  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor, const torch::Tensor& found_inf,
+            const std::vector<torch::Tensor>& lrs, const torch::Tensor& /*applied*/) override;
   double base_lr() const override { return base_lrs_.empty() ? 1.0 : base_lrs_.front(); }
   std::string name() const override { return "torch::optim(unfused)"; }
   bool fused() const override { return false; }
-  void save(torch::serialize::OutputArchive& archive) const override {
-    torch::serialize::OutputArchive nested;
-    optimizer_->save(nested);
-    archive.write("optim.torch", nested);
-  }
-  void load(torch::serialize::InputArchive& archive) override {
-    torch::serialize::InputArchive nested;
-    archive.read("optim.torch", nested);
-    optimizer_->load(nested);
-  }
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
 
  private:
@@ -356,15 +273,9 @@ struct is_torch_optimizer : std::false_type {};
 template <class O>
 struct is_torch_optimizer<std::shared_ptr<O>> : std::is_base_of<torch::optim::Optimizer, O> {};
 
-inline std::unique_ptr<UpdateRule> make_rule(const SGD& o, const std::vector<ParamGroup>& g) {
-  return std::make_unique<FusedSGD>(o, g);
-}
-inline std::unique_ptr<UpdateRule> make_rule(const Adam& o, const std::vector<ParamGroup>& g) {
-  return std::make_unique<FusedAdam<Adam, false>>(o, g);
-}
-inline std::unique_ptr<UpdateRule> make_rule(const AdamW& o, const std::vector<ParamGroup>& g) {
-  return std::make_unique<FusedAdam<AdamW, true>>(o, g);
-}
+std::unique_ptr<UpdateRule> make_rule(const SGD& o, const std::vector<ParamGroup>& g);
+std::unique_ptr<UpdateRule> make_rule(const Adam& o, const std::vector<ParamGroup>& g);
+std::unique_ptr<UpdateRule> make_rule(const AdamW& o, const std::vector<ParamGroup>& g);
 template <class O, class = std::enable_if_t<std::is_base_of_v<torch::optim::Optimizer, O>>>
 std::unique_ptr<UpdateRule> make_rule(std::shared_ptr<O> o, const std::vector<ParamGroup>& groups) {
   for (const auto& g : groups)
@@ -375,3 +286,7 @@ std::unique_ptr<UpdateRule> make_rule(std::shared_ptr<O> o, const std::vector<Pa
 
 }  // namespace detail
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/optim-inl.hpp>
+#endif

@@ -6,7 +6,7 @@
 /// tree.
 ///
 ///   const tk::RunPlan plan = tk::RunPlan::from(config);    // world size: WORLD_SIZE, or 1
-///   auto trainer = tk::make_trainer(plan, model);          // registry.hpp
+///   auto trainer = tk::make_trainer(plan, model);          // trainkit::registry
 ///   trainer->set_schedule(plan.make_schedule(task.batches_per_epoch(0)));
 ///   tk::fit(*trainer, task, plan.fit);
 ///
@@ -17,6 +17,8 @@
 /// so that the run can be repeated. `seed`, when given, is used instead of that draw.
 #include <trainkit/config.hpp>
 #include <trainkit/config/optimizer_settings.hpp>
+#include <trainkit/detail/module_of.hpp>
+#include <trainkit/registry.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/fit_options.hpp>
 #include <trainkit/schedule.hpp>
@@ -271,5 +273,28 @@ struct RunPlan {
     }
   }
 };
+
+/// The trainer a plan asks for (its key, optimizer and trainer options; the LR already scaled
+/// by the plan's world size), over `model`. Set its LR schedule with
+/// trainer->set_schedule(plan.make_schedule(batches_per_epoch)).
+template <class Model>
+std::unique_ptr<AnyTrainer> make_trainer(const RunPlan& plan, Model& model) {
+  auto module = detail::module_of(model);
+  // A NO_DECAY entry that names no parameter is a configuration error (the Trainer would
+  // throw too, without the key).
+  for (const auto& entry : plan.trainer_options.no_decay()) {
+    bool used = false;
+    std::string example;
+    for (const auto& p : module->named_parameters(true))
+      if (p.value().requires_grad()) {
+        if (example.empty()) example = p.key();
+        used = used || p.key().find(entry) != std::string::npos;
+      }
+    if (!used)
+      throw ConfigError("TRAIN.NO_DECAY", "'" + entry + "' is in no trainable parameter's name (they look like '" +
+                                              example + "')");
+  }
+  return make_trainer(plan.trainer, std::move(module), plan.optimizer, plan.trainer_options);
+}
 
 }  // namespace trainkit

@@ -27,6 +27,7 @@
 /// precision. Its storage, MasterStorage (master_storage.hpp), keeps the fp32 masters, sums
 /// the window's gradient in fp32, runs phases 6-9 on fp32 gradients, and rewrites the half
 /// parameters from the masters (one copy).
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/type_traits.hpp>
 #include <trainkit/options.hpp>
@@ -56,20 +57,8 @@ class LossScaleCollapsed : public std::runtime_error {
 /// previous state (enabled flag, dtype, cache) on exit, so regions nest and never leak.
 class AutocastRegion {
  public:
-  AutocastRegion(c10::DeviceType device_type, at::ScalarType dtype)
-      : device_type_(device_type),
-        was_enabled_(at::autocast::is_autocast_enabled(device_type)),
-        previous_dtype_(at::autocast::get_autocast_dtype(device_type)) {
-    at::autocast::set_autocast_enabled(device_type_, true);
-    at::autocast::set_autocast_dtype(device_type_, dtype);
-    at::autocast::increment_nesting();
-  }
-  ~AutocastRegion() {
-    // The weight-cast cache lives as long as the outermost region, as in torch.autocast.
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(device_type_, was_enabled_);
-    at::autocast::set_autocast_dtype(device_type_, previous_dtype_);
-  }
+  AutocastRegion(c10::DeviceType device_type, at::ScalarType dtype);
+  ~AutocastRegion();
   AutocastRegion(const AutocastRegion&) = delete;
   AutocastRegion& operator=(const AutocastRegion&) = delete;
 
@@ -151,12 +140,8 @@ class PrecisionPolicy<FP16Static> {
   const torch::Tensor& scale() const { return scale_; }
   void update(const torch::Tensor& /*found_inf*/) {}
   void check(std::int64_t /*step*/) const {}
-  void save(torch::serialize::OutputArchive& archive) const {
-    detail::write_tensor(archive, "scaler.scale", scale_);
-  }
-  void load(torch::serialize::InputArchive& archive) {
-    detail::read_into(archive, "scaler.scale", scale_);
-  }
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
 
  private:
   torch::Device device_;
@@ -174,18 +159,7 @@ class PrecisionPolicy<FP16Dynamic> {
   using storage = FlatStorage;
   static constexpr at::ScalarType storage_dtype = at::kFloat;
 
-  PrecisionPolicy(const LossScaleOptions& options, torch::Device device)
-      : options_(options), device_(device) {
-    const auto f32 = torch::dtype(torch::kFloat).device(device);
-    const auto i32 = torch::dtype(torch::kInt).device(device);
-    // Shapes and dtypes are GradScaler's: scale fp32 [1], growth tracker int32 [1].
-    scale_ = torch::full({1}, options.init_scale(), f32);
-    growth_tracker_ = torch::zeros({1}, i32);
-    overflows_in_a_row_ = torch::zeros({1}, i32);
-    collapsed_windows_ = torch::zeros({1}, i32);
-    extras_ = options.hysteresis() > 1 || options.min_scale() > 0 ||
-              std::isfinite(options.max_scale()) || options.collapse_windows() > 0;
-  }
+  PrecisionPolicy(const LossScaleOptions& options, torch::Device device);
 
   AutocastRegion region() const { return {device_.type(), at::kHalf}; }
   const torch::Tensor& scale() const { return scale_; }
@@ -194,68 +168,19 @@ class PrecisionPolicy<FP16Dynamic> {
 
   /// Phase 10: the scale update. Without extras this is ATen's own GradScaler kernel.
   /// `found_inf`: an fp32 tensor of one element (ATen's kernel checks numel and dtype).
-  void update(const torch::Tensor& found_inf) {
-    if (!extras_) {
-      at::_amp_update_scale_(scale_, growth_tracker_, found_inf, options_.growth_factor(),
-                             options_.backoff_factor(), options_.growth_interval());
-      return;
-    }
-    update_with_extras(found_inf.reshape({1}));
-  }
+  void update(const torch::Tensor& found_inf);
 
   /// Host-side check of the collapse error; reads one device value.
-  void check(std::int64_t step) const {
-    const auto windows = options_.collapse_windows();
-    if (windows <= 0) return;
-    if (collapsed_windows_.item<int>() >= windows) {
-      std::ostringstream msg;
-      msg << "loss scale collapsed at step " << step << ": the scale is at its minimum "
-          << options_.min_scale() << " and the gradients still overflowed " << windows
-          << " windows in a row. The loss or the gradients are non-finite at any scale: look "
-             "for log(0), a division by zero or an exploding activation; lower the learning "
-             "rate, clip gradients, or train in BF16 (fp32's range).";
-      throw LossScaleCollapsed(msg.str());
-    }
-  }
+  void check(std::int64_t step) const;
 
-  void save(torch::serialize::OutputArchive& archive) const {
-    detail::write_tensor(archive, "scaler.scale", scale_);
-    detail::write_tensor(archive, "scaler.growth_tracker", growth_tracker_);
-    detail::write_tensor(archive, "scaler.overflows_in_a_row", overflows_in_a_row_);
-    detail::write_tensor(archive, "scaler.collapsed_windows", collapsed_windows_);
-  }
-  void load(torch::serialize::InputArchive& archive) {
-    detail::read_into(archive, "scaler.scale", scale_);
-    detail::read_into(archive, "scaler.growth_tracker", growth_tracker_);
-    detail::read_into(archive, "scaler.overflows_in_a_row", overflows_in_a_row_);
-    detail::read_into(archive, "scaler.collapsed_windows", collapsed_windows_);
-  }
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
 
  private:
   // The same arithmetic as _amp_update_scale_ (fp32 products, the growth only when finite),
   // with hysteresis (cut only after H overflows in a row), clamps, and the collapse counter,
   // written as element-wise tensor ops so that nothing leaves the device.
-  void update_with_extras(const torch::Tensor& inf) {
-    const auto overflow = inf > 0;
-    const auto at_min = scale_ <= static_cast<float>(options_.min_scale());
-    collapsed_windows_.copy_(torch::where(overflow & at_min, collapsed_windows_ + 1, 0));
-
-    const auto in_a_row = torch::where(overflow, overflows_in_a_row_ + 1, 0);
-    const auto cut = overflow & (in_a_row >= options_.hysteresis());
-    const auto backed_off =
-        (scale_ * static_cast<float>(options_.backoff_factor()))
-            .clamp_min(static_cast<float>(options_.min_scale()));
-
-    const auto successful = growth_tracker_ + 1;
-    const auto grow = overflow.logical_not() & (successful >= options_.growth_interval());
-    auto grown = scale_ * static_cast<float>(options_.growth_factor());
-    grown = torch::where(grown.isfinite(),
-                         grown.clamp_max(static_cast<float>(options_.max_scale())), scale_);
-
-    scale_.copy_(torch::where(cut, backed_off, torch::where(grow, grown, scale_)));
-    growth_tracker_.copy_(torch::where(overflow | grow, 0, successful));
-    overflows_in_a_row_.copy_(torch::where(cut, 0, in_a_row));
-  }
+  void update_with_extras(const torch::Tensor& inf);
 
   LossScaleOptions options_;
   torch::Device device_;
@@ -351,3 +276,7 @@ struct is_precision_policy<PrecisionPolicy<MasterWeights<Mode>>>
     : std::bool_constant<detail::is_half_mode<Mode>> {};
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/precision-inl.hpp>
+#endif

@@ -3,8 +3,13 @@
 /// time (a YAML file), and make_trainer(), which builds the one a configuration asks for.
 ///
 ///   const tk::RunPlan plan = tk::RunPlan::from(config);
-///   auto trainer = tk::make_trainer(plan, model);      // std::unique_ptr<tk::AnyTrainer>
+///   auto trainer = tk::make_trainer(plan, model);      // std::unique_ptr<tk::AnyTrainer> (plan.hpp)
 ///   tk::fit(*trainer, task, plan.fit);
+///
+/// or, without a configuration file (this header alone, light to include):
+///
+///   auto trainer = tk::make_trainer({tk::PrecisionKind::BF16, 4, tk::ClipKind::ClipNorm}, model.ptr(),
+///                                   adamw_settings, tk::TrainerOptions().max_grad_norm(1.0));
 ///
 /// The list is written once, below: TRAINKIT_REGISTRY_PRECISIONS x TRAINKIT_REGISTRY_CLIPS,
 /// each as Trainer<PrecisionPolicy<P>, AccumulationPolicy<Dynamic>, ClipPolicy<C>>. From it come
@@ -27,9 +32,11 @@
 #include <trainkit/accumulation.hpp>
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/clip.hpp>
-#include <trainkit/detail/module_of.hpp>
-#include <trainkit/plan.hpp>
+#include <trainkit/config/error.hpp>
+#include <trainkit/config/optimizer_settings.hpp>
+#include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
+#include <trainkit/trainer_key.hpp>
 
 #include <torch/nn/module.h>
 
@@ -133,29 +140,6 @@ inline std::unique_ptr<AnyTrainer> make_trainer(const TrainerKey& key, std::shar
   TRAINKIT_REGISTRY_PRECISIONS(TRAINKIT_MAKE_IF_)
 #undef TRAINKIT_MAKE_IF_
   throw ConfigError("TRAIN", "no registered trainer for " + key.name() + "; the registry has:" + detail::registry_list());
-}
-
-/// The trainer a plan asks for (its key, optimizer and trainer options; the LR already scaled
-/// by the plan's world size), over `model`. Set its LR schedule with
-/// trainer->set_schedule(plan.make_schedule(batches_per_epoch)).
-template <class Model>
-std::unique_ptr<AnyTrainer> make_trainer(const RunPlan& plan, Model& model) {
-  auto module = detail::module_of(model);
-  // A NO_DECAY entry that names no parameter is a configuration error (the Trainer would
-  // throw too, without the key).
-  for (const auto& entry : plan.trainer_options.no_decay()) {
-    bool used = false;
-    std::string example;
-    for (const auto& p : module->named_parameters(true))
-      if (p.value().requires_grad()) {
-        if (example.empty()) example = p.key();
-        used = used || p.key().find(entry) != std::string::npos;
-      }
-    if (!used)
-      throw ConfigError("TRAIN.NO_DECAY", "'" + entry + "' is in no trainable parameter's name (they look like '" +
-                                              example + "')");
-  }
-  return make_trainer(plan.trainer, std::move(module), plan.optimizer, plan.trainer_options);
 }
 
 }  // namespace trainkit

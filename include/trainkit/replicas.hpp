@@ -41,6 +41,7 @@
 ///   all_reduce(values, op)        a few host scalars combined over the ranks (sum, mean or
 ///                                 max): metrics, counts, the ranks' agreement on a stop (one
 ///                                 collective; every rank calls it with as many values)
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/partition.hpp>
 
 #include <torch/nn/module.h>
@@ -118,9 +119,7 @@ class Replicas {
                                                      bool closes) = 0;
   /// start_reduction() and finish() at once (nothing overlapped).
   GradientFactor reduce_buckets(torch::Tensor& flat_grad, torch::Tensor local, const detail::Partition& partition,
-                                const WindowWeights& window, bool closes) {
-    return start_reduction(flat_grad, std::move(local), partition, window, closes)->finish();
-  }
+                                const WindowWeights& window, bool closes);
   virtual torch::Tensor global_norm(const torch::Tensor& local) = 0;
   /// A device tensor summed over the ranks, in place (sharded master weights: the parameters
   /// kept in fp32, each rank contributing the elements it updated).
@@ -135,44 +134,22 @@ class SingleProcess final : public Replicas {
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   void attach(torch::nn::Module&, const torch::Tensor&, const torch::Tensor& = torch::Tensor()) override {}
-  GradientFactor reduce_gradients(torch::Tensor&, const WindowWeights& window) override {
-    return {window.rescale, {}};
-  }
+  GradientFactor reduce_gradients(torch::Tensor&, const WindowWeights& window) override;
   void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
   void all_reduce(std::vector<double>&, Reduce) override {}
   // Nothing to send: the gradient is the sum already (a partition of world size 1 is never
   // sharded; `local`, when given, receives the slices).
-  std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local, const detail::Partition& partition,
-                                             const WindowWeights& window, bool) override {
-    struct Local final : Reduction {
-      torch::Tensor flat, local;
-      detail::Partition partition;
-      double rescale;
-      void launch(std::int64_t) override {}
-      GradientFactor finish() override {
-        if (local.defined())
-          for (std::int64_t b = 0; b < partition.buckets(); ++b) {
-            const auto s = partition.slice(b);
-            local.narrow(0, partition.local(b), s.length).copy_(flat.narrow(0, s.begin, s.length));
-          }
-        return {rescale, {}};
-      }
-    };
-    auto r = std::make_unique<Local>();
-    r->flat = flat_grad, r->local = std::move(local), r->partition = partition, r->rescale = window.rescale;
-    return r;
-  }
+  std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local,
+                                             const detail::Partition& partition, const WindowWeights& window,
+                                             bool) override;
   torch::Tensor global_norm(const torch::Tensor& local) override { return at::linalg_vector_norm(local, 2); }
   void sum(torch::Tensor&) override {}
   void all_gather(torch::Tensor&, const detail::Partition&) override {}
-  torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override {
-    auto out = torch::zeros({partition.total()}, local.options().device(torch::kCPU));
-    for (std::int64_t b = 0; b < partition.buckets(); ++b) {
-      const auto s = partition.slice(b);
-      out.narrow(0, s.begin, s.length).copy_(local.narrow(0, partition.local(b), s.length));
-    }
-    return out;
-  }
+  torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override;
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/replicas-inl.hpp>
+#endif

@@ -7,6 +7,7 @@
 /// that table with its device-resident applied-step counter, so advancing the schedule only on
 /// applied steps needs no host sync. A schedule whose values depend on run-time observations
 /// (`plateau`) calls `changed()` when they do; the trainer then rebuilds its table.
+#include <trainkit/detail/inline.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -64,19 +65,8 @@ struct Warmup {
   std::int64_t steps = 0;    ///< WARMUP_STEPS, 0 when WARMUP is off
 
   /// Multiplier at scheduler position p: 1 from p >= steps.
-  double at(std::int64_t p) const {
-    if (p >= steps) return 1.0;
-    if (method == WarmupMethod::constant) return factor;
-    const double alpha = static_cast<double>(p) / static_cast<double>(steps);
-    return factor * (1 - alpha) + alpha;
-  }
-  std::string describe() const {
-    if (steps <= 0) return "";
-    std::ostringstream s;
-    s << "warmup " << (method == WarmupMethod::linear ? "linear" : "constant") << " " << steps
-      << " steps from " << factor << "; ";
-    return s.str();
-  }
+  double at(std::int64_t p) const;
+  std::string describe() const;
 };
 
 /// Where epoch boundaries fall in applied optimizer steps, with the real number of windows
@@ -86,18 +76,9 @@ struct Warmup {
 /// B: micro-batches per epoch on one rank (the loader's length); N: GRAD_ACCUMULATE_STEPS.
 class EpochClock {
  public:
-  static EpochClock flush(std::int64_t micro_batches, std::int64_t accumulation) {
-    check(micro_batches, accumulation);
-    return EpochClock(static_cast<double>((micro_batches + accumulation - 1) / accumulation), 1);
-  }
-  static EpochClock drop(std::int64_t micro_batches, std::int64_t accumulation) {
-    check(micro_batches, accumulation);
-    return EpochClock(static_cast<double>(micro_batches / accumulation), 1);
-  }
-  static EpochClock span(std::int64_t micro_batches, std::int64_t accumulation) {
-    check(micro_batches, accumulation);
-    return EpochClock(static_cast<double>(micro_batches), static_cast<double>(accumulation));
-  }
+  static EpochClock flush(std::int64_t micro_batches, std::int64_t accumulation);
+  static EpochClock drop(std::int64_t micro_batches, std::int64_t accumulation);
+  static EpochClock span(std::int64_t micro_batches, std::int64_t accumulation);
   /// Exactly `windows` optimizer steps per epoch.
   static EpochClock windows(std::int64_t windows) { return flush(windows, 1); }
 
@@ -105,22 +86,11 @@ class EpochClock {
   double windows_per_epoch() const { return numerator_ / denominator_; }
   /// The applied-step position at which (possibly fractional) `epoch` begins; an epoch whose
   /// step is beyond int64 (LR_STEP: [7, 1e100]) is never reached: the largest step.
-  std::int64_t step_at(double epoch) const {
-    // Same operation order as VL-BERT's Python (epoch * len / N), so the rounding agrees.
-    const double step = std::floor(epoch * numerator_ / denominator_);
-    constexpr double beyond = 9223372036854775808.0;  // 2^63: the first double past int64
-    if (!(step < beyond)) return std::numeric_limits<std::int64_t>::max();  // (NaN included)
-    if (step < -beyond) return std::numeric_limits<std::int64_t>::min();
-    return static_cast<std::int64_t>(step);
-  }
+  std::int64_t step_at(double epoch) const;
 
  private:
   EpochClock(double numerator, double denominator) : numerator_(numerator), denominator_(denominator) {}
-  static void check(std::int64_t micro_batches, std::int64_t accumulation) {
-    if (micro_batches < 1 || accumulation < 1)
-      throw std::invalid_argument("EpochClock: micro-batches per epoch and accumulation steps must be >= 1, got " +
-                                  std::to_string(micro_batches) + " and " + std::to_string(accumulation));
-  }
+  static void check(std::int64_t micro_batches, std::int64_t accumulation);
   double numerator_, denominator_;
 };
 
@@ -136,23 +106,9 @@ class PositionSchedule : public Schedule {
 /// are optimizer-step positions (EpochClock::step_at of LR_STEP's epochs), non-decreasing.
 class WarmupMultiStepSchedule final : public PositionSchedule {
  public:
-  WarmupMultiStepSchedule(Warmup warmup, std::vector<std::int64_t> milestones, double gamma)
-      : warmup_(warmup), milestones_(std::move(milestones)), gamma_(gamma) {
-    if (!std::is_sorted(milestones_.begin(), milestones_.end()))
-      throw std::invalid_argument("step schedule: milestones must be in increasing order");
-  }
-  double at(std::int64_t p) const override {
-    // bisect_right: the milestones at or before p have taken effect.
-    const auto passed = std::upper_bound(milestones_.begin(), milestones_.end(), p) - milestones_.begin();
-    return warmup_.at(p) * std::pow(gamma_, static_cast<double>(passed));
-  }
-  std::string describe() const override {
-    std::ostringstream s;
-    s << "step(" << warmup_.describe() << "x" << gamma_ << " at steps [";
-    for (std::size_t i = 0; i < milestones_.size(); ++i) s << (i ? ", " : "") << milestones_[i];
-    s << "])";
-    return s.str();
-  }
+  WarmupMultiStepSchedule(Warmup warmup, std::vector<std::int64_t> milestones, double gamma);
+  double at(std::int64_t p) const override;
+  std::string describe() const override;
 
  private:
   Warmup warmup_;
@@ -165,14 +121,8 @@ class WarmupMultiStepSchedule final : public PositionSchedule {
 class WarmupLinearSchedule final : public PositionSchedule {
  public:
   WarmupLinearSchedule(Warmup warmup, std::int64_t total) : warmup_(warmup), total_(total) {}
-  double at(std::int64_t p) const override {
-    if (p < warmup_.steps) return warmup_.at(p);
-    const double span = static_cast<double>(std::max<std::int64_t>(1, total_ - warmup_.steps));
-    return std::max(0.0, static_cast<double>(total_ - p) / span);
-  }
-  std::string describe() const override {
-    return "triangle(" + warmup_.describe() + "linear to 0 at step " + std::to_string(total_) + ")";
-  }
+  double at(std::int64_t p) const override;
+  std::string describe() const override;
 
  private:
   Warmup warmup_;
@@ -184,15 +134,8 @@ class WarmupLinearSchedule final : public PositionSchedule {
 class WarmupCosineSchedule final : public PositionSchedule {
  public:
   WarmupCosineSchedule(Warmup warmup, std::int64_t total) : warmup_(warmup), total_(total) {}
-  double at(std::int64_t p) const override {
-    if (p < warmup_.steps) return warmup_.at(p);
-    const double span = static_cast<double>(std::max<std::int64_t>(1, total_ - warmup_.steps));
-    const double progress = std::min(1.0, static_cast<double>(p - warmup_.steps) / span);
-    return std::max(0.0, 0.5 * (1.0 + std::cos(3.14159265358979323846 * progress)));
-  }
-  std::string describe() const override {
-    return "cosine(" + warmup_.describe() + "to 0 at step " + std::to_string(total_) + ")";
-  }
+  double at(std::int64_t p) const override;
+  std::string describe() const override;
 
  private:
   Warmup warmup_;
@@ -204,10 +147,7 @@ class WarmupConstantSchedule final : public PositionSchedule {
  public:
   explicit WarmupConstantSchedule(Warmup warmup) : warmup_(warmup) {}
   double at(std::int64_t p) const override { return warmup_.at(p); }
-  std::string describe() const override {
-    const std::string w = warmup_.describe();
-    return w.empty() ? "constant" : "constant(" + w.substr(0, w.size() - 2) + ")";
-  }
+  std::string describe() const override;
 
  private:
   Warmup warmup_;
@@ -228,68 +168,16 @@ struct PlateauOptions {
 /// state() round-trips the best value, the counters and the multiplier exactly.
 class PlateauSchedule final : public PositionSchedule {
  public:
-  PlateauSchedule(Warmup warmup, double gamma, PlateauOptions options = {})
-      : warmup_(warmup), gamma_(gamma), options_(options) {
-    if (!(gamma > 0 && gamma < 1)) throw std::invalid_argument("plateau schedule: LR_FACTOR must be in (0, 1)");
-  }
+  PlateauSchedule(Warmup warmup, double gamma, PlateauOptions options = {});
   double at(std::int64_t p) const override { return warmup_.at(p) * multiplier_; }
 
-  bool on_epoch_end(std::int64_t /*epoch*/, double metric) override {
-    // ReduceLROnPlateau's is_better in 'rel' mode (a NaN metric is never better).
-    const bool better = options_.maximize ? metric > best_ * (1 + options_.threshold)
-                                          : metric < best_ * (1 - options_.threshold);
-    if (better) {
-      best_ = metric;
-      bad_epochs_ = 0;
-    } else {
-      ++bad_epochs_;
-    }
-    if (cooldown_left_ > 0) {
-      --cooldown_left_;
-      bad_epochs_ = 0;
-    }
-    if (bad_epochs_ > options_.patience) {
-      const double cut = std::max(multiplier_ * gamma_, options_.min_factor);
-      bad_epochs_ = 0;
-      cooldown_left_ = options_.cooldown;
-      if (multiplier_ - cut > options_.eps) {
-        multiplier_ = cut;
-        return true;
-      }
-    }
-    return false;
-  }
+  bool on_epoch_end(std::int64_t /*epoch*/, double metric) override;
   /// The current multiplier (1 until the first cut).
   double multiplier() const { return multiplier_; }
 
-  std::string describe() const override {
-    std::ostringstream s;
-    s << "plateau(" << warmup_.describe() << "x" << gamma_ << " after " << options_.patience
-      << " epochs without " << (options_.maximize ? "increase" : "decrease") << ", cooldown "
-      << options_.cooldown << "; now x" << multiplier_ << ")";
-    return s.str();
-  }
-  std::string state() const override {
-    return "plateau best=" + hex(best_) + " bad=" + std::to_string(bad_epochs_) +
-           " cooldown=" + std::to_string(cooldown_left_) + " multiplier=" + hex(multiplier_);
-  }
-  void load_state(const std::string& state) override {
-    if (state.empty()) return;  // a checkpoint written before any epoch ended
-    std::istringstream in(state);
-    std::string tag, best, bad, cooldown, mult;
-    in >> tag >> best >> bad >> cooldown >> mult;
-    auto value = [&](const std::string& field, const char* name) {
-      const std::string prefix = std::string(name) + "=";
-      if (field.rfind(prefix, 0) != 0)
-        throw std::invalid_argument("PlateauSchedule::load_state: not a plateau state: \"" + state + "\"");
-      return field.substr(prefix.size());
-    };
-    if (tag != "plateau") throw std::invalid_argument("PlateauSchedule::load_state: not a plateau state: \"" + state + "\"");
-    best_ = std::strtod(value(best, "best").c_str(), nullptr);
-    bad_epochs_ = std::stoll(value(bad, "bad"));
-    cooldown_left_ = std::stoll(value(cooldown, "cooldown"));
-    multiplier_ = std::strtod(value(mult, "multiplier").c_str(), nullptr);
-  }
+  std::string describe() const override;
+  std::string state() const override;
+  void load_state(const std::string& state) override;
 
  private:
   static std::string hex(double x) {  // exact round trip through text
@@ -319,46 +207,14 @@ struct ScheduleOptions {
 
 /// "step(warmup linear 1000 steps from 0.333; x0.1 at epochs [14, 18])": the schedule in epochs,
 /// before the number of windows per epoch is known.
-inline std::string describe(const ScheduleOptions& o) {
-  std::ostringstream s;
-  const std::string w = o.warmup.describe();
-  if (o.name == "step") {
-    s << "step(" << w << "x" << o.factor << " at epochs [";
-    for (std::size_t i = 0; i < o.milestones.size(); ++i) s << (i ? ", " : "") << o.milestones[i];
-    s << "])";
-  } else if (o.name == "triangle") {
-    s << "triangle(" << w << "linear to 0 at epoch " << o.end_epoch << ")";
-  } else if (o.name == "cosine") {
-    s << "cosine(" << w << "to 0 at epoch " << o.end_epoch << ")";
-  } else if (o.name == "plateau") {
-    s << "plateau(" << w << "x" << o.factor << " after " << o.plateau.patience << " epochs without "
-      << (o.plateau.maximize ? "increase" : "decrease") << ", cooldown " << o.plateau.cooldown << ")";
-  } else {
-    s << (w.empty() ? "constant" : "constant(" + w.substr(0, w.size() - 2) + ")");
-  }
-  return s.str();
-}
+std::string describe(const ScheduleOptions& o);
 
 /// The schedule of `options`, with epochs converted to applied optimizer steps by `clock`.
 /// Throws std::invalid_argument for an unknown name or a decay that ends at step 0.
-inline std::shared_ptr<Schedule> make_schedule(const ScheduleOptions& options, const EpochClock& clock) {
-  const auto& n = options.name;
-  if (n == "step") {
-    std::vector<std::int64_t> steps;
-    for (double e : options.milestones) steps.push_back(clock.step_at(e));
-    return std::make_shared<WarmupMultiStepSchedule>(options.warmup, std::move(steps), options.factor);
-  }
-  if (n == "triangle" || n == "cosine") {
-    const std::int64_t total = clock.step_at(options.end_epoch);
-    if (total < 1)
-      throw std::invalid_argument(n + " decays to 0 at END_EPOCH, which is at optimizer step " +
-                                  std::to_string(total) + "; set TRAIN.END_EPOCH > 0");
-    if (n == "triangle") return std::make_shared<WarmupLinearSchedule>(options.warmup, total);
-    return std::make_shared<WarmupCosineSchedule>(options.warmup, total);
-  }
-  if (n == "constant") return std::make_shared<WarmupConstantSchedule>(options.warmup);
-  if (n == "plateau") return std::make_shared<PlateauSchedule>(options.warmup, options.factor, options.plateau);
-  throw std::invalid_argument("unknown LR schedule \"" + n + "\"; use step, triangle, cosine, constant or plateau");
-}
+std::shared_ptr<Schedule> make_schedule(const ScheduleOptions& options, const EpochClock& clock);
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/schedule-inl.hpp>
+#endif

@@ -2,6 +2,7 @@
 /// What a micro-step and an optimizer phase report: StepReport (device scalars read lazily, one
 /// host sync for all of them at the first value asked for) and MicroStepResult. Shared by the
 /// compiled Trainer<P, A, C> and the type-erased AnyTrainer.
+#include <trainkit/detail/inline.hpp>
 #include <torch/types.h>
 
 #include <algorithm>
@@ -60,19 +61,7 @@ class StepReport {
     std::optional<std::array<double, kFields>> host;
   };
 
-  double value(Field f) const {
-    TORCH_CHECK(values_ != nullptr, "StepReport: this report is empty (no window closed)");
-    if (!values_->host) {
-      std::vector<torch::Tensor> parts;
-      for (const auto& t : values_->device) parts.push_back(t.reshape({1}).to(torch::kDouble));
-      const auto host = torch::cat(parts).cpu();  // the one copy (a sync on a GPU)
-      const double* read = host.data_ptr<double>();
-      std::array<double, kFields> v{};
-      std::copy(read, read + kFields, v.begin());
-      values_->host = v;
-    }
-    return (*values_->host)[f];
-  }
+  double value(Field f) const;
 
   std::shared_ptr<Values> values_;
   std::int64_t window_ = 0, micro_batches_ = 0, items_ = 0;
@@ -85,3 +74,7 @@ struct MicroStepResult {
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/step_report-inl.hpp>
+#endif

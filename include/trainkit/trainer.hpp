@@ -25,6 +25,7 @@
 /// update rule, the precision's scaler, the accumulation's window, the counters, the schedule,
 /// the generators); load(archive) checks the type, the optimizer and every parameter's shape
 /// before it changes anything. save(path) and load(path) add the atomic file and the rollback.
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/accumulation.hpp>
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/clip.hpp>
@@ -61,12 +62,104 @@
 
 namespace trainkit {
 
+namespace detail {
+
+/// What every Trainer<P, A, C> shares and no policy changes: the options, the model and its
+/// device, the update rule, the LR schedule and its device table, the replicas, the counters and
+/// the window's loss; the checkpoint records of those, the checks of a checkpoint before a load,
+/// the loss check. Not a template: in the compiled mode (TRAINKIT_COMPILED_LIB) its definitions
+/// (trainer-inl.hpp) are compiled once. Trainer<P, A, C> adds the policies, the storage and the
+/// step.
+/// The host counters a data-parallel load compares across ranks: windows run, window position.
+torch::Tensor host_counters(std::int64_t windows, std::int64_t position);
+
+class TrainerCore : public AnyTrainer {
+ public:
+  void set_schedule(std::shared_ptr<Schedule> schedule) override;
+  void schedule_changed() override { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
+  const Schedule& schedule() const override { return *schedule_; }
+  /// After an epoch's validation (the fit loop): hands `metric` to the schedule (plateau) and
+  /// rebuilds the LR table when the schedule changed. Returns whether it changed.
+  bool on_epoch_end(std::int64_t epoch, double metric) override;
+
+  /// rank(), world_size(), is_main() for the loop; all_reduce() for its metrics.
+  Replicas& replicas() override { return *replicas_; }
+  const Replicas& replicas() const override { return *replicas_; }
+
+  /// Optimizer phases run (applied + skipped); host value, no sync.
+  std::int64_t windows() const override { return windows_; }
+  /// Applied optimizer steps (device scalar; `.item()` syncs).
+  const torch::Tensor& applied_steps() const override { return applied_; }
+  const torch::Tensor& skipped_steps() const override { return skipped_; }
+  UpdateRule& update_rule() { return *rule_; }
+  const TrainerOptions& options() const override { return options_; }
+  torch::nn::Module& model() override { return *module_; }
+  torch::Device device() const override { return device_; }
+  double base_lr() const override { return rule_->base_lr(); }
+
+ protected:
+  TrainerCore(TrainerOptions options, std::shared_ptr<torch::nn::Module> module);
+  /// The end of Trainer's construction, once the storage exists: the update rule, the counters
+  /// and the constant schedule.
+  void start(std::unique_ptr<UpdateRule> rule);
+
+  // Checkpoint records of the shared state (Trainer::write_state and read_state put the
+  // policies' and the storage's between them).
+  void write_meta(torch::serialize::OutputArchive& archive) const;
+  void write_buffers(torch::serialize::OutputArchive& archive) const;
+  void write_counters(torch::serialize::OutputArchive& archive) const;
+  void write_schedule_and_generators(torch::serialize::OutputArchive& archive) const;
+  void read_buffers(torch::serialize::InputArchive& archive);
+  void read_counters(torch::serialize::InputArchive& archive);
+  void read_window_loss(torch::serialize::InputArchive& archive);
+  void read_schedule_and_generators(torch::serialize::InputArchive& archive);
+  /// Before load() changes anything: the checkpoint's trainer type and optimizer are this
+  /// trainer's, and every parameter and buffer of the model is in it with its shape. Throws
+  /// naming `source` and the first mismatch.
+  void check_checkpoint(torch::serialize::InputArchive& archive, const std::string& source) const;
+  /// The error of an optimizer state the rule cannot read (`prefix` names the archive).
+  [[noreturn]] void refuse_optimizer_state(torch::serialize::InputArchive& archive, const std::string& prefix,
+                                           const std::exception& e) const;
+  /// The error of memory that ran out in the optimizer phase (it cannot be replayed).
+  [[noreturn]] void optimizer_phase_out_of_memory(const std::exception& e) const;
+
+  /// The loss a closure returned: defined, one element, requiring grad.
+  static void check_loss(const torch::Tensor& loss);
+  /// The phase's divisor without loss scaling, a device scalar remade only when its value
+  /// changes (1 in every full window; item-weighted or partial windows vary).
+  const torch::Tensor& constant(double value);
+  void ensure_lr_table() {
+    if (windows_ + 1 >= lr_table_.size(0)) build_lr_table(2 * (windows_ + 1));
+  }
+  /// The schedule evaluated on the host for every applied-step position up to `size`, moved to
+  /// the device once; the step indexes it with the device-resident applied count.
+  void build_lr_table(std::int64_t size);
+
+  TrainerOptions options_;
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::Device device_;
+  std::unique_ptr<UpdateRule> rule_;
+  std::shared_ptr<Schedule> schedule_;
+  std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
+  std::vector<torch::Tensor> lrs_;
+  torch::Tensor lr_table_;
+  torch::Tensor applied_, skipped_, window_loss_;
+  torch::Tensor constant_;  // constant()
+  double constant_value_ = 0.0;
+  std::int64_t windows_ = 0;
+
+ private:
+  static torch::Device first_device(torch::nn::Module& module);
+};
+
+}  // namespace detail
+
 /// A training configuration as a type. See the file comment for use; step.md for semantics.
 /// It is also an AnyTrainer (any_trainer.hpp): code that takes AnyTrainer& (tk::fit, the
 /// checkpoint manager, a driver) compiles once for every configuration.
 template <class Precision = PrecisionPolicy<FP32>, class Accumulation = AccumulationPolicy<1>,
           class Clip = ClipPolicy<NoClip>>
-class Trainer final : public AnyTrainer {
+class Trainer final : public detail::TrainerCore {
   static_assert(is_precision_policy<Precision>::value,
                 "trainkit::Trainer<P, A, C>: P (the first argument) must be "
                 "tk::PrecisionPolicy<tk::FP32 | tk::BF16 | tk::FP16Static | tk::FP16Dynamic>, or "
@@ -99,9 +192,7 @@ class Trainer final : public AnyTrainer {
   /// torch::optim::Optimizer built over the model's parameters (unfused).
   template <class Model, class Optimizer>
   Trainer(Model& model, Optimizer optimizer, TrainerOptions options = {})
-      : options_(validated(std::move(options))),
-        module_(detail::module_of(model)),
-        device_(first_device(*module_)),
+      : TrainerCore(validated(std::move(options)), detail::module_of(model)),
         precision_(options_.loss_scale(), device_),
         accumulation_(options_),
         clip_(options_),
@@ -110,16 +201,7 @@ class Trainer final : public AnyTrainer {
                   "trainkit::Trainer with MasterWeights<T>: a torch::optim::Optimizer would update "
                   "the model's half parameters, not the fp32 masters; use the fused tk::SGD, "
                   "tk::Adam or tk::AdamW, or PrecisionPolicy<T> without MasterWeights");
-    rule_ = detail::make_rule(std::move(optimizer), storage_.groups());
-    if (options_.sharding() != Sharding::none && !rule_->fused())
-      throw std::invalid_argument("trainkit::TrainerOptions: sharding (TRAIN.ZERO_STAGE) needs trainkit's fused "
-                                  "optimizers (tk::SGD, tk::Adam, tk::AdamW): a torch::optim::Optimizer keeps the "
-                                  "state of every parameter itself");
-    const auto long_opts = torch::dtype(torch::kLong).device(device_);
-    applied_ = torch::zeros({1}, long_opts);
-    skipped_ = torch::zeros({1}, long_opts);
-    window_loss_ = torch::zeros({}, torch::dtype(torch::kFloat).device(device_));
-    set_schedule(std::make_shared<ConstantSchedule>());
+    start(detail::make_rule(std::move(optimizer), storage_.groups()));
   }
 
   Trainer(const Trainer&) = delete;
@@ -178,23 +260,6 @@ class Trainer final : public AnyTrainer {
     return std::nullopt;
   }
 
-  /// Attaches an LR schedule (its factor multiplies the optimizer's LR); it advances only on
-  /// applied steps. Call schedule_changed() after changing a schedule's values (plateau).
-  void set_schedule(std::shared_ptr<Schedule> schedule) override {
-    TORCH_CHECK(schedule != nullptr, "set_schedule: the schedule is null");
-    schedule_ = std::move(schedule);
-    schedule_changed();
-  }
-  void schedule_changed() override { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
-  const Schedule& schedule() const override { return *schedule_; }
-  /// After an epoch's validation (the fit loop): hands `metric` to the schedule (plateau) and
-  /// rebuilds the LR table when the schedule changed. Returns whether it changed.
-  bool on_epoch_end(std::int64_t epoch, double metric) override {
-    const bool changed = schedule_->on_epoch_end(epoch, metric);
-    if (changed) schedule_changed();
-    return changed;
-  }
-
   /// Data parallel (replicas.hpp): attaches the other ranks; every rank's parameters and
   /// buffers become rank 0's now, and phase 5 sums the gradients once per window. Call it on
   /// every rank, between windows, before load(). The default is SingleProcess. With
@@ -213,29 +278,16 @@ class Trainer final : public AnyTrainer {
     if (storage_.attach(*replicas_, *module_) || was_sharded)
       for (auto* state : rule_->flat_states()) state->resize(storage_.state_numel());
   }
-  /// rank(), world_size(), is_main() for the loop; all_reduce() for its metrics.
-  Replicas& replicas() override { return *replicas_; }
-  const Replicas& replicas() const override { return *replicas_; }
-
   // --- state ----------------------------------------------------------------------------
-  /// Optimizer phases run (applied + skipped); host value, no sync.
-  std::int64_t windows() const override { return windows_; }
   /// Micro-batches in the current, open window.
   std::int64_t window_position() const override { return accumulation_.position(); }
-  /// Applied optimizer steps (device scalar; `.item()` syncs).
-  const torch::Tensor& applied_steps() const override { return applied_; }
-  const torch::Tensor& skipped_steps() const override { return skipped_; }
   /// The current loss scale (device scalar; 1 without loss scaling).
   const torch::Tensor& loss_scale() const override { return precision_.scale(); }
   Precision& precision_policy() { return precision_; }
   Accumulation& accumulation_policy() { return accumulation_; }
   const Clip& clip_policy() const { return clip_; }
-  detail::UpdateRule& update_rule() { return *rule_; }
   /// Where the parameters, gradients and masters live (storage.hpp, master_storage.hpp).
   const storage_type& storage() const { return storage_; }
-  const TrainerOptions& options() const override { return options_; }
-  torch::nn::Module& model() override { return *module_; }
-  torch::Device device() const override { return device_; }
   /// The flat gradient (every trainable parameter's .grad is a view into it). With master
   /// weights: the fp32 gradient of the optimizer phase, undefined between windows.
   const torch::Tensor& gradients() const { return storage_.gradients(); }
@@ -252,7 +304,6 @@ class Trainer final : public AnyTrainer {
   // --- AnyTrainer: what the loop asks of any configuration --------------------------------
   std::string type_name() const override { return name(); }
   bool uses_loss_scale() const override { return Precision::scales_loss; }
-  double base_lr() const override { return rule_->base_lr(); }
   std::int64_t window_length() const override { return accumulation_.window(); }
   std::optional<at::ScalarType> autocast_dtype() const override {
     return detail::autocast_dtype_of<precision_mode>();
@@ -275,32 +326,17 @@ class Trainer final : public AnyTrainer {
   /// does not fit, ranks that loaded different states) leaves the trainer partly loaded:
   /// load(path) and the checkpoint manager put the previous state back.
   void load(torch::serialize::InputArchive& archive, const std::string& source) override {
-    const auto what = [&](const std::string& s) { return "checkpoint '" + source + "': " + s; };
-    c10::IValue type;
-    if (!archive.try_read("meta.trainer", type))
-      throw std::runtime_error(what("not a trainkit checkpoint (no meta.trainer record)"));
-    if (type.toStringRef() != name())
-      throw std::runtime_error(what("written by " + type.toStringRef() + ", this trainer is " +
-                                    name() + "; resume with the same configuration"));
-    c10::IValue optimizer;
-    if (archive.try_read("meta.optimizer", optimizer) && optimizer.toStringRef() != rule_->name())
-      throw std::runtime_error(what("written with the optimizer " + optimizer.toStringRef() + ", this trainer's is " +
-                                    rule_->name() + "; resume with the checkpoint's optimizer (TRAIN.OPTIMIZER), or "
-                                    "start a new run (tk::load_weights takes its weights alone)"));
-    check_model_records(archive, what);
-    read_state(archive, what, /*snapshot=*/false);
+    check_checkpoint(archive, source);
+    read_state(archive, "checkpoint '" + source + "': ", /*snapshot=*/false);
     // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
     replicas_->check_same_state({storage_.replicated_state(), applied_, skipped_, precision_.scale(),
-                                 torch::tensor({static_cast<double>(windows_),
-                                                static_cast<double>(accumulation_.position())},
-                                               torch::kDouble)},
-                                what("the ranks loaded different training states"));
+                                 detail::host_counters(windows_, accumulation_.position())},
+                                "checkpoint '" + source + "': the ranks loaded different training states");
   }
   /// A snapshot() of this trainer back (the rollback of a failed load): no checks, no
   /// collectives.
   void restore(torch::serialize::InputArchive& snapshot) override {
-    read_state(snapshot, [](const std::string& s) { return "restoring the state before a failed load: " + s; },
-               /*snapshot=*/true);
+    read_state(snapshot, "restoring the state before a failed load: ", /*snapshot=*/true);
   }
 
  protected:
@@ -312,98 +348,55 @@ class Trainer final : public AnyTrainer {
   }
 
  private:
+  // The records of every part, in this order: the shared ones (TrainerCore) around the
+  // storage's and the policies'.
   void write_state(torch::serialize::OutputArchive& archive, bool snapshot) const {
-    detail::write_value(archive, "meta.trainer", name());
-    detail::write_value(archive, "meta.version", std::string(TRAINKIT_VERSION_STRING));
-    detail::write_value(archive, "meta.optimizer", rule_->name());
-    detail::write_value(archive, "meta.config", options_.config_json());
+    write_meta(archive);
     {
       torch::NoGradGuard no_grad;
       if (snapshot) storage_.snapshot(archive, *module_, *rule_);
       else storage_.save(archive, *module_, *rule_);
-      for (const auto& b : module_->named_buffers(true))
-        archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
     }
+    write_buffers(archive);
     rule_->save(archive);
     precision_.save(archive);
-    detail::write_tensor(archive, "counters.applied", applied_);
-    detail::write_tensor(archive, "counters.skipped", skipped_);
-    detail::write_value(archive, "counters.windows", windows_);
+    write_counters(archive);
     accumulation_.save(archive);
     // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
     if (accumulation_.position() > 0) {
       storage_.save_window(archive, snapshot);
       detail::write_tensor(archive, "window.loss", window_loss_);
     }
-    detail::write_value(archive, "schedule.state", schedule_->state());
-    detail::save_rng_states(archive, device_);
+    write_schedule_and_generators(archive);
+  }
+
+  // Sets the trainer's state from the records save() wrote (checked by check_checkpoint
+  // first), or from a snapshot() of this trainer's. `prefix` names the archive in errors.
+  void read_state(torch::serialize::InputArchive& archive, const std::string& prefix, bool snapshot) {
+    read_buffers(archive);
+    try {
+      if (snapshot) storage_.restore(archive, *module_, *rule_);
+      else storage_.load(archive, *module_, *rule_);
+      rule_->load(archive);
+    } catch (const std::exception& e) {
+      refuse_optimizer_state(archive, prefix, e);
+    }
+    precision_.load(archive);
+    read_counters(archive);
+    accumulation_.load(archive);
+    if (accumulation_.position() > 0) {
+      storage_.load_window(archive, snapshot);
+      read_window_loss(archive);
+    } else {
+      storage_.zero();
+    }
+    read_schedule_and_generators(archive);
   }
 
   static TrainerOptions validated(TrainerOptions options) {
     options.validate();
     storage_type::validate(options, name());
     return options;
-  }
-
-  static torch::Device first_device(torch::nn::Module& module) {
-    for (const auto& p : module.parameters(true))
-      if (p.requires_grad()) return p.device();
-    throw std::invalid_argument(
-        "Trainer: the model has no trainable parameters (none has requires_grad=true)");
-  }
-
-  // Every parameter and buffer of the model is in the archive with its shape; throws naming the
-  // first that is not, before anything changes.
-  template <class What>
-  void check_model_records(torch::serialize::InputArchive& archive, const What& what) const {
-    auto check = [&](const std::string& prefix, const std::string& key, const torch::Tensor& target) {
-      torch::Tensor saved;
-      if (!archive.try_read(prefix + key, saved, true))
-        throw std::runtime_error(what("has no " + prefix.substr(6, prefix.size() - 7) + " '" +
-                                      key + "' that the model has"));
-      if (saved.sizes() != target.sizes())
-        throw std::runtime_error(what("'" + key + "' has shape " +
-                                      detail::shape_string(saved.sizes()) + ", the model's is " +
-                                      detail::shape_string(target.sizes())));
-    };
-    for (const auto& p : module_->named_parameters(true)) check("model.param.", p.key(), p.value());
-    for (const auto& b : module_->named_buffers(true)) check("model.buffer.", b.key(), b.value());
-  }
-
-  // Sets the trainer's state from the records save() wrote (checked by check_model_records
-  // first), or from a snapshot() of this trainer's.
-  template <class What>
-  void read_state(torch::serialize::InputArchive& archive, const What& what, bool snapshot) {
-    {
-      torch::NoGradGuard no_grad;
-      for (const auto& b : module_->named_buffers(true)) detail::read_into(archive, "model.buffer." + b.key(), b.value());
-    }
-    try {
-      if (snapshot) storage_.restore(archive, *module_, *rule_);
-      else storage_.load(archive, *module_, *rule_);
-      rule_->load(archive);
-    } catch (const std::exception& e) {
-      c10::IValue written;
-      const std::string by = archive.try_read("meta.optimizer", written) ? written.toStringRef() : std::string("an unknown optimizer");
-      throw std::runtime_error(what("its optimizer state was written by " + by + ", this trainer's optimizer is " +
-                                    rule_->name() + ", whose state it does not hold (" + detail::first_line_of(e) +
-                                    "); resume with the checkpoint's optimizer (TRAIN.OPTIMIZER), or start a new run"));
-    }
-    precision_.load(archive);
-    detail::read_into(archive, "counters.applied", applied_);
-    detail::read_into(archive, "counters.skipped", skipped_);
-    windows_ = detail::read_value(archive, "counters.windows").toInt();
-    accumulation_.load(archive);
-    if (accumulation_.position() > 0) {
-      storage_.load_window(archive, snapshot);
-      window_loss_ = torch::zeros_like(window_loss_);  // (the last report may hold the old one)
-      detail::read_into(archive, "window.loss", window_loss_);
-    } else {
-      storage_.zero();
-    }
-    schedule_->load_state(detail::read_value(archive, "schedule.state").toStringRef());
-    schedule_changed();
-    detail::load_rng_states(archive, device_);
   }
 
   template <class Closure>
@@ -494,23 +487,8 @@ class Trainer final : public AnyTrainer {
       return optimizer_phase();
     } catch (const std::exception& e) {
       if (!detail::is_out_of_memory(e)) throw;
-      throw std::runtime_error("out of memory in the optimizer phase of optimizer step " + std::to_string(windows_ + 1) +
-                               " (after the window's forward and backward passes); the step may be half applied, "
-                               "so training stops here: resume from the last checkpoint with a smaller micro-batch "
-                               "or TRAIN.MEMORY_BUDGET. " + detail::first_line_of(e));
+      optimizer_phase_out_of_memory(e);
     }
-  }
-
-  void check_loss(const torch::Tensor& loss) const {
-    TORCH_CHECK(loss.defined(), "micro_step: the closure returned an undefined tensor");
-    if (loss.numel() != 1)
-      throw std::invalid_argument(
-          "micro_step: the closure must return a scalar loss (one element), got a tensor of "
-          "shape " + detail::shape_string(loss.sizes()) + "; reduce it with .mean() or .sum()");
-    if (!loss.requires_grad())
-      throw std::invalid_argument(
-          "micro_step: the loss does not require grad (it was computed under NoGradGuard, from "
-          "detached tensors, or from parameters with requires_grad=false)");
   }
 
   // The optimizer phase, after the window's last micro-step (step.md, phases 5-11).
@@ -608,49 +586,14 @@ class Trainer final : public AnyTrainer {
     }
   }
 
-  // The phase's divisor without loss scaling, a device scalar remade only when its value
-  // changes (1 in every full window; item-weighted or partial windows vary).
-  const torch::Tensor& constant(double value) {
-    if (!constant_.defined() || constant_value_ != value) {
-      constant_ = torch::full({}, value, torch::dtype(torch::kFloat).device(device_));
-      constant_value_ = value;
-    }
-    return constant_;
-  }
-
-  void ensure_lr_table() {
-    if (windows_ + 1 >= lr_table_.size(0)) build_lr_table(2 * (windows_ + 1));
-  }
-  // The schedule evaluated on the host for every applied-step position up to `size`, moved to
-  // the device once; the step indexes it with the device-resident applied count.
-  void build_lr_table(std::int64_t size) {
-    std::vector<double> values(static_cast<size_t>(size));
-    const double base = rule_->base_lr();
-    for (std::int64_t i = 0; i < size; ++i) values[i] = base * schedule_->factor(i);
-    // CPU kernels read a double LR; CUDA's fused kernels read fp32. Converted on the host and
-    // copied from pinned memory without waiting: a rebuild (every doubling of the step count,
-    // or a schedule change) costs no host sync.
-    const auto dtype = device_.is_cpu() ? torch::kDouble : torch::kFloat;
-    const auto host = torch::tensor(values, torch::kDouble).to(dtype);
-    lr_table_ = device_.is_cuda() ? host.pin_memory().to(device_, /*non_blocking=*/true) : host.to(device_);
-  }
-
-  TrainerOptions options_;
-  std::shared_ptr<torch::nn::Module> module_;
-  torch::Device device_;
   Precision precision_;
   Accumulation accumulation_;
   Clip clip_;
   storage_type storage_;
-  std::unique_ptr<detail::UpdateRule> rule_;
-  std::shared_ptr<Schedule> schedule_;
-  std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
-  std::vector<torch::Tensor> lrs_;
-  torch::Tensor lr_table_;
-  torch::Tensor applied_, skipped_, window_loss_;
-  torch::Tensor constant_;  // constant()
-  double constant_value_ = 0.0;
-  std::int64_t windows_ = 0;
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/trainer-inl.hpp>
+#endif

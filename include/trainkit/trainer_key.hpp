@@ -2,6 +2,7 @@
 /// Which Trainer type a configuration needs, as values (no LibTorch): the precision, clipping
 /// and accumulation of `Trainer<PrecisionPolicy<P>, AccumulationPolicy<N>, ClipPolicy<C>>`.
 /// A Trainer's name() is its key's name(): the one place the name is formatted.
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/tags.hpp>
 
 #include <string>
@@ -27,18 +28,9 @@ struct TrainerKey {
   /// window length is then the run-time TrainerOptions::accumulation_steps. A fixed count
   /// generates the same step (measured: benchmarks/accumulation_fixed_vs_dynamic), so the
   /// registry compiles Dynamic only.
-  TrainerKey dispatched() const {
-    TrainerKey k = *this;
-    k.accumulation = dynamic;
-    return k;
-  }
+  TrainerKey dispatched() const;
   /// "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>": logs, checkpoints (checked on load).
-  std::string name() const {
-    const std::string n = accumulation == dynamic ? "Dynamic" : std::to_string(accumulation);
-    const std::string p = master_weights ? std::string("MasterWeights<") + to_string(precision) + ">"
-                                         : std::string(to_string(precision));
-    return "Trainer<" + p + ", Accumulate<" + n + ">, " + to_string(clip) + ">";
-  }
+  std::string name() const;
   friend constexpr bool operator==(const TrainerKey& a, const TrainerKey& b) {
     return a.precision == b.precision && a.accumulation == b.accumulation && a.clip == b.clip &&
            a.master_weights == b.master_weights;
@@ -47,3 +39,7 @@ struct TrainerKey {
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/trainer_key-inl.hpp>
+#endif

@@ -6,6 +6,7 @@
 #   downstream.unit_counts     the registry's and the tests' unit counts, as configured
 #   downstream.find_package    find_package(trainkit CONFIG REQUIRED) against that prefix
 #   downstream.add_subdirectory / downstream.fetchcontent   the source tree itself
+# Each runs the program header-only and (but fetchcontent) in the compiled mode.
 # The projects compile tests/downstream/main.cpp; another program can be given to any of them with
 # -DTRAINKIT_DOWNSTREAM_MAIN=<file>.
 set(_here "${CMAKE_CURRENT_SOURCE_DIR}/downstream")
@@ -26,7 +27,7 @@ string(APPEND _init "set(CMAKE_PREFIX_PATH [==[${_prefix};${CMAKE_PREFIX_PATH};$
 file(CONFIGURE OUTPUT "${_work}/downstream-init.cmake" CONTENT "${_init}")
 
 set(_driver "${_here}/build_and_run.cmake")
-set(_expect "trainkit ${PROJECT_VERSION}, tensor sum 6")
+set(_expect "trainkit ${PROJECT_VERSION}, tensor sum 6, applied 1")
 if(TARGET trainkit_yaml)
   string(APPEND _expect ", yaml 42")
 endif()
@@ -49,7 +50,9 @@ endfunction()
 trainkit_add_downstream_test(find_package "-DEXPECT_TRAINKIT_DIR=${_prefix}/")
 set_tests_properties(downstream.find_package PROPERTIES FIXTURES_REQUIRED trainkit_installed)
 trainkit_add_downstream_test(add_subdirectory "-DEXTRA_ARGS=-DTRAINKIT_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
-trainkit_add_downstream_test(fetchcontent "-DEXTRA_ARGS=-DFETCHCONTENT_SOURCE_DIR_TRAINKIT=${PROJECT_SOURCE_DIR}")
+# (The compiled mode is built by the other two ways: here the header-only program alone.)
+trainkit_add_downstream_test(fetchcontent
+  "-DEXTRA_ARGS=-DFETCHCONTENT_SOURCE_DIR_TRAINKIT=${PROJECT_SOURCE_DIR}$<SEMICOLON>-DTRAINKIT_DOWNSTREAM_COMPILED=OFF")
 
 add_test(NAME downstream.install_unbuilt
          COMMAND "${CMAKE_COMMAND}" "-DSOURCE=${PROJECT_SOURCE_DIR}" "-DWORK=${_work}/unbuilt"

@@ -13,7 +13,8 @@ execute_process(COMMAND "${CMAKE_COMMAND}" --install "${WORK}/build" --prefix "$
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "cmake --install of the unbuilt tree failed:\n${out}")
 endif()
-foreach(file include/trainkit/trainkit.hpp include/trainkit/weights.hpp share/cmake/trainkit/trainkitConfig.cmake
+foreach(file include/trainkit/trainkit.hpp include/trainkit/weights.hpp include/trainkit/trainer-inl.hpp
+             share/trainkit/compiled/trainkit.cpp share/cmake/trainkit/trainkitConfig.cmake
              share/doc/trainkit/LICENSE)
   if(NOT EXISTS "${WORK}/prefix/${file}")
     message(FATAL_ERROR "cmake --install of the unbuilt tree did not install ${file}:\n${out}")

@@ -2,6 +2,7 @@
 /// Machinery of master weights (PrecisionPolicy<MasterWeights<T>>, see precision.hpp): which
 /// parameters stay fp32, and the model-facing half storage that mirrors the trainer's flat
 /// fp32 storage element for element.
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/released_storage.hpp>
 
 #include <torch/nn/module.h>
@@ -18,39 +19,16 @@
 namespace trainkit::detail {
 
 /// LibTorch's normalisation layers (Apex O2 keeps these in fp32).
-inline bool is_normalisation_layer(const torch::nn::Module& m) {
-  using namespace torch::nn;
-  return dynamic_cast<const LayerNormImpl*>(&m) || dynamic_cast<const GroupNormImpl*>(&m) ||
-         dynamic_cast<const BatchNorm1dImpl*>(&m) || dynamic_cast<const BatchNorm2dImpl*>(&m) ||
-         dynamic_cast<const BatchNorm3dImpl*>(&m) || dynamic_cast<const InstanceNorm1dImpl*>(&m) ||
-         dynamic_cast<const InstanceNorm2dImpl*>(&m) || dynamic_cast<const InstanceNorm3dImpl*>(&m);
-}
+bool is_normalisation_layer(const torch::nn::Module& m);
 
 /// The parameters of normalisation layers, by TensorImpl.
-inline std::unordered_set<const c10::TensorImpl*> normalisation_parameters(torch::nn::Module& model) {
-  std::unordered_set<const c10::TensorImpl*> out;
-  for (const auto& m : model.modules(/*include_self=*/true))
-    if (is_normalisation_layer(*m))
-      for (const auto& p : m->parameters(/*recurse=*/false)) out.insert(p.unsafeGetTensorImpl());
-  return out;
-}
+std::unordered_set<const c10::TensorImpl*> normalisation_parameters(torch::nn::Module& model);
 
 /// Stores in `dtype` what the trainer does not flatten: parameters without requires_grad, and
 /// the floating-point buffers of normalisation layers (their kernels want the running stats
 /// in the parameters' dtype). Other buffers stay as the model made them. Skips normalisation
 /// layers when `keep_norm_fp32`.
-inline void store_untrained_in(torch::nn::Module& model, at::ScalarType dtype, bool keep_norm_fp32) {
-  torch::NoGradGuard no_grad;
-  for (const auto& m : model.modules(/*include_self=*/true)) {
-    const bool norm = is_normalisation_layer(*m);
-    if (norm && keep_norm_fp32) continue;
-    for (auto& p : m->parameters(/*recurse=*/false))
-      if (!p.requires_grad() && p.is_floating_point()) p.set_data(p.to(dtype));
-    if (norm)
-      for (auto& b : m->buffers(/*recurse=*/false))
-        if (b.is_floating_point()) b.set_data(b.to(dtype));
-  }
-}
+void store_untrained_in(torch::nn::Module& model, at::ScalarType dtype, bool keep_norm_fp32);
 
 /// The model's half parameters and gradients: two flat buffers laid out exactly as the
 /// trainer's fp32 master storage (same offsets). Parameters kept in fp32 leave their slices here
@@ -71,84 +49,31 @@ class HalfStorage {
  public:
   /// The half parameters, before the model's parameters are moved into them; the gradients
   /// come after (allocate_gradients), once the model's old storage is released.
-  void allocate_parameters(std::int64_t numel, at::ScalarType dtype, torch::Device device) {
-    params_ = torch::empty({numel}, torch::dtype(dtype).device(device));
-  }
-  void allocate_gradients(std::int64_t kept_numel) {
-    grad_ = torch::zeros_like(params_);
-    if (kept_numel > 0) kept_grad_ = torch::zeros({kept_numel}, params_.options().dtype(torch::kFloat));
-  }
+  void allocate_parameters(std::int64_t numel, at::ScalarType dtype, torch::Device device);
+  void allocate_gradients(std::int64_t kept_numel);
   torch::Tensor param_view(std::int64_t offset, std::int64_t n) const { return params_.narrow(0, offset, n); }
   torch::Tensor grad_view(std::int64_t offset, std::int64_t n) const { return grad_.narrow(0, offset, n); }
   /// The gradient slice of a parameter kept in fp32 at [offset, offset + n) of the masters.
-  torch::Tensor add_kept(std::int64_t offset, std::int64_t n) {
-    auto view = kept_grad_.narrow(0, kept_used_, n);
-    kept_used_ += n;
-    kept_positions_.push_back(torch::arange(offset, offset + n, torch::kLong));
-    return view;
-  }
+  torch::Tensor add_kept(std::int64_t offset, std::int64_t n);
   /// After the last add_kept().
-  void finish() {
-    if (!kept_positions_.empty()) {
-      kept_index_host_ = torch::cat(kept_positions_);  // ascending: add_kept() runs in layout order
-      kept_index_ = kept_index_host_.to(grad_.device());
-    }
-    kept_positions_.clear();
-  }
+  void finish();
 
   /// After a micro-batch that does not close its window: the half gradient into the fp32 sum
   /// (a copy for the window's first, else an add), and the half gradient to 0. No host sync.
-  void accumulate() {
-    ensure_sum();
-    if (summed_) add_into_sum();
-    else sum_.copy_(grad_);
-    summed_ = true;
-    grad_.zero_();
-  }
+  void accumulate();
   /// The window's fp32 gradient, in master layout: the half gradient cast into a fresh fp32
   /// buffer (one micro-batch), or added to the fp32 sum (several; the sum is returned), plus one
   /// scatter of the kept parameters' fp32 gradients. The phase may change it in place.
-  torch::Tensor gather() {
-    auto flat = summed_ ? add_into_sum() : grad_.to(torch::kFloat);
-    if (kept_index_.defined()) flat.index_copy_(0, kept_index_, kept_grad_);
-    return flat;
-  }
+  torch::Tensor gather();
   /// The chunked optimizer phase (one micro-batch in the window, so no fp32 sum): the window's
   /// fp32 gradient is never whole, only `chunk` elements at a time in a buffer of that size.
   /// norm_in_chunks: the L2 norm of the window's gradient (half and kept), each chunk cast
   /// into `buffer` (its norm in fp32, as the whole gradient's would be), then the norm of those
   /// norms. No host sync.
-  torch::Tensor norm_in_chunks(torch::Tensor& buffer) const {
-    const auto chunk = buffer.numel(), total = grad_.numel();
-    const auto count = (total + chunk - 1) / chunk;
-    auto norms = torch::zeros({count + 1}, buffer.options());
-    for (std::int64_t i = 0; i < count; ++i) {
-      const auto n = std::min(chunk, total - i * chunk);
-      auto part = buffer.narrow(0, 0, n);
-      part.copy_(grad_.narrow(0, i * chunk, n));
-      auto out = norms.select(0, i);
-      at::linalg_vector_norm_out(out, part, 2);
-    }
-    if (kept_grad_.defined()) {
-      auto out = norms.select(0, count);
-      at::linalg_vector_norm_out(out, kept_grad_, 2);
-    }
-    return at::linalg_vector_norm(norms, 2);
-  }
+  torch::Tensor norm_in_chunks(torch::Tensor& buffer) const;
   /// Elements [begin, begin + n) of the window's fp32 gradient in master layout, into `out`
   /// (n elements): the half gradient cast, and the kept parameters' gradients in their places.
-  void gradient_chunk(std::int64_t begin, std::int64_t n, torch::Tensor& out) {
-    out.copy_(grad_.narrow(0, begin, n));
-    if (!kept_index_host_.defined()) return;
-    // The kept positions in [begin, begin + n): a range of the ascending kept index.
-    const auto* first = kept_index_host_.data_ptr<std::int64_t>();
-    const auto* last = first + kept_index_host_.numel();
-    const auto lo = std::lower_bound(first, last, begin) - first;
-    const auto hi = std::lower_bound(first, last, begin + n) - first;
-    if (hi == lo) return;
-    auto local = kept_index_.narrow(0, lo, hi - lo) - begin;
-    out.index_copy_(0, local, kept_grad_.narrow(0, lo, hi - lo));
-  }
+  void gradient_chunk(std::int64_t begin, std::int64_t n, torch::Tensor& out);
 
   /// Data parallel in half precision: `reduce(half_gradient)` on the whole window's gradient.
   /// The kept parameters' fp32 gradients join it in their (otherwise unused, zero) slices,
@@ -169,46 +94,21 @@ class HalfStorage {
   torch::Tensor summed() const { return summed_ ? sum_ : torch::Tensor(); }
   void drop_sum() { summed_ = false; }
   /// A checkpoint's fp32 sum, to be read into (allocated on first use).
-  torch::Tensor& summed_for_load() {
-    ensure_sum();
-    summed_ = true;
-    return sum_;
-  }
+  torch::Tensor& summed_for_load();
   /// The model's parameters from the masters: one copy (a cast, rounding to nearest).
-  void write_back(const torch::Tensor& masters) {
-    torch::NoGradGuard no_grad;
-    params_.copy_(masters);
-  }
+  void write_back(const torch::Tensor& masters);
   /// The gradients to zero (`release`: the half gradient's memory freed instead, its views
   /// kept, until allocate_if_released(); Sharding::gradients between windows).
-  void zero_grad(bool release = false) {
-    if (release) {
-      if (!is_released(grad_)) release_storage(grad_);
-    } else {
-      grad_.zero_();
-    }
-    if (kept_grad_.defined()) kept_grad_.zero_();
-    summed_ = false;  // the next window's first accumulate() copies
-  }
+  void zero_grad(bool release = false);
   /// Before a backward: the half gradient's memory back (zeros) if it was released.
-  void allocate_if_released() {
-    if (is_released(grad_)) allocate_released(grad_);
-  }
+  void allocate_if_released();
   /// The half buffers at `numel` elements (the sharded partition's padding, zeros); the
   /// caller points the model's parameters and .grad at the new ones.
-  void extend(std::int64_t numel) {
-    if (numel == params_.numel()) return;
-    auto params = torch::zeros({numel}, params_.options());
-    params.narrow(0, 0, params_.numel()).copy_(params_);
-    params_ = params;
-    grad_ = torch::zeros({numel}, params_.options());
-  }
+  void extend(std::int64_t numel);
   /// Sharded, a half reduction: the kept parameters' fp32 gradients into their (otherwise
   /// unused, zero) slots of the half gradient, rounded to the half dtype as every other
   /// gradient, before the gradient is reduce-scattered.
-  void put_kept_in_half() {
-    if (kept_index_.defined()) grad_.index_copy_(0, kept_index_, kept_grad_.to(grad_.scalar_type()));
-  }
+  void put_kept_in_half();
 
   const torch::Tensor& params() const { return params_; }
   const torch::Tensor& grad() const { return grad_; }
@@ -220,16 +120,7 @@ class HalfStorage {
   // temporary first (4 bytes per parameter: measured, +191 MiB for 50 M elements); slices of
   // 1 Mi elements keep that temporary at 4 MiB (larger ones, 16 MiB, stayed in glibc's heap).
   // CUDA kernels cast as they read: one call.
-  torch::Tensor& add_into_sum() {
-    if (!grad_.is_cpu()) return sum_.add_(grad_);
-    constexpr std::int64_t slice = std::int64_t{1} << 20;
-    const auto total = grad_.numel();
-    for (std::int64_t begin = 0; begin < total; begin += slice) {
-      const auto n = std::min(slice, total - begin);
-      sum_.narrow(0, begin, n).add_(grad_.narrow(0, begin, n));
-    }
-    return sum_;
-  }
+  torch::Tensor& add_into_sum();
   void ensure_sum() {  // (zeros: the flat layout's gaps must stay 0)
     if (!sum_.defined()) sum_ = torch::zeros({grad_.numel()}, grad_.options().dtype(torch::kFloat));
   }
@@ -243,3 +134,7 @@ class HalfStorage {
 };
 
 }  // namespace trainkit::detail
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/detail/master_weights-inl.hpp>
+#endif

@@ -22,6 +22,7 @@
 /// rank receives its part of it at once; a contiguous shard would make each bucket the business
 /// of one rank. A rank's slices are still contiguous runs of the flat buffer, one per bucket,
 /// and the update walks them as the chunked master-weights phase walks its chunks.
+#include <trainkit/detail/inline.hpp>
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
@@ -44,25 +45,7 @@ class Partition {
   /// `numel`: the flat layout's padded size; `bucket_elements`: the wanted bucket size (a
   /// bucket is this size rounded up to the unit, the last one the rest); `align`: elements per
   /// 64-byte unit of the buffers' narrowest dtype.
-  Partition(std::int64_t numel, std::int64_t bucket_elements, std::int64_t align, int world, int rank, bool sharded)
-      : world_(world), rank_(rank), sharded_(sharded) {
-    if (world < 1 || rank < 0 || rank >= world)
-      throw std::invalid_argument("trainkit::Partition: rank " + std::to_string(rank) + " of world size " +
-                                  std::to_string(world));
-    if (bucket_elements < 1 || align < 1 || numel < 0)
-      throw std::invalid_argument("trainkit::Partition: bucket_elements and align must be >= 1");
-    const std::int64_t unit = sharded ? align * world : align;
-    const std::int64_t per = std::max<std::int64_t>(1, (bucket_elements + unit - 1) / unit) * unit;
-    const std::int64_t padded = (numel + unit - 1) / unit * unit;
-    for (std::int64_t begin = 0; begin < padded; begin += per) buckets_.push_back({begin, std::min(per, padded - begin)});
-    total_ = padded;
-    std::int64_t local = 0;
-    for (const auto& b : buckets_) {
-      local_.push_back(sharded_ ? local : b.begin);
-      local += sharded_ ? b.length / world_ : b.length;
-    }
-    local_total_ = sharded_ ? local : total_;
-  }
+  Partition(std::int64_t numel, std::int64_t bucket_elements, std::int64_t align, int world, int rank, bool sharded);
 
   bool sharded() const { return sharded_; }
   int world_size() const { return world_; }
@@ -72,12 +55,7 @@ class Partition {
   std::int64_t buckets() const { return static_cast<std::int64_t>(buckets_.size()); }
   Range bucket(std::int64_t b) const { return buckets_.at(static_cast<size_t>(b)); }
   /// This rank's part of bucket b, in the flat buffer (the whole bucket when replicated).
-  Range slice(std::int64_t b) const {
-    const Range bucket = buckets_.at(static_cast<size_t>(b));
-    if (!sharded_) return bucket;
-    const std::int64_t n = bucket.length / world_;
-    return {bucket.begin + rank_ * n, n};
-  }
+  Range slice(std::int64_t b) const;
   /// Where slice(b) starts in this rank's local buffers.
   std::int64_t local(std::int64_t b) const { return local_.at(static_cast<size_t>(b)); }
   /// Elements of this rank's local buffers (total() when replicated).
@@ -92,3 +70,7 @@ class Partition {
 };
 
 }  // namespace trainkit::detail
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/detail/partition-inl.hpp>
+#endif
