@@ -130,10 +130,13 @@ def split(path, min_lines):
                 end_line = text[:body_end].count("\n")
                 body_lines = end_line - j
                 if body_lines >= min_lines or (j == end_line and False):
-                    decl, definition = transform(sig, class_stack[-1][0] if in_class else None, lines[j + 1:end_line + 1],
-                                                 text[body_start:body_end + 1])
+                    owner = "::".join(c[0] for c in class_stack) if in_class else None
+                    decl, definition = transform(sig, owner, lines[j + 1:end_line + 1], text[body_start:body_end + 1])
                     indent = re.match(r"\s*", lines[i]).group(0)
-                    out_header.append(indent + decl)
+                    # A member defined at namespace level (X::f) is declared in its class already.
+                    qualified_member = not in_class and re.search(r"\w::~?\w+\s*\(", decl.split("(")[0] + "(")
+                    if not qualified_member:
+                        out_header.append(indent + decl)
                     namespaces = [n for n, _ in ns_stack]
                     definitions.append((namespaces, definition))
                     # trailing text after the closing brace on its line (e.g. "};" never for functions)

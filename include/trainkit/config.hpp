@@ -23,6 +23,7 @@
 /// The parts, one file each: config/error.hpp (ConfigError), config/text.hpp, config/json_reader.hpp,
 /// config/schema.hpp (Field, Schema), config/train_schema.hpp (TRAIN and the top level),
 /// command_line.hpp (CommandLine); this header is Config itself and includes them all.
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/command_line.hpp>
 #include <trainkit/config/error.hpp>
 #include <trainkit/config/json_reader.hpp>
@@ -60,60 +61,23 @@ class Config {
 
   /// Registers the schema of an application section (NETWORK, DATASET...); the section is
   /// then checked like TRAIN, and an absent or empty one means its defaults.
-  Config& register_section(const std::string& name, Schema schema) {
-    return register_section(name, Field::section(std::move(schema)));
-  }
+  Config& register_section(const std::string& name, Schema schema);
   /// As above with any field, for a section that is not a mapping (VL-BERT's pretraining
   /// DATASET is a list of mappings: Field::list(Field::section(schema))).
-  Config& register_section(const std::string& name, Field field) {
-    if (name == "TRAIN" || (root_.has(name) && !registered_.count(name)))
-      throw std::invalid_argument("trainkit::Config::register_section: " + name + " is owned by the toolkit");
-    root_.add(name, std::move(field));
-    registered_.insert(name);
-    resolve();
-    return *this;
-  }
+  Config& register_section(const std::string& name, Field field);
   /// Strict: a top-level section without a registered schema is an error, not passed through.
-  Config& strict_sections(bool strict = true) {
-    strict_ = strict;
-    resolve();
-    return *this;
-  }
+  Config& strict_sections(bool strict = true);
 
   /// Reads `path` (.json, or .yaml/.yml with YAML support), applies `overrides`
   /// ("SECTION.KEY=VALUE", in order) and validates. Replaces whatever was loaded before.
   /// Every failure is a ConfigError naming the file (running out of memory included), and a
   /// file over kMaxConfigBytes is refused before it is read.
-  void load(const std::string& path, const std::vector<std::string>& overrides = {}) {
-    guarded(path, [&] {
-      const Format format = format_of(path);
-      std::error_code ec;
-      if (std::filesystem::is_directory(path, ec)) throw ConfigError("", path + ": is a directory, not a configuration file");
-      const auto bytes = std::filesystem::file_size(path, ec);
-      if (!ec) check_size(bytes, path);
-      std::ifstream in(path, std::ios::binary);
-      if (!in) throw ConfigError("", path + ": cannot open the file (does it exist, and is it readable?)");
-      std::string text;
-      text.resize(kMaxConfigBytes + 1);  // at most the bound and one byte: a file that grew is caught too
-      in.read(text.data(), static_cast<std::streamsize>(text.size()));
-      text.resize(static_cast<std::size_t>(in.gcount()));
-      load_string(text, format, overrides, path);
-    });
-  }
+  void load(const std::string& path, const std::vector<std::string>& overrides = {});
   /// As load(), from text; `name` is the file name used in messages.
   void load_string(const std::string& text, Format format, const std::vector<std::string>& overrides = {},
-                   const std::string& name = "<string>") {
-    guarded(name, [&] { load_checked(text, format, overrides, name); });
-  }
+                   const std::string& name = "<string>");
   /// Applies one more override ("TRAIN.LR=2e-5") and validates; unchanged on error.
-  void set(const std::string& assignment) {
-    guarded("--set " + assignment, [&] {
-      Config next(*this);
-      next.overrides_.push_back(parse_override(assignment));
-      next.resolve();
-      *this = std::move(next);
-    });
-  }
+  void set(const std::string& assignment);
 
   /// The largest configuration text read (JSON or YAML): no configuration comes near it, and a
   /// parser is never handed more than this.
@@ -133,40 +97,14 @@ class Config {
       throw ConfigError("", name + ": " + e.what());
     }
   }
-  static void check_size(std::uintmax_t bytes, const std::string& name) {
-    if (bytes > kMaxConfigBytes)
-      throw ConfigError("", name + ": " + std::to_string(bytes) + " bytes; a configuration is at most " +
-                                std::to_string(kMaxConfigBytes >> 20) + " MiB (Config::kMaxConfigBytes), and never comes near it");
-  }
+  static void check_size(std::uintmax_t bytes, const std::string& name);
   void load_checked(const std::string& text, Format format, const std::vector<std::string>& overrides,
-                    const std::string& name) {
-    check_size(text.size(), name);
-    nlohmann::json raw = parse_text(text, format, name);
-    if (raw.is_null()) raw = nlohmann::json::object();  // an empty file: all defaults
-    if (!raw.is_object())
-      throw ConfigError("", name + ": the top level must be a mapping of keys and sections, got " +
-                                detail::describe_value(raw));
-    std::vector<Override> parsed;
-    for (const auto& o : overrides) parsed.push_back(parse_override(o));
-    // Build and check everything first, so that a failed load leaves this Config unchanged.
-    Config next(*this);
-    next.raw_ = std::move(raw);
-    next.overrides_ = std::move(parsed);
-    next.source_ = name;
-    next.resolve();
-    *this = std::move(next);
-  }
+                    const std::string& name);
 
  public:
 
   /// The file format by extension: .json, or .yaml / .yml.
-  static Format format_of(const std::string& path) {
-    const auto dot = path.find_last_of('.');
-    const std::string ext = dot == std::string::npos ? "" : detail::upper(path.substr(dot + 1));
-    if (ext == "JSON") return Format::json;
-    if (ext == "YAML" || ext == "YML") return Format::yaml;
-    throw ConfigError("", path + ": unknown configuration format; name the file *.json, *.yaml or *.yml");
-  }
+  static Format format_of(const std::string& path);
 
   /// The resolved tree: every toolkit key after defaults and overrides; application sections
   /// as registered (checked) or as given (passed through).
@@ -183,33 +121,10 @@ class Config {
   const std::vector<std::string>& notes() const { return notes_; }
 
   /// The value at "SECTION.KEY" (dots separate levels).
-  const nlohmann::json& at(const std::string& dotted) const {
-    const nlohmann::json* node = &tree_;
-    std::size_t from = 0;
-    while (true) {
-      const auto dot = dotted.find('.', from);
-      const std::string key = dotted.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
-      if (!node->is_object() || !node->contains(key))
-        throw ConfigError(dotted, "no such key in the resolved configuration");
-      node = &(*node)[key];
-      if (dot == std::string::npos) return *node;
-      from = dot + 1;
-    }
-  }
+  const nlohmann::json& at(const std::string& dotted) const;
   /// Whether the file or a --set gave "SECTION.KEY" (false where the value is its default):
   /// for a program that takes a value from elsewhere unless the configuration names one.
-  bool given(const std::string& dotted) const {
-    const nlohmann::json* node = &given_;
-    std::size_t from = 0;
-    while (true) {
-      const auto dot = dotted.find('.', from);
-      const std::string key = dotted.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
-      if (!node->is_object() || !node->contains(key)) return false;
-      node = &(*node)[key];
-      if (dot == std::string::npos) return !node->is_null();
-      from = dot + 1;
-    }
-  }
+  bool given(const std::string& dotted) const;
   template <class T>
   T get(const std::string& dotted) const {
     const nlohmann::json& v = at(dotted);
@@ -230,139 +145,18 @@ class Config {
     nlohmann::json value;
   };
 
-  static nlohmann::json parse_text(const std::string& text, Format format, const std::string& name) {
-    if (format == Format::json) return detail::parse_json_text(text, name);
-    const detail::YamlParser parser = detail::yaml_parser();
-    if (!parser)
-      throw ConfigError("", name + ": YAML support is not built in; #include <trainkit/config_yaml.hpp> and link "
-                                   "yaml-cpp (CMake: target_link_libraries(<target> PRIVATE trainkit::yaml)), "
-                                   "or use the JSON form of this file");
-    return parser(text, name);
-  }
+  static nlohmann::json parse_text(const std::string& text, Format format, const std::string& name);
 
   /// "SECTION.KEY=VALUE": the value is read as a YAML/JSON scalar (2e-5 a number, dynamic a
   /// string, [8, 8] a list, 'x' or "x" a string); nothing after '=' is the empty string.
-  static Override parse_override(const std::string& text) {
-    if (!detail::valid_utf8(text)) throw ConfigError("", "--set: the argument is not valid UTF-8 text");
-    const auto eq = text.find('=');
-    const std::string where = "--set " + text;
-    if (eq == std::string::npos || eq == 0)
-      throw ConfigError("", where + ": expected SECTION.KEY=VALUE, such as TRAIN.LR=2e-5");
-    Override o;
-    o.text = text;
-    std::string key = text.substr(0, eq);
-    std::size_t from = 0;
-    while (true) {
-      const auto dot = key.find('.', from);
-      const std::string part = key.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
-      if (part.empty()) throw ConfigError("", where + ": \"" + key + "\" has an empty key between dots");
-      o.keys.push_back(part);
-      if (dot == std::string::npos) break;
-      from = dot + 1;
-    }
-    std::string value = text.substr(eq + 1);
-    value.erase(0, value.find_first_not_of(" \t"));
-    value.erase(value.find_last_not_of(" \t") + 1);
-    try {
-      if (!value.empty() && value.front() == '\'' && value.size() >= 2 && value.back() == '\'') {
-        std::string s = value.substr(1, value.size() - 2);
-        for (std::size_t p = s.find("''"); p != std::string::npos; p = s.find("''", p + 1)) s.erase(p, 1);
-        o.value = s;
-      } else if (!value.empty() && (value.front() == '"' || value.front() == '[' || value.front() == '{')) {
-        const detail::YamlParser yaml = detail::yaml_parser();
-        o.value = yaml ? yaml(value, where) : detail::parse_json_text(value, where);
-      } else if (value.empty()) {  // TRAIN.KEY= : the empty string, as a shell user means it
-        o.value = std::string();
-      } else {
-        o.value = detail::resolve_plain_scalar(value);
-      }
-    } catch (const ConfigError& e) {
-      throw ConfigError("", where + ": the value is not a valid YAML or JSON value (" + e.what() + ")");
-    }
-    return o;
-  }
+  static Override parse_override(const std::string& text);
 
-  static void apply(nlohmann::json& tree, const Override& o) {
-    nlohmann::json* node = &tree;
-    std::string path;
-    for (std::size_t i = 0; i + 1 < o.keys.size(); ++i) {
-      path = detail::join_path(path, o.keys[i]);
-      nlohmann::json& child = (*node)[o.keys[i]];
-      if (child.is_null()) child = nlohmann::json::object();
-      if (!child.is_object())
-        throw ConfigError(path, "is " + detail::describe_value(child) + ", not a section; --set " + o.text +
-                                    " cannot set a key inside it");
-      node = &child;
-    }
-    (*node)[o.keys.back()] = o.value;
-  }
+  static void apply(nlohmann::json& tree, const Override& o);
 
   /// raw_ + overrides_ -> tree_, checking everything.
-  void resolve() {
-    nlohmann::json given = raw_;
-    for (const auto& o : overrides_) apply(given, o);
-    try {
-      resolve_tree(given);
-    } catch (const ConfigError& e) {
-      // Say which --set put a bad value there.
-      for (const auto& o : overrides_) {
-        std::string p;
-        for (const auto& k : o.keys) p = detail::join_path(p, k);
-        const std::string& ep = e.path();
-        if (!ep.empty() && (ep == p || ep.rfind(p + ".", 0) == 0 || ep.rfind(p + "[", 0) == 0))
-          throw ConfigError(ep, e.message() + " (from --set " + o.text + ")");
-      }
-      throw;
-    }
-  }
+  void resolve();
 
-  void resolve_tree(const nlohmann::json& given) {
-    nlohmann::json tree = nlohmann::json::object();
-    std::vector<std::string> unvalidated;
-    for (const auto& [key, value] : given.items()) {
-      if (root_.has(key)) {
-        tree[key] = root_.find(key)->resolve(value, key);
-        continue;
-      }
-      const bool section_like =
-          value.is_object() || value.is_null() ||
-          (value.is_array() && !value.empty() && std::all_of(value.begin(), value.end(), [](const nlohmann::json& v) {
-             return v.is_object();
-           }));
-      if (!section_like) throw root_.unknown_key(key, "");
-      std::vector<std::string> sections = detail::well_known_sections();
-      for (const auto& r : registered_) sections.push_back(r);
-      const bool known_name = std::find(sections.begin(), sections.end(), key) != sections.end();
-      if (!known_name)
-        if (auto near = detail::nearest(key, sections))
-          throw ConfigError(key, "unknown section; did you mean " + *near + "? (an application's own section "
-                                 "needs a schema: Config::register_section(\"" + key + "\", ...))");
-      if (strict_) {
-        std::string names;
-        for (const auto& r : registered_) names += (names.empty() ? "" : ", ") + r;
-        throw ConfigError(key, "unknown section; the sections with a schema are TRAIN" +
-                                   (names.empty() ? std::string() : ", " + names));
-      }
-      tree[key] = value;
-      unvalidated.push_back(key);
-    }
-    for (const auto& key : root_.keys())
-      if (!tree.contains(key)) tree[key] = root_.find(key)->resolve_default(key);
-
-    std::vector<std::string> notes;
-    const nlohmann::json* given_train = given.contains("TRAIN") && given["TRAIN"].is_object() ? &given["TRAIN"] : nullptr;
-    for (const char* k : {"VISUAL_SCALE_TEXT_LR_MULT", "VISUAL_SCALE_OBJECT_LR_MULT", "VISUAL_SCALE_CLIP_GRAD_NORM"})
-      if (given_train && given_train->contains(k))
-        notes.push_back(std::string("TRAIN.") + k + " is accepted for compatibility with VL-BERT and not used");
-    if (given_train && given_train->contains("BATCH_IMAGES") && tree["TRAIN"]["TARGET_BATCH"].get<std::int64_t>() > 0)
-      notes.push_back("TRAIN.BATCH_IMAGES is not used: TRAIN.TARGET_BATCH sets the per-device batch");
-
-    std::sort(unvalidated.begin(), unvalidated.end());
-    given_ = given;
-    tree_ = std::move(tree);
-    unvalidated_ = std::move(unvalidated);
-    notes_ = std::move(notes);
-  }
+  void resolve_tree(const nlohmann::json& given);
 
   Schema root_;
   std::set<std::string> registered_;
@@ -377,3 +171,7 @@ class Config {
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/config-inl.hpp>
+#endif

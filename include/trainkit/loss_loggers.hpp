@@ -10,6 +10,7 @@
 ///     loggers.add(m, {{"mlm_loss", out.mlm_loss}, {"mvrc_loss", out.mvrc_loss}});
 ///     return out.loss;
 ///   };
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/config.hpp>
 #include <trainkit/metrics.hpp>
 
@@ -36,39 +37,14 @@ class LossLoggers {
   LossLoggers(std::initializer_list<Logger> loggers) : loggers_(loggers) {}
 
   /// TRAIN.LOSS_LOGGERS of a validated configuration.
-  static LossLoggers from(const Config& config) {
-    std::vector<Logger> loggers;
-    for (const auto& entry : config.tree()["TRAIN"]["LOSS_LOGGERS"]) {
-      const std::string text = entry.get<std::string>();  // "key,Name" (the schema checked the comma)
-      const auto comma = text.find(',');
-      loggers.push_back({text.substr(0, comma), text.substr(comma + 1)});
-    }
-    return LossLoggers(std::move(loggers));
-  }
+  static LossLoggers from(const Config& config);
 
   /// Every logger's output must be one of `outputs` (what the task's model gives); else a
   /// ConfigError naming TRAIN.LOSS_LOGGERS, the key and the outputs there are.
-  const LossLoggers& require(const std::vector<std::string>& outputs) const {
-    for (std::size_t i = 0; i < loggers_.size(); ++i) {
-      bool known = false;
-      for (const auto& o : outputs) known |= o == loggers_[i].output;
-      if (known) continue;
-      std::string listed;
-      for (const auto& o : outputs) listed += (listed.empty() ? "" : ", ") + o;
-      throw ConfigError("TRAIN.LOSS_LOGGERS[" + std::to_string(i) + "]",
-                        "no output '" + loggers_[i].output + "' to log; this task's outputs are: " + (listed.empty() ? "none" : listed));
-    }
-    return *this;
-  }
+  const LossLoggers& require(const std::vector<std::string>& outputs) const;
 
   /// Adds each logged output to `metrics` with `weight` (the micro-batch's items).
-  void add(Metrics& metrics, const std::map<std::string, torch::Tensor>& outputs, double weight = 1.0) const {
-    for (const auto& l : loggers_) {
-      const auto it = outputs.find(l.output);
-      TORCH_CHECK(it != outputs.end(), "LossLoggers: the task gave no output '", l.output, "' (TRAIN.LOSS_LOGGERS)");
-      metrics.add(l.name, it->second.detach(), weight);
-    }
-  }
+  void add(Metrics& metrics, const std::map<std::string, torch::Tensor>& outputs, double weight = 1.0) const;
 
   const std::vector<Logger>& loggers() const noexcept { return loggers_; }
   bool empty() const noexcept { return loggers_.empty(); }
@@ -78,3 +54,7 @@ class LossLoggers {
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/loss_loggers-inl.hpp>
+#endif

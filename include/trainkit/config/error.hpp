@@ -1,5 +1,6 @@
 #pragma once
 /// ConfigError: what every configuration error is, with the key path it names.
+#include <trainkit/detail/inline.hpp>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -19,14 +20,7 @@ class ConfigError : public std::runtime_error {
         path_(std::move(path)),
         message_(printable(message)) {}
   /// A file-level error at a position of `file` (line and column from 1).
-  static ConfigError at(const std::string& file, std::int64_t line, std::int64_t column,
-                        const std::string& message) {
-    ConfigError e("", file + ":" + std::to_string(line) + ":" + std::to_string(column) + ": " +
-                          message);
-    e.line_ = line;
-    e.column_ = column;
-    return e;
-  }
+  static ConfigError at(const std::string& file, std::int64_t line, std::int64_t column, const std::string& message);
   const std::string& path() const noexcept { return path_; }
   /// The message without the path.
   const std::string& message() const noexcept { return message_; }
@@ -34,22 +28,7 @@ class ConfigError : public std::runtime_error {
   std::int64_t column() const noexcept { return column_; }
 
   /// `text` with its control characters but newlines and tabs written as \u00XX.
-  static std::string printable(const std::string& text) {
-    std::string out;
-    out.reserve(text.size());
-    for (const char c : text) {
-      const auto u = static_cast<unsigned char>(c);
-      if ((u < 0x20 && c != '\n' && c != '\t') || u == 0x7f) {
-        static const char hex[] = "0123456789abcdef";
-        out += "\\u00";
-        out += hex[u >> 4];
-        out += hex[u & 15];
-      } else {
-        out += c;
-      }
-    }
-    return out;
-  }
+  static std::string printable(const std::string& text);
 
  private:
   std::string path_;
@@ -59,3 +38,7 @@ class ConfigError : public std::runtime_error {
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/config/error-inl.hpp>
+#endif

@@ -1,6 +1,7 @@
 #pragma once
 /// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), table-driven, and TFRecord's masked
 /// form of it. Used by the TensorBoard event writer; no LibTorch, no other dependency.
+#include <trainkit/detail/inline.hpp>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -20,22 +21,17 @@ inline constexpr std::array<std::uint32_t, 256> crc32c_table = [] {
 }();
 
 /// Continues a CRC-32C over `bytes`: crc32c(a + b) == crc32c_extend(crc32c(a), b).
-inline std::uint32_t crc32c_extend(std::uint32_t crc, std::string_view bytes) noexcept {
-  crc = ~crc;
-  for (const char c : bytes) {
-    crc = crc32c_table[(crc ^ static_cast<unsigned char>(c)) & 0xFFu] ^ (crc >> 8);
-  }
-  return ~crc;
-}
+std::uint32_t crc32c_extend(std::uint32_t crc, std::string_view bytes) noexcept;
 
 /// CRC-32C of `bytes` (crc32c("123456789") == 0xE3069283).
 inline std::uint32_t crc32c(std::string_view bytes) noexcept { return crc32c_extend(0, bytes); }
 
 /// TFRecord's masking, so that a CRC stored next to the data it covers does not checksum to a
 /// fixed pattern: rotate right by 15, add a constant.
-inline std::uint32_t masked_crc32c(std::string_view bytes) noexcept {
-  const std::uint32_t crc = crc32c(bytes);
-  return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
-}
+std::uint32_t masked_crc32c(std::string_view bytes) noexcept;
 
 }  // namespace trainkit::detail
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/detail/crc32c-inl.hpp>
+#endif

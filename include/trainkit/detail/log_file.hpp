@@ -2,6 +2,7 @@
 /// An append-only, buffered log file on POSIX calls, whose every failure is an exception naming
 /// the file (std::ofstream reports neither which call failed nor errno). Shared by the scalar
 /// writers (log/scalars.hpp, log/tensorboard.hpp). Not thread-safe; no LibTorch.
+#include <trainkit/detail/inline.hpp>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
@@ -19,10 +20,7 @@
 namespace trainkit::detail {
 
 /// Seconds since the Unix epoch, as event files and the CSV/JSONL writers record them.
-inline double unix_time_now() {
-  using namespace std::chrono;
-  return duration<double>(system_clock::now().time_since_epoch()).count();
-}
+double unix_time_now();
 
 [[noreturn]] inline void throw_file_error(const std::string& action, const std::string& what,
                                           const std::string& path, int error) {
@@ -32,30 +30,10 @@ inline double unix_time_now() {
 
 /// mkdir -p: creates `dir` and its missing parents (0755); throws naming the directory, the
 /// part of it that failed, and `what` it is for.
-inline void make_directories(const std::string& dir, const std::string& what) {
-  const auto fail = [&](const std::string& part, int error) {
-    throw std::runtime_error("trainkit: cannot create the directory '" + dir + "' for the " +
-                             what + (part == dir ? "" : " (at '" + part + "')") + ": " +
-                             std::strerror(error));
-  };
-  for (std::size_t end = dir.find('/', 1);; end = dir.find('/', end + 1)) {
-    const std::string part = dir.substr(0, end);
-    if (!part.empty() && ::mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) fail(part, errno);
-    if (end == std::string::npos) break;
-  }
-  struct stat st {};
-  if (::stat(dir.c_str(), &st) != 0) fail(dir, errno);
-  if (!S_ISDIR(st.st_mode)) fail(dir, ENOTDIR);
-}
+void make_directories(const std::string& dir, const std::string& what);
 
 /// open(2) with `flags | O_WRONLY | O_CLOEXEC`, mode 0644, retried on EINTR: a descriptor or -1.
-inline int open_for_writing(const std::string& path, int flags) {
-  int fd;
-  do {
-    fd = ::open(path.c_str(), flags | O_WRONLY | O_CLOEXEC, 0644);
-  } while (fd < 0 && errno == EINTR);
-  return fd;
-}
+int open_for_writing(const std::string& path, int flags);
 
 /// A file written only at its end through a buffer. The buffer goes to the file when
 /// `flush_records` records have been ended since the last write, when `flush_seconds` have
@@ -81,18 +59,7 @@ class LogFile {
 
   /// Flushes what is left; an error here cannot be thrown, so it is printed on stderr (once:
   /// not when flush() or close() has already thrown it).
-  ~LogFile() {
-    if (fd_ < 0) return;
-    if (!failed_) {
-      try {
-        flush();
-      } catch (const std::exception& e) {
-        std::cerr << e.what() << " (while closing it; " << buffer_.size()
-                  << " bytes were not written)\n";
-      }
-    }
-    ::close(fd_);
-  }
+  ~LogFile();
 
   const std::string& path() const noexcept { return path_; }
 
@@ -100,44 +67,15 @@ class LogFile {
   void append(std::string_view bytes) { buffer_.append(bytes.data(), bytes.size()); }
 
   /// Marks the end of a record; writes the buffer if the flush policy says so.
-  void end_record() {
-    ++pending_records_;
-    if (pending_records_ >= flush_records_ ||
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - last_flush_).count() >=
-            flush_seconds_) {
-      flush();
-    }
-  }
+  void end_record();
 
   /// Writes the whole buffer to the file. On an error (a full disk, an I/O error) it throws,
   /// and keeps what was not written: a later flush() continues from there.
-  void flush() {
-    std::size_t done = 0;
-    while (done < buffer_.size()) {
-      const ssize_t n = ::write(fd_, buffer_.data() + done, buffer_.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) {
-        const int error = errno;
-        buffer_.erase(0, done);
-        failed_ = true;
-        throw_file_error("write", what_, path_, error);
-      }
-      done += static_cast<std::size_t>(n);
-    }
-    buffer_.clear();
-    pending_records_ = 0;
-    failed_ = false;
-    last_flush_ = std::chrono::steady_clock::now();
-  }
+  void flush();
 
   /// Flushes and closes the file, throwing what either reports (close(2) can report a
   /// delayed write error on network file systems). Idempotent.
-  void close() {
-    if (fd_ < 0) return;
-    flush();
-    const int fd = std::exchange(fd_, -1);
-    if (::close(fd) != 0 && errno != EINTR) throw_file_error("close", what_, path_, errno);
-  }
+  void close();
 
  private:
   int fd_;
@@ -152,3 +90,7 @@ class LogFile {
 };
 
 }  // namespace trainkit::detail
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/detail/log_file-inl.hpp>
+#endif

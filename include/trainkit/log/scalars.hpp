@@ -22,6 +22,7 @@
 ///          (non-finite values as the strings "NaN", "Infinity", "-Infinity": JSON has no
 ///          literal for them, and a NaN loss is what a log must show)
 /// Values are written with 17 significant digits: the double read back is the one written.
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/log_file.hpp>
 
 #include <charconv>
@@ -73,13 +74,9 @@ class ScalarSink {
   virtual ~ScalarSink() = default;
 
   /// Records `value` for `tag` at optimizer step `step`, stamped with the current wall time.
-  void add_scalar(std::string_view tag, double value, std::int64_t step) {
-    record(tag, value, step, detail::unix_time_now());
-  }
+  void add_scalar(std::string_view tag, double value, std::int64_t step);
   /// Records `value` for `tag` at `step`, stamped `wall_time` (seconds since the Unix epoch).
-  void add_scalar(std::string_view tag, double value, std::int64_t step, double wall_time) {
-    record(tag, value, step, wall_time);
-  }
+  void add_scalar(std::string_view tag, double value, std::int64_t step, double wall_time);
   /// Everything recorded so far reaches the files; throws naming the file that failed.
   virtual void flush() = 0;
   /// Flushes and releases the files; throws what flushing or closing reports. Idempotent.
@@ -104,9 +101,7 @@ class ScalarRecorder : public ScalarSink {
   void flush() override {}
 
  protected:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
-    scalars_.push_back({std::string(tag), value, step, wall_time});
-  }
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
 
  private:
   std::vector<Scalar> scalars_;
@@ -122,19 +117,9 @@ struct TextLogOptions {
 namespace detail {
 
 /// `value` with 17 significant digits, or `nan_inf[0..2]` for NaN, +inf, -inf.
-inline std::string format_double(double value, const char* const (&nan_inf)[3]) {
-  if (std::isnan(value)) return nan_inf[0];
-  if (std::isinf(value)) return nan_inf[value > 0 ? 1 : 2];
-  char text[32];
-  std::snprintf(text, sizeof text, "%.17g", value);
-  return text;
-}
+std::string format_double(double value, const char* const (&nan_inf)[3]);
 
-inline std::string format_wall_time(double wall_time) {
-  char text[40];
-  std::snprintf(text, sizeof text, "%.6f", wall_time);
-  return text;
-}
+std::string format_wall_time(double wall_time);
 
 /// A one-line-per-scalar text file: opened (with its directory) per TextLogOptions, `header`
 /// at the start of a new file; derived classes say how a scalar reads as a line.
@@ -153,25 +138,10 @@ class TextScalarLog : public ScalarSink {
                            double wall_time) const = 0;
 
  private:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) final {
-    file_.append(line(tag, value, step, wall_time));
-    file_.end_record();
-  }
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) final;
 
-  static LogFile open(const std::string& path, const TextLogOptions& options,
-                      const std::string& what, std::string_view header) {
-    const auto slash = path.rfind('/');
-    if (slash != std::string::npos && slash > 0) {
-      make_directories(path.substr(0, slash), what + " '" + path + "'");
-    }
-    const int fd = open_for_writing(path, O_CREAT | (options.append ? O_APPEND : O_TRUNC));
-    if (fd < 0) throw_file_error("open", what, path, errno);
-    struct stat st {};
-    const bool fresh = ::fstat(fd, &st) == 0 && st.st_size == 0;
-    LogFile file(fd, path, what, options.flush.every_records, options.flush.every_seconds);
-    if (fresh) file.append(header);
-    return file;
-  }
+  static LogFile open(const std::string& path, const TextLogOptions& options, const std::string& what,
+                      std::string_view header);
 
   LogFile file_;
 };
@@ -186,20 +156,7 @@ class CsvScalarWriter : public detail::TextScalarLog {
       : TextScalarLog(path, options, "CSV log", "step,tag,value,wall_time\n") {}
 
  protected:
-  std::string line(std::string_view tag, double value, std::int64_t step,
-                   double wall_time) const override {
-    static const char* const nan_inf[3] = {"nan", "inf", "-inf"};
-    std::string text = std::to_string(step) + ',';
-    if (tag.find_first_of(",\"\r\n") == std::string_view::npos) {
-      text += tag;
-    } else {
-      text += '"';
-      for (const char c : tag) text += c == '"' ? std::string("\"\"") : std::string(1, c);
-      text += '"';
-    }
-    return text + ',' + detail::format_double(value, nan_inf) + ',' +
-           detail::format_wall_time(wall_time) + '\n';
-  }
+  std::string line(std::string_view tag, double value, std::int64_t step, double wall_time) const override;
 };
 
 /// Scalars as JSON lines: {"step":..,"tag":..,"value":..,"wall_time":..} per line.
@@ -210,26 +167,7 @@ class JsonlScalarWriter : public detail::TextScalarLog {
       : TextScalarLog(path, options, "JSON-lines log", "") {}
 
  protected:
-  std::string line(std::string_view tag, double value, std::int64_t step,
-                   double wall_time) const override {
-    static const char* const nan_inf[3] = {"\"NaN\"", "\"Infinity\"", "\"-Infinity\""};
-    std::string text = "{\"step\":" + std::to_string(step) + ",\"tag\":\"";
-    for (const char c : tag) {
-      const auto u = static_cast<unsigned char>(c);
-      if (c == '"' || c == '\\') {
-        text += '\\';
-        text += c;
-      } else if (u < 0x20) {
-        char escaped[8];
-        std::snprintf(escaped, sizeof escaped, "\\u%04x", u);
-        text += escaped;
-      } else {
-        text += c;  // UTF-8 passes through
-      }
-    }
-    return text + "\",\"value\":" + detail::format_double(value, nan_inf) +
-           ",\"wall_time\":" + detail::format_wall_time(wall_time) + "}\n";
-  }
+  std::string line(std::string_view tag, double value, std::int64_t step, double wall_time) const override;
 };
 
 /// Drops the points a stopped run logged after its last checkpoint, so that a resumed run does
@@ -238,62 +176,14 @@ class JsonlScalarWriter : public detail::TextScalarLog {
 /// newline: the process died while writing it). Stops at the first line, from the end, with a
 /// step <= last_step or without a step (the CSV header), so an earlier run's log is never touched.
 /// Returns the number of lines dropped; a missing file is 0. Throws naming the file on failure.
-inline std::size_t drop_points_after(const std::string& path, std::int64_t last_step) {
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) {
-    if (errno == ENOENT) return 0;
-    detail::throw_file_error("open", "scalar log", path, errno);
-  }
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  std::string text;
-  char buffer[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) detail::throw_file_error("read", "scalar log", path, errno);
-    if (n == 0) break;
-    text.append(buffer, static_cast<std::size_t>(n));
-  }
-  // The step a line starts with: `{"step":N,` (JSON lines) or `N,` (CSV); none for other lines.
-  const auto step_of = [](std::string_view line) -> std::optional<std::int64_t> {
-    constexpr std::string_view json_head = "{\"step\":";
-    if (line.substr(0, json_head.size()) == json_head) line.remove_prefix(json_head.size());
-    std::int64_t step = 0;
-    const auto [end, error] = std::from_chars(line.data(), line.data() + line.size(), step);
-    if (error != std::errc() || end == line.data() + line.size() || *end != ',') return std::nullopt;
-    return step;
-  };
-  // The start of the line that ends at text[end - 1] (its newline, or the torn end).
-  const auto line_start = [&](std::size_t end) {
-    const std::size_t newline = end < 2 ? std::string::npos : text.rfind('\n', end - 2);
-    return newline == std::string::npos ? 0 : newline + 1;
-  };
-  std::size_t keep = text.size(), dropped = 0;
-  if (keep > 0 && text[keep - 1] != '\n') keep = line_start(keep + 1), ++dropped;  // a torn last line
-  while (keep > 0) {
-    const std::size_t start = line_start(keep);
-    const auto step = step_of(std::string_view(text).substr(start, keep - 1 - start));
-    if (!step || *step <= last_step) break;
-    keep = start;
-    ++dropped;
-  }
-  if (keep < text.size() && ::ftruncate(fd, static_cast<off_t>(keep)) != 0)
-    detail::throw_file_error("truncate", "scalar log", path, errno);
-  return dropped;
-}
+std::size_t drop_points_after(const std::string& path, std::int64_t last_step);
 
 /// Sends every scalar to each of its sinks, stamped with one wall time. An error in one sink
 /// does not starve the others: all are called, then the first error is rethrown.
 class ScalarFanout : public ScalarSink {
  public:
   /// Adds a sink (owned); returns it.
-  ScalarSink& add(std::unique_ptr<ScalarSink> sink) {
-    sinks_.push_back(std::move(sink));
-    return *sinks_.back();
-  }
+  ScalarSink& add(std::unique_ptr<ScalarSink> sink);
   /// Constructs a sink of type T in place; returns it.
   template <class T, class... Args>
   T& emplace(Args&&... args) {
@@ -304,17 +194,11 @@ class ScalarFanout : public ScalarSink {
   }
   std::size_t size() const noexcept { return sinks_.size(); }
 
-  void flush() override {
-    for_each([](ScalarSink& s) { s.flush(); });
-  }
-  void close() override {
-    for_each([](ScalarSink& s) { s.close(); });
-  }
+  void flush() override;
+  void close() override;
 
  protected:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
-    for_each([&](ScalarSink& s) { s.add_scalar(tag, value, step, wall_time); });
-  }
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
 
  private:
   template <class F>
@@ -334,3 +218,7 @@ class ScalarFanout : public ScalarSink {
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/log/scalars-inl.hpp>
+#endif

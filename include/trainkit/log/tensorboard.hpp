@@ -15,6 +15,7 @@
 /// The format (detail/event_encoding.hpp) is TFRecord framing around Event protobufs. It is
 /// hand-encoded because it is small (five field kinds) and no Debian package offers a C++ writer
 /// without protobuf or TensorFlow. This header does not include LibTorch.
+#include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/event_encoding.hpp>
 #include <trainkit/detail/log_file.hpp>
 #include <trainkit/log/scalars.hpp>
@@ -41,24 +42,13 @@ struct TensorBoardOptions {
 class TensorBoardWriter : public ScalarSink {
  public:
   /// Creates `log_dir` and a new event file in it; throws naming the path if it cannot.
-  explicit TensorBoardWriter(const std::string& log_dir, TensorBoardOptions options = {})
-      : file_(create(log_dir, options)) {
-    std::string record;
-    detail::append_tfrecord(record, detail::encode_file_version_event(detail::unix_time_now()));
-    file_.append(record);
-    file_.flush();
-  }
+  explicit TensorBoardWriter(const std::string& log_dir, TensorBoardOptions options = {});
 
   /// Marks the start of a run that continues at optimizer step `step`: TensorBoard then shows
   /// none of the points at steps >= `step` that earlier files of this directory hold (what a
   /// stopped run logged after its last checkpoint), so a resumed run's curves have no doubles.
   /// Written at once (flushed): call it before the run's first scalar.
-  void session_start(std::int64_t step) {
-    std::string record;
-    detail::append_tfrecord(record, detail::encode_session_start_event(detail::unix_time_now(), step));
-    file_.append(record);
-    file_.flush();
-  }
+  void session_start(std::int64_t step);
 
   /// The event file's path.
   const std::string& path() const noexcept { return file_.path(); }
@@ -66,38 +56,16 @@ class TensorBoardWriter : public ScalarSink {
   void close() override { file_.close(); }
 
  protected:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override {
-    std::string record;
-    detail::append_tfrecord(record, detail::encode_scalar_event(wall_time, step, tag,
-                                                                static_cast<float>(value)));
-    file_.append(record);
-    file_.end_record();
-  }
+  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
 
  private:
-  static detail::LogFile create(const std::string& log_dir, const TensorBoardOptions& options) {
-    const std::string what = "TensorBoard event file";
-    detail::make_directories(log_dir, what + "s");
-    char host[256] = {};
-    if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') {
-      std::snprintf(host, sizeof host, "localhost");
-    }
-    const std::string base = log_dir + "/events.out.tfevents." +
-                             std::to_string(static_cast<std::int64_t>(detail::unix_time_now())) +
-                             "." + host + options.filename_suffix;
-    std::string path = base;
-    for (int n = 1;; ++n) {
-      const int fd = detail::open_for_writing(path, O_CREAT | O_EXCL | O_APPEND);
-      if (fd >= 0) {
-        return detail::LogFile(fd, path, what, options.flush.every_records,
-                               options.flush.every_seconds);
-      }
-      if (errno != EEXIST || n > 1000) detail::throw_file_error("create", what, path, errno);
-      path = base + "." + std::to_string(::getpid()) + "." + std::to_string(n);
-    }
-  }
+  static detail::LogFile create(const std::string& log_dir, const TensorBoardOptions& options);
 
   detail::LogFile file_;
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/log/tensorboard-inl.hpp>
+#endif

@@ -11,6 +11,7 @@
 ///                   a killed run's log ends at its last event
 /// A write that fails (a full disk) is reported once on stderr and the log stops; training
 /// goes on (the checkpoints have their own errors). This header does not include LibTorch.
+#include <trainkit/detail/inline.hpp>
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -24,41 +25,15 @@ namespace trainkit {
 
 class TextLog {
  public:
-  explicit TextLog(std::string path) : path_(std::move(path)) {
-    file_ = std::fopen(path_.c_str(), "a");
-    if (file_ == nullptr)
-      throw std::runtime_error("cannot open the run's text log '" + path_ + "': " + std::strerror(errno));
-  }
+  explicit TextLog(std::string path);
   TextLog(const TextLog&) = delete;
   TextLog& operator=(const TextLog&) = delete;
-  ~TextLog() {
-    if (file_ != nullptr) std::fclose(file_);
-  }
+  ~TextLog();
 
   const std::string& path() const noexcept { return path_; }
 
   /// Appends one time-stamped line per line of `text`.
-  void line(const std::string& text) {
-    if (file_ == nullptr) return;
-    char stamp[32];
-    const std::time_t now = std::time(nullptr);
-    std::tm local{};
-    ::localtime_r(&now, &local);
-    std::strftime(stamp, sizeof stamp, "%Y-%m-%d %H:%M:%S", &local);
-    std::string out;
-    std::size_t begin = 0;
-    while (begin <= text.size()) {
-      const std::size_t end = std::min(text.find('\n', begin), text.size());
-      out += std::string(stamp) + "  " + text.substr(begin, end - begin) + "\n";
-      begin = end + 1;
-    }
-    if (std::fwrite(out.data(), 1, out.size(), file_) != out.size() || std::fflush(file_) != 0) {
-      std::cerr << "trainkit: warning: cannot write the run's text log '" << path_ << "': " << std::strerror(errno)
-                << "; it stops here (training goes on)" << std::endl;
-      std::fclose(file_);
-      file_ = nullptr;
-    }
-  }
+  void line(const std::string& text);
 
  private:
   std::string path_;
@@ -66,3 +41,7 @@ class TextLog {
 };
 
 }  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/log/text_log-inl.hpp>
+#endif
