@@ -136,6 +136,11 @@ def split(path, min_lines):
                     # A member defined at namespace level (X::f) is declared in its class already.
                     qualified_member = not in_class and re.search(r"\w::~?\w+\s*\(", decl.split("(")[0] + "(")
                     if not qualified_member:
+                        # A virtual member's declaration is marked too: declared without `inline`,
+                        # it would be its class's key function, and header-only every file would
+                        # emit the class's vtable and virtual functions.
+                        if in_class and (re.search(r"\b(override|final)\s*;$", decl) or decl.startswith("virtual ")):
+                            decl = "TRAINKIT_INLINE " + decl.replace("\n", "\n" + " " * len("TRAINKIT_INLINE "))
                         out_header.append(indent + decl)
                     namespaces = [n for n, _ in ns_stack]
                     definitions.append((namespaces, definition))

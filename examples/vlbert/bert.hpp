@@ -179,37 +179,29 @@ inline BertLoad load_bert(torch::nn::Module& model, const std::string& prefix, c
   if (file.empty())
     throw std::runtime_error("'" + path + "' holds no BERT weights (embeddings.word_embeddings.weight, encoder.layer.N..., "
                              "with or without \"bert.\")");
+  // config.json sized the model: a shape that differs is an error, but for the token types,
+  // where BERT's rows come first and the model's own initialisation fills the rest.
   BertLoad r;
-  std::set<std::string> used;
-  torch::NoGradGuard no_grad;
   for (const auto& p : model.named_parameters(true)) {
     const auto it = file.find(p.key());
-    if (it == file.end()) {
-      r.weights.not_loaded.push_back(p.key());
-      continue;
-    }
-    torch::Tensor target = p.value();
-    const torch::Tensor& from = it->second;
-    used.insert(p.key());
+    if (it == file.end()) continue;
+    torch::Tensor& from = it->second;
+    const torch::Tensor& target = p.value();
     const bool token_types = p.key() == prefix + "token_type_embeddings.weight";
     if (token_types && from.dim() == 2 && from.size(1) == target.size(1) && from.size(0) < target.size(0)) {
-      target.narrow(0, 0, from.size(0)).copy_(from);
+      torch::Tensor padded = target.detach().to(from.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      padded.narrow(0, 0, from.size(0)).copy_(from);
       r.notes.push_back(p.key() + ": BERT's " + std::to_string(from.size(0)) + " token types loaded into rows 0-" +
                         std::to_string(from.size(0) - 1) + "; rows " + std::to_string(from.size(0)) + "-" +
                         std::to_string(target.size(0) - 1) + " (VL-BERT's visual segment) keep their initialisation");
+      from = padded;
     } else if (from.sizes() != target.sizes()) {
       throw std::runtime_error("'" + path + "': " + p.key() + " has shape " + trainkit::detail::shape_string(from.sizes()) +
                                " in the file and " + trainkit::detail::shape_string(target.sizes()) +
                                " in the model (config.json and the weights disagree)");
-    } else {
-      target.copy_(from);
     }
-    if (from.scalar_type() != target.scalar_type())
-      r.weights.converted.push_back(p.key() + " (" + c10::toString(from.scalar_type()) + " -> " + c10::toString(target.scalar_type()) + ")");
-    r.weights.loaded.push_back(p.key());
   }
-  for (const auto& [name, t] : file)
-    if (!used.count(name)) r.weights.unused.push_back(name);  // mapped, but the model has no such weight
+  r.weights = trainkit::load_named_weights(model, file);
   r.weights.unused.insert(r.weights.unused.end(), unused.begin(), unused.end());
   const bool head = std::any_of(r.weights.loaded.begin(), r.weights.loaded.end(),
                                 [](const std::string& n) { return n.rfind("mlm_head_", 0) == 0; });

@@ -88,31 +88,27 @@ TRAINKIT_INLINE Config::Format Config::format_of(const std::string& path) {
   throw ConfigError("", path + ": unknown configuration format; name the file *.json, *.yaml or *.yml");
 }
 
-TRAINKIT_INLINE const nlohmann::json& Config::at(const std::string& dotted) const {
-  const nlohmann::json* node = &tree_;
+TRAINKIT_INLINE const nlohmann::json* Config::find(const nlohmann::json& root, const std::string& dotted) {
+  const nlohmann::json* node = &root;
   std::size_t from = 0;
   while (true) {
     const auto dot = dotted.find('.', from);
     const std::string key = dotted.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
-    if (!node->is_object() || !node->contains(key))
-      throw ConfigError(dotted, "no such key in the resolved configuration");
+    if (!node->is_object() || !node->contains(key)) return nullptr;
     node = &(*node)[key];
-    if (dot == std::string::npos) return *node;
+    if (dot == std::string::npos) return node;
     from = dot + 1;
   }
 }
 
+TRAINKIT_INLINE const nlohmann::json& Config::at(const std::string& dotted) const {
+  if (const nlohmann::json* node = find(tree_, dotted)) return *node;
+  throw ConfigError(dotted, "no such key in the resolved configuration");
+}
+
 TRAINKIT_INLINE bool Config::given(const std::string& dotted) const {
-  const nlohmann::json* node = &given_;
-  std::size_t from = 0;
-  while (true) {
-    const auto dot = dotted.find('.', from);
-    const std::string key = dotted.substr(from, dot == std::string::npos ? std::string::npos : dot - from);
-    if (!node->is_object() || !node->contains(key)) return false;
-    node = &(*node)[key];
-    if (dot == std::string::npos) return !node->is_null();
-    from = dot + 1;
-  }
+  const nlohmann::json* node = find(given_, dotted);
+  return node != nullptr && !node->is_null();
 }
 
 TRAINKIT_INLINE nlohmann::json Config::parse_text(const std::string& text, Format format, const std::string& name) {

@@ -147,6 +147,9 @@ class Config {
 
   static nlohmann::json parse_text(const std::string& text, Format format, const std::string& name);
 
+  /// The node at "SECTION.KEY" under `root` (dots separate levels), or null where there is none.
+  static const nlohmann::json* find(const nlohmann::json& root, const std::string& dotted);
+
   /// "SECTION.KEY=VALUE": the value is read as a YAML/JSON scalar (2e-5 a number, dynamic a
   /// string, [8, 8] a list, 'x' or "x" a string); nothing after '=' is the empty string.
   static Override parse_override(const std::string& text);

@@ -233,11 +233,11 @@ class FusedSGD final : public UpdateRule {
  public:
   FusedSGD(const SGD& options, const std::vector<ParamGroup>& groups);
 
-  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor, const torch::Tensor& found_inf,
-            const std::vector<torch::Tensor>& lrs, const torch::Tensor& /*applied*/) override;
+  TRAINKIT_INLINE void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor, const torch::Tensor& found_inf,
+                            const std::vector<torch::Tensor>& lrs, const torch::Tensor& /*applied*/) override;
   double base_lr() const override { return options_.lr(); }
   std::string name() const override { return "SGD(fused)"; }
-  std::vector<FlatState*> flat_states() override;
+  TRAINKIT_INLINE std::vector<FlatState*> flat_states() override;
   void save(torch::serialize::OutputArchive&) const override {}
   void load(torch::serialize::InputArchive&) override {}
   /// The momentum of the rule's groups (one view per group; none without momentum).
@@ -253,13 +253,13 @@ class FusedSGD final : public UpdateRule {
 class TorchOptimizer final : public UpdateRule {
  public:
   explicit TorchOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer);
-  void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor, const torch::Tensor& found_inf,
-            const std::vector<torch::Tensor>& lrs, const torch::Tensor& /*applied*/) override;
+  TRAINKIT_INLINE void step(const std::vector<ParamGroup>& groups, const torch::Tensor& divisor, const torch::Tensor& found_inf,
+                            const std::vector<torch::Tensor>& lrs, const torch::Tensor& /*applied*/) override;
   double base_lr() const override { return base_lrs_.empty() ? 1.0 : base_lrs_.front(); }
   std::string name() const override { return "torch::optim(unfused)"; }
   bool fused() const override { return false; }
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
+  TRAINKIT_INLINE void save(torch::serialize::OutputArchive& archive) const override;
+  TRAINKIT_INLINE void load(torch::serialize::InputArchive& archive) override;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
 
  private:

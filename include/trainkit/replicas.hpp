@@ -134,18 +134,18 @@ class SingleProcess final : public Replicas {
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   void attach(torch::nn::Module&, const torch::Tensor&, const torch::Tensor& = torch::Tensor()) override {}
-  GradientFactor reduce_gradients(torch::Tensor&, const WindowWeights& window) override;
+  TRAINKIT_INLINE GradientFactor reduce_gradients(torch::Tensor&, const WindowWeights& window) override;
   void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
   void all_reduce(std::vector<double>&, Reduce) override {}
   // Nothing to send: the gradient is the sum already (a partition of world size 1 is never
   // sharded; `local`, when given, receives the slices).
-  std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local,
-                                             const detail::Partition& partition, const WindowWeights& window,
-                                             bool) override;
+  TRAINKIT_INLINE std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local,
+                                                             const detail::Partition& partition, const WindowWeights& window,
+                                                             bool) override;
   torch::Tensor global_norm(const torch::Tensor& local) override { return at::linalg_vector_norm(local, 2); }
   void sum(torch::Tensor&) override {}
   void all_gather(torch::Tensor&, const detail::Partition&) override {}
-  torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override;
+  TRAINKIT_INLINE torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override;
 };
 
 }  // namespace trainkit

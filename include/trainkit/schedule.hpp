@@ -107,8 +107,8 @@ class PositionSchedule : public Schedule {
 class WarmupMultiStepSchedule final : public PositionSchedule {
  public:
   WarmupMultiStepSchedule(Warmup warmup, std::vector<std::int64_t> milestones, double gamma);
-  double at(std::int64_t p) const override;
-  std::string describe() const override;
+  TRAINKIT_INLINE double at(std::int64_t p) const override;
+  TRAINKIT_INLINE std::string describe() const override;
 
  private:
   Warmup warmup_;
@@ -121,8 +121,8 @@ class WarmupMultiStepSchedule final : public PositionSchedule {
 class WarmupLinearSchedule final : public PositionSchedule {
  public:
   WarmupLinearSchedule(Warmup warmup, std::int64_t total) : warmup_(warmup), total_(total) {}
-  double at(std::int64_t p) const override;
-  std::string describe() const override;
+  TRAINKIT_INLINE double at(std::int64_t p) const override;
+  TRAINKIT_INLINE std::string describe() const override;
 
  private:
   Warmup warmup_;
@@ -134,8 +134,8 @@ class WarmupLinearSchedule final : public PositionSchedule {
 class WarmupCosineSchedule final : public PositionSchedule {
  public:
   WarmupCosineSchedule(Warmup warmup, std::int64_t total) : warmup_(warmup), total_(total) {}
-  double at(std::int64_t p) const override;
-  std::string describe() const override;
+  TRAINKIT_INLINE double at(std::int64_t p) const override;
+  TRAINKIT_INLINE std::string describe() const override;
 
  private:
   Warmup warmup_;
@@ -147,7 +147,7 @@ class WarmupConstantSchedule final : public PositionSchedule {
  public:
   explicit WarmupConstantSchedule(Warmup warmup) : warmup_(warmup) {}
   double at(std::int64_t p) const override { return warmup_.at(p); }
-  std::string describe() const override;
+  TRAINKIT_INLINE std::string describe() const override;
 
  private:
   Warmup warmup_;
@@ -171,13 +171,13 @@ class PlateauSchedule final : public PositionSchedule {
   PlateauSchedule(Warmup warmup, double gamma, PlateauOptions options = {});
   double at(std::int64_t p) const override { return warmup_.at(p) * multiplier_; }
 
-  bool on_epoch_end(std::int64_t /*epoch*/, double metric) override;
+  TRAINKIT_INLINE bool on_epoch_end(std::int64_t /*epoch*/, double metric) override;
   /// The current multiplier (1 until the first cut).
   double multiplier() const { return multiplier_; }
 
-  std::string describe() const override;
-  std::string state() const override;
-  void load_state(const std::string& state) override;
+  TRAINKIT_INLINE std::string describe() const override;
+  TRAINKIT_INLINE std::string state() const override;
+  TRAINKIT_INLINE void load_state(const std::string& state) override;
 
  private:
   static std::string hex(double x) {  // exact round trip through text

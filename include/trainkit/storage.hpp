@@ -125,7 +125,7 @@ class Readiness {
 class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
  public:
   ReadyHook(std::weak_ptr<Readiness> readiness, size_t index) : readiness_(std::move(readiness)), index_(index) {}
-  void operator()(const torch::autograd::Variable&) override;
+  TRAINKIT_INLINE void operator()(const torch::autograd::Variable&) override;
 
  private:
   std::weak_ptr<Readiness> readiness_;

@@ -75,12 +75,12 @@ torch::Tensor host_counters(std::int64_t windows, std::int64_t position);
 
 class TrainerCore : public AnyTrainer {
  public:
-  void set_schedule(std::shared_ptr<Schedule> schedule) override;
+  TRAINKIT_INLINE void set_schedule(std::shared_ptr<Schedule> schedule) override;
   void schedule_changed() override { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
   const Schedule& schedule() const override { return *schedule_; }
   /// After an epoch's validation (the fit loop): hands `metric` to the schedule (plateau) and
   /// rebuilds the LR table when the schedule changed. Returns whether it changed.
-  bool on_epoch_end(std::int64_t epoch, double metric) override;
+  TRAINKIT_INLINE bool on_epoch_end(std::int64_t epoch, double metric) override;
 
   /// rank(), world_size(), is_main() for the loop; all_reduce() for its metrics.
   Replicas& replicas() override { return *replicas_; }

@@ -191,22 +191,19 @@ inline std::string renamed(std::string name, const std::vector<PrefixChange>& pr
   return name;
 }
 
-/// Copies into `model` the weights of the file `path` (any WeightsFormat) whose renamed name and
-/// shape match (see the file comment). Throws when the file cannot be read or holds no weights;
-/// report.require_complete(path) makes the load strict.
-inline WeightsReport load_weights(torch::nn::Module& model, const std::string& path,
-                                  const std::vector<PrefixChange>& prefix_changes = {}) {
-  std::map<std::string, torch::Tensor> file;  // by the name in the model's terms
-  for (auto& [name, t] : read_weights(path)) file[renamed(name, prefix_changes)] = std::move(t);
-  if (file.empty()) throw std::runtime_error("weights file '" + path + "' holds no weights");
+/// Copies into `model` the weights of `weights`, named in the model's terms, whose name and shape
+/// match a parameter or buffer of the model (converting the dtype where it differs); the others
+/// keep their values, and the report lists all of them by name. What load_weights does once the
+/// file is read and renamed, for a program that maps names or shapes its own way.
+inline WeightsReport load_named_weights(torch::nn::Module& model, const std::map<std::string, torch::Tensor>& weights) {
   WeightsReport r;
   std::set<std::string> used;
   torch::NoGradGuard no_grad;
   auto take = [&](const std::string& name, torch::Tensor target) {
-    const auto it = file.find(name);
-    if (it == file.end() || it->second.sizes() != target.sizes()) {
-      r.not_loaded.push_back(it == file.end() ? name : name + " (shape " + detail::shape_string(it->second.sizes()) + " in the file)");
-      if (it != file.end()) used.insert(name);  // it had a place: the mismatch says so
+    const auto it = weights.find(name);
+    if (it == weights.end() || it->second.sizes() != target.sizes()) {
+      r.not_loaded.push_back(it == weights.end() ? name : name + " (shape " + detail::shape_string(it->second.sizes()) + " in the file)");
+      if (it != weights.end()) used.insert(name);  // it had a place: the mismatch says so
       return;
     }
     if (it->second.scalar_type() != target.scalar_type())
@@ -218,9 +215,20 @@ inline WeightsReport load_weights(torch::nn::Module& model, const std::string& p
   for (const auto& p : model.named_parameters(true)) take(p.key(), p.value());
   for (const auto& b : model.named_buffers(true))
     if (b.value().defined()) take(b.key(), b.value());
-  for (const auto& [name, t] : file)
+  for (const auto& [name, t] : weights)
     if (!used.count(name)) r.unused.push_back(name);
   return r;
+}
+
+/// Copies into `model` the weights of the file `path` (any WeightsFormat) whose renamed name and
+/// shape match (see the file comment). Throws when the file cannot be read or holds no weights;
+/// report.require_complete(path) makes the load strict.
+inline WeightsReport load_weights(torch::nn::Module& model, const std::string& path,
+                                  const std::vector<PrefixChange>& prefix_changes = {}) {
+  std::map<std::string, torch::Tensor> file;  // by the name in the model's terms
+  for (auto& [name, t] : read_weights(path)) file[renamed(name, prefix_changes)] = std::move(t);
+  if (file.empty()) throw std::runtime_error("weights file '" + path + "' holds no weights");
+  return load_named_weights(model, file);
 }
 
 }  // namespace trainkit

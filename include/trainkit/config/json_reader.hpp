@@ -33,7 +33,7 @@ class JsonTreeBuilder : public nlohmann::json_sax<nlohmann::json> {
   bool null() override { return add(nullptr); }
   bool boolean(bool v) override { return add(v); }
   bool number_integer(number_integer_t v) override { return add(v); }
-  bool number_unsigned(number_unsigned_t v) override;
+  TRAINKIT_INLINE bool number_unsigned(number_unsigned_t v) override;
   bool number_float(number_float_t v, const string_t&) override { return add(v); }
   bool string(string_t& v) override { return add(v); }
   bool binary(binary_t&) override { return add(nullptr); }
@@ -41,8 +41,8 @@ class JsonTreeBuilder : public nlohmann::json_sax<nlohmann::json> {
   bool start_array(std::size_t) override { return open(nlohmann::json::array()); }
   bool end_object() override { return close(); }
   bool end_array() override { return close(); }
-  bool key(string_t& k) override;
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override;
+  TRAINKIT_INLINE bool key(string_t& k) override;
+  TRAINKIT_INLINE bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) override;
 
  private:
   struct Frame {

@@ -101,7 +101,7 @@ class ScalarRecorder : public ScalarSink {
   void flush() override {}
 
  protected:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
+  TRAINKIT_INLINE void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
 
  private:
   std::vector<Scalar> scalars_;
@@ -138,7 +138,7 @@ class TextScalarLog : public ScalarSink {
                            double wall_time) const = 0;
 
  private:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) final;
+  TRAINKIT_INLINE void record(std::string_view tag, double value, std::int64_t step, double wall_time) final;
 
   static LogFile open(const std::string& path, const TextLogOptions& options, const std::string& what,
                       std::string_view header);
@@ -156,7 +156,7 @@ class CsvScalarWriter : public detail::TextScalarLog {
       : TextScalarLog(path, options, "CSV log", "step,tag,value,wall_time\n") {}
 
  protected:
-  std::string line(std::string_view tag, double value, std::int64_t step, double wall_time) const override;
+  TRAINKIT_INLINE std::string line(std::string_view tag, double value, std::int64_t step, double wall_time) const override;
 };
 
 /// Scalars as JSON lines: {"step":..,"tag":..,"value":..,"wall_time":..} per line.
@@ -167,7 +167,7 @@ class JsonlScalarWriter : public detail::TextScalarLog {
       : TextScalarLog(path, options, "JSON-lines log", "") {}
 
  protected:
-  std::string line(std::string_view tag, double value, std::int64_t step, double wall_time) const override;
+  TRAINKIT_INLINE std::string line(std::string_view tag, double value, std::int64_t step, double wall_time) const override;
 };
 
 /// Drops the points a stopped run logged after its last checkpoint, so that a resumed run does
@@ -194,11 +194,11 @@ class ScalarFanout : public ScalarSink {
   }
   std::size_t size() const noexcept { return sinks_.size(); }
 
-  void flush() override;
-  void close() override;
+  TRAINKIT_INLINE void flush() override;
+  TRAINKIT_INLINE void close() override;
 
  protected:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
+  TRAINKIT_INLINE void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
 
  private:
   template <class F>

@@ -56,7 +56,7 @@ class TensorBoardWriter : public ScalarSink {
   void close() override { file_.close(); }
 
  protected:
-  void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
+  TRAINKIT_INLINE void record(std::string_view tag, double value, std::int64_t step, double wall_time) override;
 
  private:
   static detail::LogFile create(const std::string& log_dir, const TensorBoardOptions& options);
