@@ -1,7 +1,7 @@
 # What every downstream project does once it has trainkit (find_package, add_subdirectory or
 # FetchContent): the program tests/downstream/main.cpp linked to trainkit::trainkit (and
-# trainkit::yaml where it exists), the same program in the compiled mode (downstream_compiled,
-# linked to trainkit::compiled; TRAINKIT_DOWNSTREAM_COMPILED=OFF leaves it out), and a check that trainkit::registry is defined with a shard
+# trainkit::yaml where it exists; with TRAINKIT_DOWNSTREAM_COMPILED, in the compiled mode:
+# trainkit::compiled, built from the package's source), and a check that trainkit::registry is defined with a shard
 # for each precision of registry.hpp's list (built only when linked: they take a minute here).
 set(TRAINKIT_DOWNSTREAM_MAIN "${CMAKE_CURRENT_LIST_DIR}/main.cpp" CACHE FILEPATH "The program")
 
@@ -12,14 +12,12 @@ else()
   target_link_libraries(downstream PRIVATE trainkit::trainkit)
 endif()
 
-option(TRAINKIT_DOWNSTREAM_COMPILED "Build the program in the compiled mode too" ON)
+option(TRAINKIT_DOWNSTREAM_COMPILED "Build the program in the compiled mode (trainkit::compiled)" OFF)
 if(TRAINKIT_DOWNSTREAM_COMPILED)
   if(NOT TARGET trainkit::compiled)
     message(FATAL_ERROR "trainkit::compiled is not defined")
   endif()
-  add_executable(downstream_compiled "${TRAINKIT_DOWNSTREAM_MAIN}")
-  get_target_property(_libraries downstream LINK_LIBRARIES)
-  target_link_libraries(downstream_compiled PRIVATE ${_libraries} trainkit::compiled)
+  target_link_libraries(downstream PRIVATE trainkit::compiled)
 endif()
 
 if(NOT TARGET trainkit::registry)

@@ -6,7 +6,8 @@
 #   downstream.unit_counts     the registry's and the tests' unit counts, as configured
 #   downstream.find_package    find_package(trainkit CONFIG REQUIRED) against that prefix
 #   downstream.add_subdirectory / downstream.fetchcontent   the source tree itself
-# Each runs the program header-only and (but fetchcontent) in the compiled mode.
+# find_package builds the program in the compiled mode (trainkit::compiled from the installed
+# source), the other two header-only.
 # The projects compile tests/downstream/main.cpp; another program can be given to any of them with
 # -DTRAINKIT_DOWNSTREAM_MAIN=<file>.
 set(_here "${CMAKE_CURRENT_SOURCE_DIR}/downstream")
@@ -47,12 +48,11 @@ function(trainkit_add_downstream_test way)
     LABELS downstream RESOURCE_LOCK ${TRAINKIT_COMPILE_LOCK} TIMEOUT 1800)
 endfunction()
 
-trainkit_add_downstream_test(find_package "-DEXPECT_TRAINKIT_DIR=${_prefix}/")
+trainkit_add_downstream_test(find_package "-DEXPECT_TRAINKIT_DIR=${_prefix}/"
+                             "-DEXTRA_ARGS=-DTRAINKIT_DOWNSTREAM_COMPILED=ON" "-DEXPECT=${_expect}, compiled mode")
 set_tests_properties(downstream.find_package PROPERTIES FIXTURES_REQUIRED trainkit_installed)
 trainkit_add_downstream_test(add_subdirectory "-DEXTRA_ARGS=-DTRAINKIT_SOURCE_DIR=${PROJECT_SOURCE_DIR}")
-# (The compiled mode is built by the other two ways: here the header-only program alone.)
-trainkit_add_downstream_test(fetchcontent
-  "-DEXTRA_ARGS=-DFETCHCONTENT_SOURCE_DIR_TRAINKIT=${PROJECT_SOURCE_DIR}$<SEMICOLON>-DTRAINKIT_DOWNSTREAM_COMPILED=OFF")
+trainkit_add_downstream_test(fetchcontent "-DEXTRA_ARGS=-DFETCHCONTENT_SOURCE_DIR_TRAINKIT=${PROJECT_SOURCE_DIR}")
 
 add_test(NAME downstream.install_unbuilt
          COMMAND "${CMAKE_COMMAND}" "-DSOURCE=${PROJECT_SOURCE_DIR}" "-DWORK=${_work}/unbuilt"

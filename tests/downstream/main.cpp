@@ -1,6 +1,6 @@
 // The program of every downstream project: it uses trainkit the way another project would, through
 // <trainkit/trainkit.hpp> and the CMake target alone. Its output is checked by build_and_run.cmake.
-// Built header-only (trainkit::trainkit) and, as `downstream_compiled`, in the compiled mode
+// Built header-only (trainkit::trainkit) and, by the find_package project, in the compiled mode
 // (trainkit::compiled): one optimizer step runs through the trainer's code in either mode.
 #include <trainkit/trainkit.hpp>
 
@@ -22,6 +22,9 @@ int main() {
 #if defined(TRAINKIT_WITH_YAML)
   // Calls into libyaml, so that trainkit::yaml's link to it is checked too.
   std::cout << ", yaml " << trainkit::detail::parse_yaml_text("answer: 42", "downstream")["answer"].get<int>();
+#endif
+#if defined(TRAINKIT_COMPILED_LIB)
+  std::cout << ", compiled mode";
 #endif
   std::cout << "\n";
   return 0;
