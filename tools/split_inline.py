@@ -128,10 +128,9 @@ def split(path, min_lines):
                 body_start = text_offset(lines, j) + len(lines[j].rstrip()) - 1
                 body_end = matching(text, body_start, "{", "}")
                 end_line = text[:body_end].count("\n")
-                body_lines = end_line - j
-                if body_lines >= min_lines or (j == end_line and False):
+                if end_line - j >= min_lines:
                     owner = "::".join(c[0] for c in class_stack) if in_class else None
-                    decl, definition = transform(sig, owner, lines[j + 1:end_line + 1], text[body_start:body_end + 1])
+                    decl, definition = transform(sig, owner, text[body_start:body_end + 1])
                     indent = re.match(r"\s*", lines[i]).group(0)
                     # A member defined at namespace level (X::f) is declared in its class already.
                     qualified_member = not in_class and re.search(r"\w::~?\w+\s*\(", decl.split("(")[0] + "(")
@@ -171,7 +170,7 @@ def brace_delta(line):
     return code.count("{") - code.count("}")
 
 
-def transform(sig, cls, body_lines, body):
+def transform(sig, cls, body):
     sig = sig.rstrip()
     assert sig.endswith("{")
     head = sig[:-1].rstrip()

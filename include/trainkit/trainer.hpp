@@ -64,15 +64,15 @@ namespace trainkit {
 
 namespace detail {
 
+/// The host counters a data-parallel load compares across ranks: windows run, window position.
+torch::Tensor host_counters(std::int64_t windows, std::int64_t position);
+
 /// What every Trainer<P, A, C> shares and no policy changes: the options, the model and its
 /// device, the update rule, the LR schedule and its device table, the replicas, the counters and
 /// the window's loss; the checkpoint records of those, the checks of a checkpoint before a load,
 /// the loss check. Not a template: in the compiled mode (TRAINKIT_COMPILED_LIB) its definitions
 /// (trainer-inl.hpp) are compiled once. Trainer<P, A, C> adds the policies, the storage and the
 /// step.
-/// The host counters a data-parallel load compares across ranks: windows run, window position.
-torch::Tensor host_counters(std::int64_t windows, std::int64_t position);
-
 class TrainerCore : public AnyTrainer {
  public:
   TRAINKIT_INLINE void set_schedule(std::shared_ptr<Schedule> schedule) override;
