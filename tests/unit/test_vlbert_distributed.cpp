@@ -174,9 +174,11 @@ TEST_CASE("the main job: 2 ranks x micro-batch B train as 1 process x 2B (FP32, 
 TEST_CASE("the main job: a SIGKILLed rank stops the other within DIST_TIMEOUT, and the relaunch resumes exactly") {
   if (!have_program()) return;
   testing::TempDir dir;
-  // Pre-training with dropout (each rank's masks seeded per micro-batch): 3 epochs, a
-  // checkpoint after each.
-  const std::vector<std::string> sets{"TRAIN.BATCH_IMAGES=4", "TRAIN.END_EPOCH=3", "DATASET.TRAIN_SCENES=48"};
+  // Pre-training with dropout (each rank's masks seeded per micro-batch; the shipped config has
+  // none): 3 epochs, a checkpoint after each.
+  const std::vector<std::string> sets{"TRAIN.BATCH_IMAGES=4", "TRAIN.END_EPOCH=3", "DATASET.TRAIN_SCENES=48",
+                                      "NETWORK.VLBERT.hidden_dropout_prob=0.1",
+                                      "NETWORK.VLBERT.attention_probs_dropout_prob=0.1"};
   run_to_end(vlbert_args("pretrain", dir / "whole", sets), 2, dir / "whole");
 
   const auto ranks = launch(vlbert_args("pretrain", dir / "cut", sets), 2, dir / "cut");
@@ -206,7 +208,8 @@ TEST_CASE("the main job: SIGTERM to one rank stops both at the same log window; 
   // The ranks agree on a stop at log windows (every 2 optimizer steps here), in the collective
   // that logging does anyway.
   const std::vector<std::string> sets{"TRAIN.BATCH_IMAGES=4", "TRAIN.END_EPOCH=3", "DATASET.TRAIN_SCENES=48",
-                                      "LOG_FREQUENT=2"};
+                                      "LOG_FREQUENT=2", "NETWORK.VLBERT.hidden_dropout_prob=0.1",
+                                      "NETWORK.VLBERT.attention_probs_dropout_prob=0.1"};
   run_to_end(vlbert_args("pretrain", dir / "whole", sets), 2, dir / "whole");
 
   const auto ranks = launch(vlbert_args("pretrain", dir / "cut", sets), 2, dir / "cut");
