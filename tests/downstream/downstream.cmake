@@ -45,7 +45,7 @@ function(trainkit_add_downstream_test way)
                    "-DINIT_CACHE=${_work}/downstream-init.cmake" "-DEXPECT=${_expect}" ${ARGN}
                    "-DGENERATOR=${CMAKE_GENERATOR}" -P "${_driver}")
   set_tests_properties(downstream.${way} PROPERTIES
-    LABELS downstream RESOURCE_LOCK ${TRAINKIT_COMPILE_LOCK} COST ${TRAINKIT_COMPILE_COST} TIMEOUT 1800)
+    LABELS downstream RESOURCE_LOCK ${TRAINKIT_COMPILE_LOCK} TIMEOUT 1800)
 endfunction()
 
 trainkit_add_downstream_test(find_package "-DEXPECT_TRAINKIT_DIR=${_prefix}/"
