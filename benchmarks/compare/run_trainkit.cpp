@@ -1,7 +1,6 @@
 // (a) trainkit: the compiled Trainer of the configuration, fused AdamW, ClipNorm.
 // Compiled types: FP32 with 1, 2, 4, 8 micro-batches (the memory sweep), BF16 and FP16Dynamic
 // with 1 and 4; other FP32 counts run on AccumulationPolicy<Dynamic>, as tk::dispatch would.
-#include "bench_features.hpp"  // generated: what this trainkit has (CMakeLists.txt)
 #include "harness.hpp"
 
 #include <trainkit/trainkit.hpp>
@@ -69,9 +68,8 @@ Result run_precision(const Settings& s, Task& task) {
 }  // namespace
 
 Result run_trainkit(const Settings& s, Task& task) {
-#if TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS
-  // FP16 / BF16 with fp32 master weights (the model stored in half), where trainkit has them:
-  // trainkit only (the other implementations have no such mode).
+  // FP16 / BF16 with fp32 master weights (the model stored in half): trainkit only (the other
+  // implementations have no such mode).
   using Clip = tk::ClipPolicy<tk::ClipNorm>;
   if (s.precision == "fp16master") {
     using P = tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>;
@@ -82,11 +80,10 @@ Result run_trainkit(const Settings& s, Task& task) {
     using P = tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>;
     return run_compiled<tk::Trainer<P, tk::AccumulationPolicy<tk::Dynamic>, Clip>>(s, task);
   }
-#endif
   if (s.precision == "fp32") return run_precision<tk::FP32>(s, task);
   if (s.precision == "bf16") return run_precision<tk::BF16>(s, task);
   if (s.precision == "fp16") return run_precision<tk::FP16Dynamic>(s, task);
-  throw std::invalid_argument("unknown precision '" + s.precision + "' (fp32, bf16, fp16)");
+  throw std::invalid_argument("unknown precision '" + s.precision + "' (fp32, bf16, fp16, fp16master, bf16master)");
 }
 
 }  // namespace bench

@@ -22,12 +22,11 @@
 // master weights included (docs/guide/memory.md: 4 + 2 + 2 + 8). Then the
 // resume check (resume_check.hpp): a save after step 6 of 12, loaded into a fresh model and
 // trainer, must give the uninterrupted run's steps 7-12 (FP32, FP16Dynamic, and FP16 with
-// master weights where trainkit has them). Then the memory check (memory_check.hpp): a fit
+// master weights). Then the memory check (memory_check.hpp): a fit
 // planned under TRAIN.MEMORY_BUDGET and one with an injected out-of-memory error must end at
 // an unplanned run's parameters, the planned one within its budget. Then the host syncs of
 // tk::fit: none between log windows, at most 4 per log window. Then tk::recompute on CUDA
 // (the unit tests' one CUDA case).
-#include "bench_features.hpp"  // generated: TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS (../compare/CMakeLists.txt)
 #include "harness.hpp"
 #include "memory_check.hpp"
 #include "resume_check.hpp"
@@ -134,10 +133,7 @@ std::vector<std::string> split(const std::string& s) {
 int main(int argc, char** argv) try {
   bool dry = false;
   int64_t micro_batch = 32, steps = 10;
-  std::string precisions = "fp32,bf16,fp16", losses_json;
-#if TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS
-  precisions += ",fp16master";
-#endif
+  std::string precisions = "fp32,bf16,fp16,fp16master", losses_json;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&] {
@@ -165,12 +161,16 @@ int main(int argc, char** argv) try {
   const double peak = matmul_peak_tflops(device, dry ? 256 : 8192);
   // FP32 rows against an fp32 product's peak (TF32 where LibTorch allows it), not bf16's.
   const double peak_fp32 = matmul_peak_tflops(device, dry ? 256 : 8192, torch::kFloat);
-  // A backward in fp32 and in bf16 before any row's baseline: the autograd thread's cuBLAS
-  // handle and its workspace (32 MiB on Hopper), which persist, then exist before the first
-  // row measures what its task holds, and are not counted as that row's state.
+  // A Linear's forward and backward in fp32 and in bf16 before any row's baseline: the cuBLAS
+  // handles and workspaces (32 MiB each on Hopper) of the main thread (the forward's addmm with
+  // a bias goes to cuBLASLt, which has a workspace of its own) and of the autograd thread, which
+  // persist, then exist before the first row measures what its task holds, and are not counted
+  // as that row's state.
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
-    auto w = torch::randn({64, 64}, torch::TensorOptions().device(device).dtype(dtype)).requires_grad_();
-    w.matmul(w).sum().backward();
+    const auto o = torch::TensorOptions().device(device).dtype(dtype);
+    auto w = torch::randn({64, 64}, o).requires_grad_();
+    auto b = torch::randn({64}, o).requires_grad_();
+    torch::nn::functional::linear(torch::randn({2, 8, 64}, o), w, b).matmul(w).sum().backward();
   }
   const double flops = step_flops(spec, micro_batch, seq);
   std::printf("gpu_check: %s, micro-batch %lld x %lld tokens, %.3f TFLOP per step; matmul peaks measured: "
@@ -379,9 +379,7 @@ int main(int argc, char** argv) try {
     };
     resume(tk::FP32{}, "fp32");
     resume(tk::FP16Dynamic{}, "fp16");
-#if TRAINKIT_BENCH_HAVE_MASTER_WEIGHTS
     resume(tk::MasterWeights<tk::FP16Dynamic>{}, "fp16master");
-#endif
     if (device.is_cuda()) at::globalContext().setDeterministicAlgorithms(false, false);
   }
 

@@ -129,7 +129,11 @@ else
   # The wheel ships nccl.h (nvidia-nccl) outside LibTorch's include path; distributed.hpp uses
   # NCCL only where it finds that header.
   NCCL_INC="$($PY -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "include"))' 2>/dev/null || true)"
-  [[ -n "$NCCL_INC" && -f "$NCCL_INC/nccl.h" ]] && cxxflags="$cxxflags -isystem $NCCL_INC"
+  if [[ -n "$NCCL_INC" && -f "$NCCL_INC/nccl.h" ]]; then
+    cxxflags="$cxxflags -isystem $NCCL_INC"
+  elif [[ ! -f /usr/local/cuda/include/nccl.h && ! -f /usr/include/nccl.h ]]; then
+    say "- NOTE: no nccl.h (neither the wheel's nvidia.nccl nor the system's): nccl_startup builds without NCCL and will fail"
+  fi
   flags=()
   [[ -n "$cxxflags" ]] && flags=(-DCMAKE_CXX_FLAGS="$cxxflags")
   step configure 90 cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release \
@@ -145,7 +149,7 @@ say "### trainkit and the hand-written LibTorch loop (gpu_check)"
 say ""
 rm -f "$B/gpu_losses.json"  # only this run's losses are compared
 if [[ "$MODE" == "--dry-run" ]]; then
-  step gpu_check 300 "$B/benchmarks/gpu/gpu_check" --dry-run --precisions fp32,bf16 \
+  step gpu_check 300 "$B/benchmarks/gpu/gpu_check" --dry-run --precisions fp32,bf16,fp16,fp16master \
     --losses-json "$B/gpu_losses.json"
 else
   # cuBLAS's deterministic workspace for the resume check (deterministic algorithms on there).
@@ -213,7 +217,7 @@ if [[ ! -f "$ROOT/include/trainkit/distributed.hpp" ]]; then
 else
   nccl_args=()
   [[ "$MODE" == "--dry-run" ]] && nccl_args=(--dry-run)
-  step nccl_startup 90 "$B/benchmarks/gpu/nccl_startup" "${nccl_args[@]}"
+  step nccl_startup 90 "$B/benchmarks/gpu/nccl_startup" ${nccl_args[@]+"${nccl_args[@]}"}
   grep -E "^(- |PASS|FAIL)" "$LOGS/nccl_startup.log" | tee -a "$REPORT"
 fi
 if [[ "$MODE" == "--dry-run" ]]; then

@@ -140,8 +140,8 @@ class PieceRunner {
   /// forward+backward of micro-batch 0 of `epoch` whole and in pieces of 1, 1/8, 1/4 and 1/2 of
   /// its items, smallest first, stopping before a size the last two measurements predict over
   /// the budget (and after one that is over it), and plans the largest piece that fits with the
-  /// margin. The model's buffers, the generators and the trainer's gradient are put back as
-  /// they were.
+  /// margin. The optimizer's state is allocated first (AnyTrainer::allocate_optimizer_state);
+  /// the model's buffers, the generators and the trainer's gradient are put back as they were.
   MemoryPlan plan(double budget_setting, std::int64_t epoch) {
     if (!task_.split)  // (fit() refuses a split without items)
       throw ConfigError("TRAIN.MEMORY_BUDGET", "planning the micro-batch needs a task that splits its batches "
@@ -162,6 +162,9 @@ class PieceRunner {
     // What the measurement would change: the buffers (batch norm's statistics), the generators.
     std::vector<torch::Tensor> buffers;
     for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
+    // A fresh run's optimizer state (AdamW: 8 bytes per parameter) appears at its first step,
+    // after this: allocated now, the peaks measured below hold it, as training's will.
+    trainer_.allocate_optimizer_state();
     const RngStates generators = RngStates::of(device);
     trainer_.model().train();
     std::vector<std::pair<std::int64_t, double>> measured;

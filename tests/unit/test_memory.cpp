@@ -419,6 +419,46 @@ TEST_CASE("fit: TRAIN.MEMORY_BUDGET measures this process's peak and plans piece
                        doctest::Contains("cannot hold the forward+backward of one item"), tk::ConfigError);
 }
 
+// 2^24 parameters (64 MiB) that cost almost no activations: AdamW's two moments are 128 MiB,
+// each its own mapping (so the resident set shows them).
+struct BigImpl : torch::nn::Module {
+  BigImpl() : fc(register_module("fc", torch::nn::Linear(8, 3))), big(register_parameter("big", torch::zeros({1 << 24}))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x) + big.narrow(0, 0, 3); }
+  torch::nn::Linear fc;
+  torch::Tensor big;
+};
+TORCH_MODULE(Big);
+
+TEST_CASE("fit: TRAIN.MEMORY_BUDGET measures a fresh run with its optimizer's state, which appears at the first step") {
+  if (!tk::PeakMemory(torch::kCPU).available()) {
+    MESSAGE("skipped: /proc/self/clear_refs cannot be written here, so the peak resident set cannot be reset");
+    return;
+  }
+  const auto data = testing::regression(16);
+  const auto peak_of_one_item = [&](auto optimizer) {
+    torch::manual_seed(3);
+    Big model;
+    tk::Trainer<> trainer(model, optimizer);
+    tk::Task<Rows> task;
+    task.batches_per_epoch = [](std::int64_t) { return std::int64_t{1}; };
+    task.batch = [&](std::int64_t, std::int64_t) { return rows_of(data, 0, 16); };
+    task.loss = [&model](const Rows& b, tk::Metrics&) { return torch::mse_loss(model(b.x), b.y); };
+    task.items = [](const Rows& b) { return b.size(); };
+    task.split = split_rows;
+    const auto result = tk::fit(trainer, task, tk::FitOptions().write_files(false).end_epoch(1).seed(1).progress(false)
+                                                   .memory_budget(resident_bytes() + 4096 * kMiB));
+    REQUIRE(result.plan);
+    CHECK(result.applied_steps == 1);
+    return result.plan->measured.front().second;
+  };
+  const double sgd = peak_of_one_item(tk::SGD{0.05});  // no state
+  const double adamw = peak_of_one_item(tk::AdamW{1e-3, 1e-2});
+  MESSAGE("peak at one item: SGD " << sgd / kMiB << " MiB, AdamW " << adamw / kMiB << " MiB");
+  // The moments are in AdamW's measurement (2 x 64 MiB), and nothing else differs by much.
+  CHECK(adamw - sgd > 110 * kMiB);
+  CHECK(adamw - sgd < 160 * kMiB);
+}
+
 TEST_CASE("fit: a budget or piece size needs a task that splits its batches") {
   TempDir dir;
   OomTask t(testing::make_mlp(1), /*splits=*/false);
