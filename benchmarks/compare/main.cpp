@@ -2,8 +2,8 @@
 // the processes, interleaved, and prints the tables; loop.py is the Python side).
 //
 //   build/benchmarks/compare/compare --impl trainkit|branching|libtorch|fwdbwd --model bert-tiny
-//       --precision fp32|bf16|fp16 --accum 4 [--micro-batch B] [--seq S] [--windows 5] [--warmup 2]
-//       [--threads 2] [--bandwidth 0|1] [--count-ops 0|1] [--interleave-fwdbwd 0|1]
+//       --precision fp32|bf16|fp16|fp16master|bf16master --accum 4 [--micro-batch B] [--seq S]
+//       [--windows 5] [--warmup 2] [--threads 2] [--bandwidth 0|1] [--count-ops 0|1] [--interleave-fwdbwd 0|1]
 //
 // Figures: the time of each window (its N micro-steps and the optimizer phase), the optimizer
 // phase alone (from the end of the window's last backward to the end of zeroing), peak resident

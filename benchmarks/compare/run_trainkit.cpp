@@ -1,6 +1,8 @@
 // (a) trainkit: the compiled Trainer of the configuration, fused AdamW, ClipNorm.
 // Compiled types: FP32 with 1, 2, 4, 8 micro-batches (the memory sweep), BF16 and FP16Dynamic
 // with 1 and 4; other FP32 counts run on AccumulationPolicy<Dynamic>, as tk::dispatch would.
+// Master weights (trainkit only): FP16Dynamic with 1 and AccumulationPolicy<Dynamic>, BF16 with
+// AccumulationPolicy<Dynamic>.
 #include "harness.hpp"
 
 #include <trainkit/trainkit.hpp>

@@ -162,10 +162,11 @@ int main(int argc, char** argv) try {
   // FP32 rows against an fp32 product's peak (TF32 where LibTorch allows it), not bf16's.
   const double peak_fp32 = matmul_peak_tflops(device, dry ? 256 : 8192, torch::kFloat);
   // A Linear's forward and backward in fp32 and in bf16 before any row's baseline: the cuBLAS
-  // handles and workspaces (32 MiB each on Hopper) of the main thread (the forward's addmm with
-  // a bias goes to cuBLASLt, which has a workspace of its own) and of the autograd thread, which
-  // persist, then exist before the first row measures what its task holds, and are not counted
-  // as that row's state.
+  // handles and workspaces (32 MiB each on Hopper) of the main thread and of the autograd
+  // thread, which persist, then exist before the first row measures what its task holds, and
+  // are not counted as that row's state. (The forward's addmm with a bias goes to cuBLASLt,
+  // which in LibTorch 2.11 shares its handle's cuBLAS workspace unless
+  // TORCH_CUBLASLT_UNIFIED_WORKSPACE=0: then the Linear creates its own here too.)
   for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
     const auto o = torch::TensorOptions().device(device).dtype(dtype);
     auto w = torch::randn({64, 64}, o).requires_grad_();

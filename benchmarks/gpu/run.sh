@@ -139,7 +139,7 @@ else
   step configure 90 cmake -S "$ROOT" -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" -DCMAKE_PREFIX_PATH="$prefix" \
     -DTRAINKIT_BUILD_TESTS=OFF -DTRAINKIT_BUILD_EXAMPLES=OFF -DTRAINKIT_BUILD_TOOLS=OFF \
-    -DTRAINKIT_WITH_YAML=OFF "${flags[@]}"
+    -DTRAINKIT_WITH_YAML=OFF ${flags[@]+"${flags[@]}"}
   step build 200 cmake --build "$B" --target "${TARGETS[@]}" -j "$(nproc)"
 fi
 

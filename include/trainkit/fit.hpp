@@ -230,7 +230,7 @@ class FitLoop {
   FitResult run() {
     StopSignals signals(options_.handle_signals());
     // 0. The output directory (locked: one job per directory), the run's log, and the memory
-    //    plan (before resuming: it leaves no trace).
+    //    plan (before resuming: it changes no result; it allocates the optimizer's state).
     if (writes()) {
       checkpoints_.create_directory();
       lock_ = std::make_unique<DirectoryLock>(options_.output_path());

@@ -164,7 +164,14 @@ class PieceRunner {
     for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
     // A fresh run's optimizer state (AdamW: 8 bytes per parameter) appears at its first step,
     // after this: allocated now, the peaks measured below hold it, as training's will.
-    trainer_.allocate_optimizer_state();
+    try {
+      trainer_.allocate_optimizer_state();
+    } catch (const std::exception& e) {
+      if (!is_out_of_memory(e)) throw;
+      throw ConfigError("TRAIN.MEMORY_BUDGET", "the optimizer's state does not fit on " + device.str() +
+                                               " beside the model and its gradient, before any forward (no piece size "
+                                               "can help; shard it with TRAIN.ZERO_STAGE across ranks): " + first_line_of(e));
+    }
     const RngStates generators = RngStates::of(device);
     trainer_.model().train();
     std::vector<std::pair<std::int64_t, double>> measured;
