@@ -116,10 +116,10 @@ class AnyTrainer {
   virtual const torch::Tensor& skipped_steps() const = 0;
   virtual const torch::Tensor& loss_scale() const = 0;
   /// The optimizer's state allocated now (zeros), as the first optimizer phase would allocate
-  /// it: memory measured before that phase then counts it (the fit loop's memory plan). The
-  /// state of a torch::optim optimizer (tk::TorchOptimizer) is that optimizer's own and still
-  /// appears at its first step.
-  virtual void allocate_optimizer_state() = 0;
+  /// it: memory measured before that phase then counts it (the fit loop's memory plan). Returns
+  /// false where that cannot be done: the state of a torch::optim optimizer (tk::TorchOptimizer)
+  /// is that optimizer's own and appears at its first step.
+  virtual bool allocate_optimizer_state() = 0;
 
   /// The whole training state as records of `archive` (Trainer::save). When
   /// saves_collectively() (a sharded update), every rank must call it: the main rank's archive

@@ -87,6 +87,9 @@ TRAINKIT_INLINE std::string MemoryPlan::text() const {
   s << " about " << per_item << " MiB per item over " << detail::mib_text(base_bytes) << ". Micro-batches of "
     << batch_items << " items run as " << pieces_for(batch_items) << " piece(s) of at most " << detail::items_text(piece_items)
     << " (the optimizer step is the whole micro-batch's); measuring took " << std::lround(seconds * 1000) << " ms";
+  if (!optimizer_state_counted)
+    s << ". Not counted: the torch::optim optimizer's state, which it makes at its first step (trainkit's own "
+         "optimizers, tk::AdamW and the others, are measured with theirs)";
   return s.str();
 }
 

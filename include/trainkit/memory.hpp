@@ -102,6 +102,9 @@ struct MemoryPlan {
   std::int64_t batch_items = 0;  ///< the measured micro-batch's items
   std::int64_t piece_items = 0;  ///< the largest piece that fits; batch_items: no split
   double seconds = 0;            ///< what measuring cost
+  /// Whether the measurements hold the optimizer's state (false: a torch::optim optimizer's,
+  /// made at its first step, after them; the plan's text says so).
+  bool optimizer_state_counted = true;
 
   /// Pieces a micro-batch of `items` items is split into.
   std::int64_t pieces_for(std::int64_t items) const;
@@ -164,8 +167,9 @@ class PieceRunner {
     for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
     // A fresh run's optimizer state (AdamW: 8 bytes per parameter) appears at its first step,
     // after this: allocated now, the peaks measured below hold it, as training's will.
+    bool state_counted = true;
     try {
-      trainer_.allocate_optimizer_state();
+      state_counted = trainer_.allocate_optimizer_state();
     } catch (const std::exception& e) {
       if (!is_out_of_memory(e)) throw;
       throw ConfigError("TRAIN.MEMORY_BUDGET", "the optimizer's state does not fit on " + device.str() +
@@ -222,6 +226,7 @@ class PieceRunner {
                                                " before the budget of " + mib_text(budget) + " was reached");
     MemoryPlan plan = plan_pieces(total, measured, budget);
     plan.piece_items = std::min(plan.piece_items, fails_from - 1);
+    plan.optimizer_state_counted = state_counted;
     plan.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     piece_items_ = plan.piece_items;
     planned_ = true;

@@ -166,6 +166,9 @@ class UpdateRule {
   /// on the world size.
   virtual std::vector<FlatState*> flat_states() { return {}; }
   std::vector<const FlatState*> flat_states() const;
+  /// Whether flat_states() is all of the state that grows with the parameters (false: a
+  /// torch::optim optimizer's own, which it makes at its first step).
+  virtual bool state_is_flat() const { return true; }
   /// The rest of the state (step counts; a torch::optim optimizer's own archive).
   virtual void save(torch::serialize::OutputArchive& archive) const = 0;
   virtual void load(torch::serialize::InputArchive& archive) = 0;
@@ -258,6 +261,7 @@ class TorchOptimizer final : public UpdateRule {
   double base_lr() const override { return base_lrs_.empty() ? 1.0 : base_lrs_.front(); }
   std::string name() const override { return "torch::optim(unfused)"; }
   bool fused() const override { return false; }
+  bool state_is_flat() const override { return false; }
   TRAINKIT_INLINE void save(torch::serialize::OutputArchive& archive) const override;
   TRAINKIT_INLINE void load(torch::serialize::InputArchive& archive) override;
   torch::optim::Optimizer& optimizer() { return *optimizer_; }

@@ -92,8 +92,9 @@ class TrainerCore : public AnyTrainer {
   const torch::Tensor& applied_steps() const override { return applied_; }
   const torch::Tensor& skipped_steps() const override { return skipped_; }
   UpdateRule& update_rule() { return *rule_; }
-  void allocate_optimizer_state() override {
+  bool allocate_optimizer_state() override {
     for (auto* state : rule_->flat_states()) state->flat();
+    return rule_->state_is_flat();
   }
   const TrainerOptions& options() const override { return options_; }
   torch::nn::Module& model() override { return *module_; }

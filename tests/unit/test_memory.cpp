@@ -458,6 +458,8 @@ TEST_CASE("fit: TRAIN.MEMORY_BUDGET measures a fresh run with its optimizer's st
                                                    .memory_budget(resident_bytes() + 4096 * kMiB));
     REQUIRE(result.plan);
     CHECK(result.applied_steps == 1);
+    CHECK(result.plan->optimizer_state_counted);
+    CHECK(result.plan->text().find("Not counted") == std::string::npos);
     return result.plan->measured.front().second;
   };
   const double sgd = peak_of_one_item(tk::SGD{0.05});  // no state
@@ -467,6 +469,19 @@ TEST_CASE("fit: TRAIN.MEMORY_BUDGET measures a fresh run with its optimizer's st
   // 2 MiB when the plan measured before they existed. Half of them at least, and not much else.
   CHECK(adamw - sgd > 64 * kMiB);
   CHECK(adamw - sgd < 192 * kMiB);
+
+  // A torch::optim optimizer makes its state at its first step: the plan cannot hold it, and
+  // its line says so.
+  torch::manual_seed(3);
+  Big model;
+  tk::Trainer<> trainer(model, std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3)));
+  auto task = big_task(model, data);
+  const auto result = tk::fit(trainer, task, tk::FitOptions().write_files(false).end_epoch(1).seed(1).progress(false)
+                                                 .memory_budget(resident_bytes() + 4096 * kMiB));
+  REQUIRE(result.plan);
+  CHECK(!result.plan->optimizer_state_counted);
+  CHECK(result.plan->text().find("Not counted: the torch::optim optimizer's state, which it makes at its first step") !=
+        std::string::npos);
 }
 
 TEST_CASE("TRAIN.MEMORY_BUDGET: an optimizer state that does not fit stops the plan, naming the key and the device") {
