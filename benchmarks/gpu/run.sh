@@ -149,8 +149,7 @@ say "### trainkit and the hand-written LibTorch loop (gpu_check)"
 say ""
 rm -f "$B/gpu_losses.json"  # only this run's losses are compared
 if [[ "$MODE" == "--dry-run" ]]; then
-  step gpu_check 300 "$B/benchmarks/gpu/gpu_check" --dry-run --precisions fp32,bf16,fp16,fp16master \
-    --losses-json "$B/gpu_losses.json"
+  step gpu_check 300 "$B/benchmarks/gpu/gpu_check" --dry-run --losses-json "$B/gpu_losses.json"
 else
   # cuBLAS's deterministic workspace for the resume check (deterministic algorithms on there).
   step gpu_check 150 env CUBLAS_WORKSPACE_CONFIG=:4096:8 "$B/benchmarks/gpu/gpu_check" \

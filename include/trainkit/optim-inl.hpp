@@ -17,7 +17,7 @@ TRAINKIT_INLINE FlatState::FlatState(std::string kind, const std::vector<ParamGr
 }
 
 TRAINKIT_INLINE torch::Tensor FlatState::of(const ParamGroup& group, size_t g) const {
-  materialize();
+  allocate();
   const auto n = group.params.numel();
   if (g < views_.size() && offsets_[g] == group.state_offset && views_[g].numel() == n) return views_[g];
   return flat_.narrow(0, group.state_offset, n);
@@ -32,16 +32,16 @@ TRAINKIT_INLINE void FlatState::resize(std::int64_t numel) {
 }
 
 TRAINKIT_INLINE const torch::Tensor& FlatState::flat() const {
-  materialize();
+  allocate();
   return flat_;
 }
 
 TRAINKIT_INLINE const std::vector<torch::Tensor>& FlatState::views() const {
-  materialize();
+  allocate();
   return views_;
 }
 
-TRAINKIT_INLINE void FlatState::materialize() const {
+TRAINKIT_INLINE void FlatState::allocate() const {
   if (flat_.defined()) return;
   flat_ = torch::zeros({numel_}, options_);
   for (size_t g = 0; g < offsets_.size(); ++g) views_.push_back(flat_.narrow(0, offsets_[g], sizes_[g]));

@@ -139,9 +139,10 @@ class FlatState {
   const torch::Tensor& flat() const;
   /// The rule's groups' parts (empty once resized).
   const std::vector<torch::Tensor>& views() const;
+  /// Allocates the state now (zeros) if it is not yet: what its first use would do.
+  void allocate() const;
 
  private:
-  void materialize() const;
 
   std::string kind_;
   torch::TensorOptions options_;

@@ -93,7 +93,7 @@ class TrainerCore : public AnyTrainer {
   const torch::Tensor& skipped_steps() const override { return skipped_; }
   UpdateRule& update_rule() { return *rule_; }
   bool allocate_optimizer_state() override {
-    for (auto* state : rule_->flat_states()) state->flat();
+    for (auto* state : rule_->flat_states()) state->allocate();
     return rule_->state_is_flat();
   }
   const TrainerOptions& options() const override { return options_; }

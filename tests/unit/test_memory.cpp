@@ -449,21 +449,25 @@ TEST_CASE("fit: TRAIN.MEMORY_BUDGET measures a fresh run with its optimizer's st
     return;
   }
   const auto data = testing::regression(16);
-  const auto peak_of_one_item = [&](auto optimizer) {
+  // One epoch under a budget far above the need; `optimizer(model)` is the trainer's optimizer.
+  const auto plan_of = [&](const auto& optimizer) {
     torch::manual_seed(3);
     Big model;
-    tk::Trainer<> trainer(model, optimizer);
+    tk::Trainer<> trainer(model, optimizer(model));
     auto task = big_task(model, data);
     const auto result = tk::fit(trainer, task, tk::FitOptions().write_files(false).end_epoch(1).seed(1).progress(false)
                                                    .memory_budget(resident_bytes() + 4096 * kMiB));
     REQUIRE(result.plan);
     CHECK(result.applied_steps == 1);
-    CHECK(result.plan->optimizer_state_counted);
-    CHECK(result.plan->text().find("Not counted") == std::string::npos);
-    return result.plan->measured.front().second;
+    return *result.plan;
   };
-  const double sgd = peak_of_one_item(tk::SGD{0.05});  // no state
-  const double adamw = peak_of_one_item(tk::AdamW{1e-3, 1e-2});
+  const tk::MemoryPlan sgd_plan = plan_of([](Big&) { return tk::SGD{0.05}; });  // no state
+  const tk::MemoryPlan adamw_plan = plan_of([](Big&) { return tk::AdamW{1e-3, 1e-2}; });
+  for (const auto* plan : {&sgd_plan, &adamw_plan}) {
+    CHECK(plan->optimizer_state_counted);
+    CHECK(plan->text().find("Not counted") == std::string::npos);
+  }
+  const double sgd = sgd_plan.measured.front().second, adamw = adamw_plan.measured.front().second;
   MESSAGE("peak at one item: SGD " << sgd / kMiB << " MiB, AdamW " << adamw / kMiB << " MiB");
   // The moments (2 x 64 MiB) are in AdamW's measurement: seen 112-128 MiB over SGD's, and about
   // 2 MiB when the plan measured before they existed. Half of them at least, and not much else.
@@ -472,15 +476,11 @@ TEST_CASE("fit: TRAIN.MEMORY_BUDGET measures a fresh run with its optimizer's st
 
   // A torch::optim optimizer makes its state at its first step: the plan cannot hold it, and
   // its line says so.
-  torch::manual_seed(3);
-  Big model;
-  tk::Trainer<> trainer(model, std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3)));
-  auto task = big_task(model, data);
-  const auto result = tk::fit(trainer, task, tk::FitOptions().write_files(false).end_epoch(1).seed(1).progress(false)
-                                                 .memory_budget(resident_bytes() + 4096 * kMiB));
-  REQUIRE(result.plan);
-  CHECK(!result.plan->optimizer_state_counted);
-  CHECK(result.plan->text().find("Not counted: the torch::optim optimizer's state, which it makes at its first step") !=
+  const tk::MemoryPlan torch_plan = plan_of([](Big& model) {
+    return std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-3));
+  });
+  CHECK(!torch_plan.optimizer_state_counted);
+  CHECK(torch_plan.text().find("Not counted: the torch::optim optimizer's state, which it makes at its first step") !=
         std::string::npos);
 }
 
