@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# trainkit on the borrowed GPU machine (one H200; torch 2.11 + CUDA 13.0 for python3, cmake and
-# ninja; no internet, nothing installable). The exact device call, prepared here first:
+# trainkit on the borrowed GPU machine (one H100 or H200, whichever is lent; torch 2.11 + CUDA 13.0
+# for python3, cmake and ninja; no internet, nothing installable). The exact device call, prepared
+# here first:
 #
 #   benchmarks/gpu/run.sh --pack-deps      # here: nlohmann-json and gloo into build-gpu-deps/
 #   benchmarks/gpu/run.sh --dry-run        # here: every step below on the CPU, small (must PASS)
