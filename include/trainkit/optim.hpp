@@ -143,7 +143,6 @@ class FlatState {
   void allocate() const;
 
  private:
-
   std::string kind_;
   torch::TensorOptions options_;
   std::int64_t numel_ = 0;
