@@ -14,7 +14,7 @@
 ///   run_micro_step(loss, items)  exactly Trainer::micro_step(loss[, items]) (items < 0: none);
 ///                                the loss closure runs inside the precision region
 ///   run_micro_step_pieces        exactly Trainer::micro_step_pieces
-///   flush, discard_window, set_schedule, on_epoch_end, set_replicas
+///   begin_window, flush, discard_window, set_schedule, on_epoch_end, set_replicas
 ///                                exactly the Trainer members of the same names
 ///   save(archive), load(archive, source)
 ///                                every record of the training state; load checks what it can
@@ -72,6 +72,10 @@ class AnyTrainer {
   using PieceLoss = std::function<torch::Tensor(std::int64_t)>;
   /// Trainer::micro_step_pieces(loss, items): one micro-batch as pieces of items[j] items.
   MicroStepResult micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items);
+  /// Trainer::begin_window(items): the next window's loss is terms, term t having items[t]
+  /// items in this rank's micro-batches of the window; each micro-step's loss is then the
+  /// terms' sums, one value per term.
+  virtual void begin_window(const std::vector<std::int64_t>& items) = 0;
   /// Trainer::discard_window(): the open window's gradient and counts dropped.
   virtual void discard_window() = 0;
   /// End of epoch: the partial window by TrainerOptions::partial_window (step.md).

@@ -672,6 +672,11 @@ class DataParallel final : public Replicas {
   void all_reduce(std::vector<double>& values, Reduce op) override {
     group_.all_reduce(values, op, "combining " + std::to_string(values.size()) + " values over the ranks");
   }
+  void sum_counts(torch::Tensor& counts) override {
+    check_device(counts, "the loss terms' item counts");
+    group_.all_reduce(counts, "all-reduce of the window's item count per loss term (optimizer phase " +
+                                  std::to_string(windows_ + 1) + " of this process)");
+  }
 
  private:
   // Phase 5 bucket by bucket (Replicas::start_reduction): the weighting at the start, each
@@ -694,6 +699,14 @@ class DataParallel final : public Replicas {
       // weighted by its item count, would overflow where the mean does not. With item counts
       // the weight is items / (the ranks' total), so the total is all-reduced first (a device
       // scalar: the gradient's collectives wait for it on the device, not the host).
+      // Loss terms (Trainer::begin_window): each rank's gradient is its share of the window's
+      // mean over every rank already; the sum over the ranks is that mean.
+      if (window.normalized) {
+        TORCH_CHECK(window.items < 0 && window.rescale == 1.0,
+                    "trainkit::DataParallel: a window of loss terms has neither item count nor rescale");
+        factor_ = {1.0, {}};
+        return;
+      }
       if (flat.element_size() < 4) {
         TORCH_CHECK(closes, "trainkit::DataParallel: a half gradient is reduced once per window");
         if (window.items >= 0) {

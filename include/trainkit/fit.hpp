@@ -261,10 +261,11 @@ class FitLoop {
       Requests asked;  // this rank's: a signal, a callback's
       for (std::int64_t index = first; index < batches; ++index) {
         // 2. One micro-batch. Out of memory: the window again from its first micro-batch, in
-        //    smaller pieces (or an error saying why it cannot be).
-        if (task_.split && trainer_.window_position() == 0) open_window(epoch, index);
+        //    smaller pieces (or an error saying why it cannot be). A loss of terms: the
+        //    window's counts first (its micro-batches made, counted and held).
+        if (trainer_.window_position() == 0) open_window(prefetch, epoch, index, batches);
         seed_generators(epoch, index);
-        const Batch batch = prefetch.next(epoch, index, batches);
+        const Batch batch = next_batch(prefetch, epoch, index, batches);
         MicroStepResult r;
         try {
           r = micro_step(batch, epoch, index, batches);
@@ -314,6 +315,7 @@ class FitLoop {
       EpochEnd end;
       end.epoch = epoch;
       for (const auto& [name, sw] : totals.of) end.train[name] = totals.mean(name);
+      add_terms_loss(end.train);
       result_.train = end.train;
       const bool last = epoch + 1 == options_.end_epoch();
       bool new_best = false;
@@ -471,27 +473,93 @@ class FitLoop {
   MicroStepResult micro_step(const Batch& batch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
     const std::int64_t items = task_.items ? task_.items(batch) : -1;
     log_->samples(items >= 0 ? items : 1);
+    MicroStepResult r;
     try {
-      return pieces_.step(batch, items, [&](const Batch& b, double weight) { return counted_loss(b, weight); });
+      r = pieces_.step(batch, items, [&](const Batch& b, double weight) { return counted_loss(b, weight); });
     } catch (const NonFiniteGradient& e) {
       throw NonFiniteGradient(detail::position_text(epoch, index, batches) + ": " + e.what());
     }
+    // Loss terms: their sums were added with the pieces, their items once per micro-batch.
+    if (terms()) {
+      const auto counts = term_items(batch);
+      for (size_t t = 0; t < counts.size(); ++t) metrics_.add_items(task_.terms[t], static_cast<double>(counts[t]));
+    }
+    return r;
   }
 
   // task.loss of a micro-batch (or a piece of one), its value added to the epoch's "Loss"
-  // with `weight`.
+  // with `weight`; loss terms' sums each to their term (their items: micro_step).
   torch::Tensor counted_loss(const Batch& batch, double weight) {
     torch::Tensor loss = task_.loss(batch, metrics_);
+    if (terms()) {
+      TORCH_CHECK(loss.defined() && loss.dim() <= 1 && loss.numel() == static_cast<std::int64_t>(task_.terms.size()),
+                  "fit: task.loss must return the sums of the task's ", task_.terms.size(),
+                  " loss terms (task.terms), one value per term");
+      for (size_t t = 0; t < task_.terms.size(); ++t)
+        metrics_.add_sum(task_.terms[t], loss.reshape({-1}).select(0, static_cast<std::int64_t>(t)), 0.0);
+      return loss;
+    }
     TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
     metrics_.add("Loss", loss, weight);
     return loss;
   }
 
-  // The window being filled: where it began and the loop's sums before it, for a replay.
-  // (A Metrics copy is a snapshot: metrics.hpp.)
-  void open_window(std::int64_t epoch, std::int64_t index) {
+  bool terms() const { return !task_.terms.empty(); }
+  // task.term_items of a batch, checked.
+  std::vector<std::int64_t> term_items(const Batch& batch) const {
+    auto counts = task_.term_items(batch);
+    TORCH_CHECK(counts.size() == task_.terms.size(), "fit: task.term_items returned ", counts.size(),
+                " counts for the task's ", task_.terms.size(), " loss terms (task.terms)");
+    return counts;
+  }
+  // A loss of terms: "Loss" is the sum of the terms' means.
+  void add_terms_loss(std::map<std::string, double>& means) const {
+    if (!terms()) return;
+    double loss = 0;
+    for (const auto& name : task_.terms)
+      if (const auto it = means.find(name); it != means.end()) loss += it->second;
+    means["Loss"] = loss;
+  }
+
+  // A window opens at micro-batch `index` of `epoch`. A loss of terms: its micro-batches are
+  // made now and held, their items counted and given to the trainer, which sums them over the
+  // ranks (Trainer::begin_window; not again for a replay, whose counts it keeps). With a task
+  // that splits: where it began and the loop's sums before it, for a replay (a Metrics copy is
+  // a snapshot: metrics.hpp).
+  void open_window(Prefetcher<Batch>& prefetch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    if (terms() && !replaying_) {
+      held_.clear();
+      std::vector<std::int64_t> items(task_.terms.size(), 0);
+      for (const FitPosition at : window_positions(epoch, index, batches)) {
+        seed_generators(at.epoch, at.index);  // (task.batch draws nothing from them; as if it ran there)
+        const std::int64_t n = at.epoch == epoch ? batches : task_.batches_per_epoch(at.epoch);
+        held_.push_back({at, prefetch.next(at.epoch, at.index, n)});
+        const auto counts = term_items(held_.back().batch);
+        for (size_t t = 0; t < counts.size(); ++t) items[t] += counts[t];
+      }
+      trainer_.begin_window(items);
+    }
+    replaying_ = false;
+    if (!task_.split) return;
     pieces_.window_opens(epoch, index);
     window_sums_ = {metrics_, log_->counts()};
+  }
+  // The positions of the window that opens at (epoch, index): the window's length, or what is
+  // left of the epoch; with PARTIAL_WINDOW span, the rest from the next epochs' first ones.
+  std::vector<FitPosition> window_positions(std::int64_t epoch, std::int64_t index, std::int64_t batches) const {
+    std::vector<FitPosition> at;
+    const auto n = static_cast<size_t>(trainer_.window_length());
+    for (std::int64_t i = index; i < batches && at.size() < n; ++i) at.push_back({epoch, i});
+    if (trainer_.options().partial_window() != PartialWindow::span) return at;
+    for (std::int64_t e = epoch + 1; e < options_.end_epoch() && at.size() < n; ++e)
+      for (std::int64_t i = 0, m = task_.batches_per_epoch(e); i < m && at.size() < n; ++i) at.push_back({e, i});
+    return at;
+  }
+  // The batch at (epoch, index): held by the open window, else made (or taken from the workers).
+  Batch next_batch(Prefetcher<Batch>& prefetch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    for (const auto& h : held_)
+      if (h.at.epoch == epoch && h.at.index == index) return h.batch;
+    return prefetch.next(epoch, index, batches);
   }
   // Out of memory in micro-batch `index`: the window begins again at its first micro-batch,
   // which this returns, with the loop's sums as they were when it opened.
@@ -499,6 +567,7 @@ class FitLoop {
     const std::int64_t first = pieces_.replay(e, epoch, index, batches);  // throws when it cannot
     metrics_ = window_sums_.metrics;
     log_->restore(window_sums_.counts);
+    replaying_ = true;
     return first;
   }
 
@@ -528,6 +597,7 @@ class FitLoop {
       const double weight = sw.second - (old == logged_.of.end() ? 0.0 : old->second.second);
       if (weight > 0) interval[name] = sum / weight;
     }
+    add_terms_loss(interval);
     logged_ = totals;
     log_->window(report, at, &interval);
     return agreed;
@@ -664,6 +734,12 @@ class FitLoop {
     Metrics metrics;
     RunLog::Counts counts;
   } window_sums_;
+  struct Held {  // a loss of terms: the open window's micro-batches, made when it opened
+    FitPosition at;
+    Batch batch;
+  };
+  std::vector<Held> held_;
+  bool replaying_ = false;  // the window about to open again is a replay (its counts are the trainer's)
 };
 
 }  // namespace detail
@@ -681,6 +757,8 @@ FitResult fit(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options,
     throw std::invalid_argument("fit: task.split needs task.items (pieces are weighted by their item counts)");
   if (options.piece_items() > 0 && !task.split)
     throw std::invalid_argument("fit: FitOptions::piece_items needs task.split (and task.items) to make pieces");
+  if (!task.terms.empty() && !task.term_items)
+    throw std::invalid_argument("fit: task.terms needs task.term_items (each term's item count in a batch)");
   detail::FitLoop<Batch> loop(trainer, task, options, std::move(callbacks));
   return loop.run();
 }

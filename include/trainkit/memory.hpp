@@ -202,7 +202,7 @@ class PieceRunner {
             const auto region = trainer_.precision_region();
             loss = task_.loss(pieces.batches[pieces.largest], scratch);
           }
-          loss.backward();
+          (task_.terms.empty() ? loss : loss.sum()).backward();  // (terms: their sums)
         }
         bytes = peak.bytes();
       } catch (const std::exception& e) {
@@ -259,7 +259,8 @@ class PieceRunner {
     }
     const double weight = items >= 0 ? static_cast<double>(items) : 1.0;
     auto closure = [&] { return loss(batch, weight); };
-    return items >= 0 ? trainer_.micro_step(closure, items) : trainer_.micro_step(closure);
+    // (Loss terms: their counts were given to the window, Trainer::begin_window.)
+    return items >= 0 && task_.terms.empty() ? trainer_.micro_step(closure, items) : trainer_.micro_step(closure);
   }
 
   /// A window opens at micro-batch `index` of `epoch`: where a replay begins, with the

@@ -15,6 +15,20 @@ TRAINKIT_INLINE void Metrics::add(const std::string& name, const torch::Tensor& 
   e.weight += weight;
 }
 
+TRAINKIT_INLINE void Metrics::add_sum(const std::string& name, const torch::Tensor& sum, double items) {
+  TORCH_CHECK(sum.numel() == 1, "Metrics::add_sum(\"", name, "\"): expected a scalar, got shape ", sum.sizes());
+  check_weight(name, items);
+  Entry& e = entry(name, sum.device());
+  if (e.sum.device() != sum.device()) e.sum = e.sum.to(sum.device());
+  e.sum = e.sum + sum.detach().reshape({}).to(e.sum.device(), torch::kDouble);
+  e.weight += items;
+}
+
+TRAINKIT_INLINE void Metrics::add_items(const std::string& name, double items) {
+  check_weight(name, items);
+  entry(name, torch::kCPU).weight += items;  // (a new entry's sum moves to the first sum's device)
+}
+
 TRAINKIT_INLINE void Metrics::add(const std::string& name, double value, double weight) {
   check_weight(name, weight);
   Entry& e = entry(name, torch::kCPU);

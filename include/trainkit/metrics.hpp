@@ -30,6 +30,11 @@ class Metrics {
   /// Adds `value` (a scalar tensor on any device, or a number), the mean over `weight` items.
   void add(const std::string& name, const torch::Tensor& value, double weight = 1.0);
   void add(const std::string& name, double value, double weight = 1.0);
+  /// Adds `sum` (a scalar tensor), a sum over `items` items: the running value is then
+  /// sum(sums) / sum(items). A sum whose items are counted elsewhere takes items 0.
+  void add_sum(const std::string& name, const torch::Tensor& sum, double items);
+  /// Adds `items` items to `name`'s weight alone (the items of sums added with 0 before).
+  void add_items(const std::string& name, double items);
 
   /// The names, in the order they were first added.
   const std::vector<std::string>& names() const { return order_; }

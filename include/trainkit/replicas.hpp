@@ -16,6 +16,9 @@
 ///                                 without a host sync (the item total stays on the device). A
 ///                                 non-finite value on any rank is non-finite on every rank after
 ///                                 the sum, so every rank skips the same steps
+///   sum_counts(counts)            Trainer::begin_window, before a window of loss terms: each
+///                                 term's item count summed over the ranks, in place (a device
+///                                 tensor: no host sync; one small collective per window)
 ///   check_same_state(state, what) after Trainer::load(): throws on every rank unless every rank
 ///                                 holds the same state (each rank loads the full checkpoint)
 /// and, for the storage's buckets (detail::Partition, storage.hpp):
@@ -65,6 +68,10 @@ struct WindowWeights {
   std::int64_t items = -1;
   /// Micro-batches in the window (the same on every rank; the distributed sampler ensures it).
   std::int64_t micro_batches = 0;
+  /// The loss is terms weighted by their items over every rank (Trainer::begin_window): each
+  /// rank's gradient is already its share of the window's mean, and the ranks' are summed as
+  /// they are (rescale is 1, items -1).
+  bool normalized = false;
 };
 
 /// What phase 5 gives back: flat_grad * rescale / total is the mean gradient over every rank's
@@ -106,6 +113,9 @@ class Replicas {
                       const torch::Tensor& rewritten = torch::Tensor()) = 0;
   /// Phase 5: see the file comment.
   virtual GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) = 0;
+  /// Before a window of loss terms: `counts` (a device tensor, one per term) summed over the
+  /// ranks in place, without a host sync.
+  virtual void sum_counts(torch::Tensor& counts) = 0;
   /// Throws (on every rank) unless `state` is the same on every rank; `what` names it.
   virtual void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) = 0;
   /// `values` combined elementwise over the ranks by `op`, in place.
@@ -135,6 +145,7 @@ class SingleProcess final : public Replicas {
   int world_size() const override { return 1; }
   void attach(torch::nn::Module&, const torch::Tensor&, const torch::Tensor& = torch::Tensor()) override {}
   TRAINKIT_INLINE GradientFactor reduce_gradients(torch::Tensor&, const WindowWeights& window) override;
+  void sum_counts(torch::Tensor&) override {}
   void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
   void all_reduce(std::vector<double>&, Reduce) override {}
   // Nothing to send: the gradient is the sum already (a partition of world size 1 is never

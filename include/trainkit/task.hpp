@@ -28,12 +28,24 @@ struct Task {
   /// the loop: metrics.add("MLM-Acc", accuracy, count). Runs inside the precision region.
   std::function<torch::Tensor(const Batch&, Metrics& metrics)> loss;
   /// Optional: the micro-batch's item count (samples, tokens): the window's gradient and the
-  /// logged means are then weighted by items (Trainer::micro_step with items).
+  /// logged means are then weighted by items (Trainer::micro_step with items). With terms it
+  /// sizes pieces and counts samples only.
   std::function<std::int64_t(const Batch&)> items;
+  /// Optional: a loss of several terms, each a mean over its own items (masked language
+  /// modelling over labelled tokens, region classification over labelled regions). `terms`
+  /// names them (logged as Train-<name>, each the exact mean over its items; "Loss" is their
+  /// sum); loss() then returns each term's *sum* over its items in the batch, one value per
+  /// term (torch::stack({mlm_sum, mvrc_sum})), and term_items gives each term's item count
+  /// in a batch, on the host. The loop counts a window's items before it runs it (it makes the
+  /// window's micro-batches first and holds them), sums them over the ranks, and weights
+  /// each term by 1 / its count (Trainer::begin_window): the gradient is that of one
+  /// micro-batch holding the whole global batch, however the batch is split.
+  std::vector<std::string> terms;
+  std::function<std::vector<std::int64_t>(const Batch&)> term_items;
   /// Optional (needs items): `parts` pieces of a micro-batch, together holding its items, each
-  /// a Batch that loss() takes; loss() must be the mean over a batch's items, so that the
-  /// items-weighted mean of the pieces' losses is the batch's. With it, the loop runs
-  /// micro-batches that do not fit in memory as pieces (FitOptions::memory_budget,
+  /// a Batch that loss() takes; loss() must be the mean over a batch's items (or, with terms,
+  /// the sums), so that the items-weighted mean of the pieces' losses is the batch's. With it,
+  /// the loop runs micro-batches that do not fit in memory as pieces (FitOptions::memory_budget,
   /// piece_items) and replays a window after an out-of-memory error (fit.hpp, "Memory").
   std::function<std::vector<Batch>(const Batch&, std::int64_t parts)> split;
   /// Optional: validation after an epoch; the metrics are logged as Val-<name>.

@@ -78,8 +78,53 @@ TRAINKIT_INLINE void TrainerCore::read_counters(torch::serialize::InputArchive& 
 }
 
 TRAINKIT_INLINE void TrainerCore::read_window_loss(torch::serialize::InputArchive& archive) {
-  window_loss_ = torch::zeros_like(window_loss_);  // (the last report may hold the old one)
-  read_into(archive, "window.loss", window_loss_);
+  // A new tensor (the last report may hold the old one), of the record's shape: one value, or
+  // one per loss term.
+  window_loss_ = read_tensor(archive, "window.loss").to(device_, torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
+}
+
+TRAINKIT_INLINE void TrainerCore::write_terms(torch::serialize::OutputArchive& archive) const {
+  write_tensor(archive, "window.term_items", torch::tensor(terms_.items, torch::kLong));
+  write_tensor(archive, "window.term_weights", terms_.weights);
+}
+
+TRAINKIT_INLINE void TrainerCore::read_terms(torch::serialize::InputArchive& archive) {
+  // The weights as the window began them (its counts over the ranks that ran it); the items
+  // are the main rank's, which only this rank's reported loss reads.
+  const auto items = read_tensor(archive, "window.term_items").to(torch::kLong).contiguous();
+  terms_.items.assign(items.data_ptr<std::int64_t>(), items.data_ptr<std::int64_t>() + items.numel());
+  terms_.weights = read_tensor(archive, "window.term_weights").to(device_, torch::kFloat);
+  if (terms_.items.empty() || terms_.weights.numel() != items.numel() || window_loss_.numel() != items.numel())
+    throw std::runtime_error("the open window's loss-term records do not agree (" + std::to_string(items.numel()) +
+                             " counts, " + std::to_string(terms_.weights.numel()) + " weights, a window loss of " +
+                             std::to_string(window_loss_.numel()) + " values)");
+  std::vector<double> local;
+  for (const auto n : terms_.items) local.push_back(1.0 / static_cast<double>(std::max<std::int64_t>(n, 1)));
+  terms_.local_weights = device_values(local, torch::kFloat, device_);
+}
+
+TRAINKIT_INLINE void TrainerCore::count_terms(const std::vector<std::int64_t>& items) {
+  TORCH_CHECK(!items.empty(), "begin_window: no loss terms (give each term's item count in the window)");
+  std::vector<double> counts, local;
+  for (size_t t = 0; t < items.size(); ++t) {
+    TORCH_CHECK(items[t] >= 0, "begin_window: term ", t, " has ", items[t], " items; counts must be >= 0");
+    counts.push_back(static_cast<double>(items[t]));
+    local.push_back(1.0 / static_cast<double>(std::max<std::int64_t>(items[t], 1)));
+  }
+  // Every rank's counts, summed on the device (float64: exact to 2^53 items). A term with no
+  // item on any rank has only zero sums: any finite weight leaves it out.
+  auto total = device_values(counts, torch::kDouble, device_);
+  replicas_->sum_counts(total);
+  terms_.weights = total.clamp_min(1.0).reciprocal().to(torch::kFloat);
+  terms_.local_weights = device_values(local, torch::kFloat, device_);
+  terms_.items = items;
+}
+
+TRAINKIT_INLINE torch::Tensor device_values(const std::vector<double>& values, at::ScalarType dtype, torch::Device device) {
+  // From pinned memory without waiting on a GPU: a copy from pageable memory would wait for
+  // the device (a host sync per window).
+  const auto host = torch::tensor(values, torch::kDouble).to(dtype);
+  return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host.to(device);
 }
 
 TRAINKIT_INLINE void TrainerCore::read_schedule_and_generators(torch::serialize::InputArchive& archive) {
@@ -133,12 +178,18 @@ TRAINKIT_INLINE void TrainerCore::optimizer_phase_out_of_memory(const std::excep
                            "or TRAIN.MEMORY_BUDGET. " + first_line_of(e));
 }
 
-TRAINKIT_INLINE void TrainerCore::check_loss(const torch::Tensor& loss) {
+TRAINKIT_INLINE void TrainerCore::check_loss(const torch::Tensor& loss) const {
   TORCH_CHECK(loss.defined(), "micro_step: the closure returned an undefined tensor");
-  if (loss.numel() != 1)
+  if (terms_.active() && (loss.dim() > 1 || loss.numel() != static_cast<std::int64_t>(terms_.items.size())))
+    throw std::invalid_argument(
+        "micro_step: the window's loss is " + std::to_string(terms_.items.size()) + " terms (begin_window), so the "
+        "closure must return their sums, one value per term (torch::stack({...})); got a tensor of shape " +
+        shape_string(loss.sizes()));
+  if (!terms_.active() && loss.numel() != 1)
     throw std::invalid_argument(
         "micro_step: the closure must return a scalar loss (one element), got a tensor of "
-        "shape " + shape_string(loss.sizes()) + "; reduce it with .mean() or .sum()");
+        "shape " + shape_string(loss.sizes()) + "; reduce it with .mean() or .sum(), or give a loss of several "
+        "terms their counts with begin_window");
   if (!loss.requires_grad())
     throw std::invalid_argument(
         "micro_step: the loss does not require grad (it was computed under NoGradGuard, from "

@@ -67,6 +67,9 @@ namespace detail {
 /// The host counters a data-parallel load compares across ranks: windows run, window position.
 torch::Tensor host_counters(std::int64_t windows, std::int64_t position);
 
+/// Host values as a 1-D tensor of `dtype` on `device`, with no host sync on a GPU.
+torch::Tensor device_values(const std::vector<double>& values, at::ScalarType dtype, torch::Device device);
+
 /// What every Trainer<P, A, C> shares and no policy changes: the options, the model and its
 /// device, the update rule, the LR schedule and its device table, the replicas, the counters and
 /// the window's loss; the checkpoint records of those, the checks of a checkpoint before a load,
@@ -127,8 +130,15 @@ class TrainerCore : public AnyTrainer {
   /// The error of memory that ran out in the optimizer phase (it cannot be replayed).
   [[noreturn]] void optimizer_phase_out_of_memory(const std::exception& e) const;
 
-  /// The loss a closure returned: defined, one element, requiring grad.
-  static void check_loss(const torch::Tensor& loss);
+  /// The loss a closure returned: defined, requiring grad, one element (or, in a window of
+  /// loss terms, one per term).
+  void check_loss(const torch::Tensor& loss) const;
+  /// begin_window's work that no policy changes: the terms' counts summed over the ranks and
+  /// turned into their weights (terms_).
+  void count_terms(const std::vector<std::int64_t>& items);
+  /// The records of an open window of loss terms (a checkpoint inside a window), and back.
+  void write_terms(torch::serialize::OutputArchive& archive) const;
+  void read_terms(torch::serialize::InputArchive& archive);
   /// The phase's divisor without loss scaling, a device scalar remade only when its value
   /// changes (1 in every full window; item-weighted or partial windows vary).
   const torch::Tensor& constant(double value);
@@ -151,6 +161,14 @@ class TrainerCore : public AnyTrainer {
   torch::Tensor constant_;  // constant()
   double constant_value_ = 0.0;
   std::int64_t windows_ = 0;
+  /// The open window's loss terms (begin_window); none (items empty) when its loss is one value.
+  /// In such a window window_loss_ holds the terms' sums so far, one per term.
+  struct Terms {
+    std::vector<std::int64_t> items;  // this rank's items of each term in the window
+    torch::Tensor weights;            // 1 / (each term's items over every rank), fp32, on the device
+    torch::Tensor local_weights;      // 1 / (this rank's items of each term): the report's loss
+    bool active() const { return !items.empty(); }
+  } terms_;
 
  private:
   static torch::Device first_device(torch::nn::Module& module);
@@ -238,9 +256,30 @@ class Trainer final : public detail::TrainerCore {
     return micro_step_pieces_impl(loss, items);
   }
 
+  /// Opens a window whose loss is several terms, each the sum of a loss over its own items
+  /// (MLM over labelled tokens, region classification over labelled regions): `items[t]` is
+  /// term t's item count in this rank's micro-batches of the window, known before they run
+  /// (read from the batches). Each micro-step's closure then returns the terms' sums, one
+  /// value per term (torch::stack({mlm_sum, mvrc_sum})), and the window's gradient is that of
+  /// the sum over the terms of each term's mean over all its items in the window, on every
+  /// rank: exactly what one micro-batch holding the whole global batch gives, however it is
+  /// split (micro-batches, pieces, ranks). The counts are summed over the ranks here (one
+  /// small collective on the device, no host sync): every rank calls it, for every window.
+  ///
+  ///   trainer.begin_window({mlm_tokens, masked_regions});  // this rank's, over the window
+  ///   for (const auto& b : window)
+  ///     trainer.micro_step([&] { auto o = model(b); return torch::stack({o.mlm_sum, o.mvrc_sum}); });
+  void begin_window(const std::vector<std::int64_t>& items) override {
+    TORCH_CHECK(accumulation_.position() == 0, "begin_window: a window is open (", accumulation_.position(),
+                " micro-batches of ", accumulation_.window(), "); call it before a window's first micro-batch");
+    count_terms(items);
+  }
+
   /// Discards the open window: its gradient, loss and item count, as if none of its
   /// micro-batches had run (the fit loop, before replaying a window after an out-of-memory
-  /// error). Parameters, optimizer state, counters and the schedule are untouched.
+  /// error). Parameters, optimizer state, counters and the schedule are untouched. The loss
+  /// terms' counts of begin_window stay: a replay runs the same micro-batches (and calling
+  /// begin_window again would be a collective the other ranks do not make).
   void discard_window() override {
     storage_.zero();
     accumulation_.discard();
@@ -257,8 +296,9 @@ class Trainer final : public detail::TrainerCore {
         return std::nullopt;
       case PartialWindow::drop:
         storage_.zero();
-        window_loss_.zero_();
+        window_loss_ = torch::zeros({}, window_loss_.options());
         accumulation_.reset();
+        terms_ = {};
         return std::nullopt;
     }
     return std::nullopt;
@@ -370,6 +410,7 @@ class Trainer final : public detail::TrainerCore {
     if (accumulation_.position() > 0) {
       storage_.save_window(archive, snapshot);
       detail::write_tensor(archive, "window.loss", window_loss_);
+      if (terms_.active()) write_terms(archive);
     }
     write_schedule_and_generators(archive);
   }
@@ -388,9 +429,11 @@ class Trainer final : public detail::TrainerCore {
     precision_.load(archive);
     read_counters(archive);
     accumulation_.load(archive);
+    terms_ = {};
     if (accumulation_.position() > 0) {
       storage_.load_window(archive, snapshot);
       read_window_loss(archive);
+      if (accumulation_.terms()) read_terms(archive);
     } else {
       storage_.zero();
     }
@@ -410,9 +453,10 @@ class Trainer final : public detail::TrainerCore {
     static_assert(std::is_convertible_v<std::invoke_result_t<Closure&>, torch::Tensor>,
                   "micro_step(closure): the closure must return the loss as a torch::Tensor");
     const torch::Tensor loss = forward(closure);
-    // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items).
+    // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items); loss
+    //    terms carry their own (begin_window).
     const bool opens = accumulation_.position() == 0;
-    const double weight = accumulation_.weight(items);
+    const double weight = weigh(items);
     const bool closes = accumulation_.closes();
     const detail::BackwardDone done{closes, /*micro_batch_ends=*/true, window_weights()};
     backward(loss, weight, opens, done);
@@ -439,8 +483,11 @@ class Trainer final : public detail::TrainerCore {
     for (size_t j = 0; j < items.size(); ++j) {
       const auto piece = static_cast<std::int64_t>(j);
       const torch::Tensor loss = forward([&] { return loss_of(piece); });
-      if (j == 0) weight = accumulation_.weight(total);
-      const double share = total > 0 ? static_cast<double>(items[j]) / static_cast<double>(total) : 0.0;
+      if (j == 0) weight = weigh(terms_.active() ? -1 : total);
+      // (Loss terms are sums weighted by their window's counts: a piece's sums need no share.)
+      const double share = terms_.active() ? 1.0
+                           : total > 0   ? static_cast<double>(items[j]) / static_cast<double>(total)
+                                         : 0.0;
       const bool last = j + 1 == items.size();
       const detail::BackwardDone done{last && accumulation_.closes(), last, window_weights()};
       backward(loss, weight * share, opens && j == 0, done);
@@ -463,20 +510,34 @@ class Trainer final : public detail::TrainerCore {
     return loss;
   }
 
+  // 2. The host factor of this micro-step (and its position in the window).
+  double weigh(std::int64_t items) {
+    if (!terms_.active()) return accumulation_.weight(items);
+    TORCH_CHECK(items < 0, "micro_step: the window's loss is terms (begin_window), whose counts were given "
+                "there; this micro-batch gives an item count (", items, ") as well");
+    return accumulation_.weight_terms();
+  }
+
   // 2-3. The loss times its weight, added to the window's loss; FP16: times the loss scale.
+  //    Loss terms: each term's sum times its weight, 1 / (its window's items over every rank).
   //    Backward; gradients accumulate in fp32 in the storage (master weights: the half
   //    gradient of each backward joins an fp32 sum, storage_.backward_done()).
   //    Data parallel: the reduction of a closing backward may start during it, bucket by
   //    bucket (TrainerOptions::overlap_reduction): `done` tells the storage what follows.
   void backward(const torch::Tensor& loss, double weight, bool first_of_window, const detail::BackwardDone& done) {
     const auto as_float = loss.scalar_type() == torch::kFloat ? loss : loss.to(torch::kFloat);
-    auto objective = (as_float.dim() == 0 ? as_float : as_float.reshape({})) * weight;
+    torch::Tensor objective, kept;  // kept: what the window's loss adds (the terms' sums, or the objective)
+    if (terms_.active()) {
+      kept = as_float.reshape({-1});
+      objective = (kept * terms_.weights).sum();
+    } else {
+      objective = kept = (as_float.dim() == 0 ? as_float : as_float.reshape({})) * weight;
+    }
     {
-      // The window's loss, a running sum outside the graph. The window's first micro-step
-      // takes the objective's value itself (the last report may hold the previous sum).
+      // The window's loss, a running sum outside the graph (a new tensor each time: the last
+      // report holds the previous window's).
       torch::NoGradGuard no_grad;
-      if (first_of_window) window_loss_ = objective.detach();
-      else window_loss_.add_(objective);
+      window_loss_ = first_of_window ? kept.detach() : window_loss_ + kept.detach();
     }
     if constexpr (Precision::scales_loss) objective = objective * precision_.scale();
     storage_.backward_begins(done);
@@ -546,7 +607,10 @@ class Trainer final : public detail::TrainerCore {
     v[StepReport::kScale] = Precision::scales_loss ? precision_.scale().clone() : precision_.scale();
     precision_.update(found_inf);
     ++windows_;
-    v[StepReport::kLoss] = rescale == 1.0 ? window_loss_ : window_loss_ * rescale;
+    // (Loss terms: this rank's terms, each the mean over this rank's items of it.)
+    v[StepReport::kLoss] = terms_.active() ? (window_loss_ * terms_.local_weights).sum()
+                           : rescale == 1.0 ? window_loss_
+                                            : window_loss_ * rescale;
     v[StepReport::kNorm] = true_norm;
     v[StepReport::kLr] = lr;
     v[StepReport::kFoundInf] = found_inf;
@@ -559,6 +623,7 @@ class Trainer final : public detail::TrainerCore {
     //     the next window's first micro-step replaces it.)
     storage_.zero();
     accumulation_.reset();
+    terms_ = {};
     host_checks(report);
     return report;
   }
@@ -566,6 +631,7 @@ class Trainer final : public detail::TrainerCore {
   // What phase 5 (and a sharded reduction inside the window) weights each rank's gradient by:
   // host values only.
   WindowWeights window_weights() const {
+    if (terms_.active()) return {1.0, -1, accumulation_.position(), /*normalized=*/true};
     const bool counted = accumulation_.counted();
     // (A window whose items so far are 0 has a zero gradient so far: any rescale will do until
     // its end, where rescale() refuses a window of no items.)
