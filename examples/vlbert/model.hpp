@@ -194,10 +194,12 @@ struct VLBertImpl : torch::nn::Module {
 };
 TORCH_MODULE(VLBert);
 
-/// Mean cross-entropy over the labelled positions (label -1: ignored); 0, not NaN, when a batch
-/// has none. Also returns the number of labelled positions and of correct predictions.
+/// Cross-entropy over the labelled positions (label -1: ignored): their sum (a loss term of the
+/// trainer's, weighted by its count over the whole window: tk::Task::terms) and their mean (0,
+/// not NaN, when a batch has none). Also returns the number of labelled positions and of
+/// correct predictions.
 struct MaskedLoss {
-  torch::Tensor loss, count, correct;
+  torch::Tensor loss, sum, count, correct;
 };
 inline MaskedLoss masked_cross_entropy(const torch::Tensor& logits, const torch::Tensor& labels) {
   namespace F = torch::nn::functional;
@@ -207,7 +209,7 @@ inline MaskedLoss masked_cross_entropy(const torch::Tensor& logits, const torch:
   const auto count = valid.sum();
   const auto sum = F::cross_entropy(flat, y, F::CrossEntropyFuncOptions().ignore_index(-1).reduction(torch::kSum));
   const auto correct = (flat.argmax(-1).eq(y) & valid).sum();
-  return {sum / count.clamp_min(1), count, correct};
+  return {sum / count.clamp_min(1), sum, count, correct};
 }
 
 /// A transform (Linear, GELU, LayerNorm) as in BERT's prediction heads.

@@ -362,7 +362,12 @@ struct Batch {
   std::vector<int> types;     // question types (VQA), for per-type accuracy
   torch::Tensor mlm_at;       // [N] the labelled entries of mlm_labels, as row * T + column, in order
                               // (pre-training): the MLM head scores only these against the vocabulary
+  torch::Tensor mvrc_at;      // [M] the labelled entries of mvrc_labels, as row * R + column (pre-training)
   std::int64_t size() const { return text.size(0); }
+  /// The loss terms' items, host values with no device read (the sizes of mlm_at, mvrc_at):
+  /// labelled words (MLM) and labelled regions (MVRC).
+  std::int64_t mlm_count() const { return mlm_at.defined() ? mlm_at.numel() : 0; }
+  std::int64_t mvrc_count() const { return mvrc_at.defined() ? mvrc_at.numel() : 0; }
   /// mlm_at of `labels` [B, T] (nonzero: a host sync where the labels are on a GPU; the batches
   /// are built on the host, so only a split batch's pieces pay it).
   static torch::Tensor labelled(const torch::Tensor& labels) {
@@ -373,9 +378,9 @@ struct Batch {
     auto cut = [&](const torch::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
     std::vector<int> kept;
     if (!types.empty()) kept.assign(types.begin() + begin, types.begin() + end);
-    const auto labels = cut(mlm_labels);
-    return {cut(text), cut(features), cut(boxes), cut(regions), labels, cut(mvrc_labels),
-            cut(answers), cut(answer_at), kept, labelled(labels)};
+    const auto labels = cut(mlm_labels), regions_labels = cut(mvrc_labels);
+    return {cut(text), cut(features), cut(boxes), cut(regions), labels, regions_labels,
+            cut(answers), cut(answer_at), kept, labelled(labels), labelled(regions_labels)};
   }
   /// `parts` batches of consecutive rows, sizes differing by at most one (tk::Task::split).
   std::vector<Batch> split(std::int64_t parts) const {
@@ -400,7 +405,7 @@ struct Batch {
       return pin ? t.pin_memory().to(device, /*non_blocking=*/true) : t.to(device);
     };
     return {move(text), move(features), move(boxes), move(regions), move(mlm_labels), move(mvrc_labels),
-            move(answers), move(answer_at), types, move(mlm_at)};
+            move(answers), move(answer_at), types, move(mlm_at), move(mvrc_at)};
   }
 };
 
@@ -484,6 +489,7 @@ class BatchBuilder {
       }
     }
     out.mlm_at = Batch::labelled(out.mlm_labels);  // on the host, here
+    out.mvrc_at = Batch::labelled(out.mvrc_labels);
     return out;
   }
 

@@ -462,7 +462,20 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
   model->to(launch.device());
   const auto bs = plan.batch_images, val_bs = summed(config.tree()["VAL"]["BATCH_IMAGES"]);
   const bool with_mlm = config.get<bool>("NETWORK.WITH_MLM_LOSS"), with_mvrc = config.get<bool>("NETWORK.WITH_MVRC_LOSS");
+  if (!with_mlm && !with_mvrc)
+    throw tk::ConfigError("NETWORK.WITH_MLM_LOSS", "and NETWORK.WITH_MVRC_LOSS are both false: pre-training would have no loss");
   const auto loggers = tk::LossLoggers::from(config).require({"mlm_loss", "mvrc_loss"});  // TRAIN.LOSS_LOGGERS
+  // The loss terms, each the mean over its own items in the whole window (every rank's):
+  // MLM over labelled words, MVRC over labelled regions. Each is logged under its
+  // TRAIN.LOSS_LOGGERS name (the output's own where it has none).
+  const auto term_name = [&](const std::string& output) {
+    for (const auto& l : loggers.loggers())
+      if (l.output == output) return l.name;
+    return output;
+  };
+  std::vector<std::string> terms;
+  if (with_mlm) terms.push_back(term_name("mlm_loss"));
+  if (with_mvrc) terms.push_back(term_name("mvrc_loss"));
   // Each rank its shard of every epoch's order; W ranks x batch B see, window for window, the
   // samples of one process with batch W x B.
   const tk::DistributedSampler sampler(data.samples(false, false), bs, launch.rank(), launch.world_size(),
@@ -472,10 +485,19 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
     tk::Task<Batch> task;
     task.batches_per_epoch = [&](std::int64_t) { return sampler.batches_per_epoch(); };
     task.batch = [&](std::int64_t e, std::int64_t i) { return data.batch_of(false, false, e, sampler.batch(e, i)).to(device); };
-    task.loss = [&](const Batch& b, tk::Metrics& m) {
+    task.terms = terms;
+    task.term_items = [&](const Batch& b) {
+      std::vector<std::int64_t> items;
+      if (with_mlm) items.push_back(b.mlm_count());
+      if (with_mvrc) items.push_back(b.mvrc_count());
+      return items;
+    };
+    task.loss = [&](const Batch& b, tk::Metrics&) {
       const auto out = model->forward(b, with_mlm, with_mvrc);
-      loggers.add(m, {{"mlm_loss", out.mlm.loss}, {"mvrc_loss", out.mvrc.loss}}, static_cast<double>(b.size()));
-      return out.loss;
+      std::vector<torch::Tensor> sums;
+      if (with_mlm) sums.push_back(out.mlm.sum);
+      if (with_mvrc) sums.push_back(out.mvrc.sum);
+      return torch::stack(sums);
     };
     task.validate = [&, in_precision](std::int64_t) {
       torch::NoGradGuard no_grad;

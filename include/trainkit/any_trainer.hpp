@@ -124,6 +124,10 @@ class AnyTrainer {
   /// false where that cannot be done: the state of a torch::optim optimizer (tk::TorchOptimizer)
   /// is that optimizer's own and appears at its first step.
   virtual bool allocate_optimizer_state() = 0;
+  /// The gradient's memory allocated now (zeros) where it is released between windows
+  /// (Sharding::gradients): a backward outside micro_step (the memory plan's measurement)
+  /// accumulates into it, and discard_window() releases it again.
+  virtual void allocate_gradient() = 0;
 
   /// The whole training state as records of `archive` (Trainer::save). When
   /// saves_collectively() (a sharded update), every rank must call it: the main rank's archive

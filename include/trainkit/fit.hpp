@@ -756,7 +756,7 @@ FitResult fit(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options,
   if (task.split && !task.items)
     throw std::invalid_argument("fit: task.split needs task.items (pieces are weighted by their item counts)");
   if (options.piece_items() > 0 && !task.split)
-    throw std::invalid_argument("fit: FitOptions::piece_items needs task.split (and task.items) to make pieces");
+    throw std::invalid_argument("fit: FitOptions::piece_items (TRAIN.PIECE_ITEMS) needs task.split (and task.items) to make pieces");
   if (!task.terms.empty() && !task.term_items)
     throw std::invalid_argument("fit: task.terms needs task.term_items (each term's item count in a batch)");
   detail::FitLoop<Batch> loop(trainer, task, options, std::move(callbacks));

@@ -60,7 +60,7 @@ struct FitOptions {
   /// "Memory"). The optimizer step stays the whole micro-batch's.
   TORCH_ARG(double, memory_budget) = 0;
   /// The largest piece of a micro-batch, in items (task.items), that one forward+backward
-  /// runs; larger micro-batches are split (task.split). 0: whole micro-batches, unless a
+  /// runs (TRAIN.PIECE_ITEMS); larger micro-batches are split (task.split). 0: whole micro-batches, unless a
   /// memory budget plans it. Halved when memory runs out (the window is replayed).
   TORCH_ARG(std::int64_t, piece_items) = 0;
 

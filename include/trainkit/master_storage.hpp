@@ -55,6 +55,9 @@ class MasterStorage : public detail::FlatParameters {
 
   bool attach(Replicas& replicas, torch::nn::Module& model);
   void backward_begins(const detail::BackwardDone&) { half_.allocate_if_released(); }
+  /// The half gradient's memory, where Sharding::gradients released it, allocated (zeros): for
+  /// a backward outside the step (the memory plan's measurement), which zero() releases again.
+  void allocate_gradient() { half_.allocate_if_released(); }
   // A backward the phase does not follow: its half gradient joins the window's fp32 sum, or
   // with Sharding::gradients this rank's slices of it (at the micro-batch's end).
   void backward_done(const detail::BackwardDone& done);

@@ -196,6 +196,7 @@ class PieceRunner {
       try {
         Metrics scratch;
         peak.reset();
+        trainer_.allocate_gradient();  // (Sharding::gradients releases it between windows)
         {
           torch::Tensor loss;
           {

@@ -135,7 +135,8 @@ TRAINKIT_INLINE FitOptions plan_fit(const nlohmann::json& top, std::optional<std
       .resume(train["RESUME"].get<bool>())
       .auto_resume(train["AUTO_RESUME"].get<bool>())
       .workers(top["NUM_WORKERS_PER_GPU"].get<std::int64_t>())
-      .memory_budget(train["MEMORY_BUDGET"].get<double>());
+      .memory_budget(train["MEMORY_BUDGET"].get<double>())
+      .piece_items(train["PIECE_ITEMS"].get<std::int64_t>());
   const auto configured = top["RNG_SEED"].get<std::int64_t>();
   if (configured >= 0) {
     o.seed(configured);

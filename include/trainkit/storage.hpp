@@ -307,6 +307,9 @@ class FlatStorage : public detail::FlatParameters {
   void backward_done(const detail::BackwardDone& done);
   GradientFactor reduce(Replicas& replicas, const WindowWeights& window);
   torch::Tensor norm() const;
+  /// The gradient's memory, where Sharding::gradients released it, allocated (zeros): for a
+  /// backward outside the step (the memory plan's measurement), which zero() releases again.
+  void allocate_gradient();
   template <class Update>
   void update(Update&& f) {
     if (!sharded()) {
@@ -349,7 +352,6 @@ class FlatStorage : public detail::FlatParameters {
   // the gradient zero (at construction, and at attach() when the partition pads the buffers).
   void allocate(std::int64_t numel);
 
-  void allocate_gradient();
   // Where a reduction's result goes: nowhere but the gradient itself (replicated: summed in
   // place), or this rank's slices (the window's sum, or with Sharding::gradients a scratch
   // buffer added to the sum of the window's earlier micro-batches).

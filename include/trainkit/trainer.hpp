@@ -322,6 +322,7 @@ class Trainer final : public detail::TrainerCore {
     if (storage_.attach(*replicas_, *module_) || was_sharded)
       for (auto* state : rule_->flat_states()) state->resize(storage_.state_numel());
   }
+  void allocate_gradient() override { storage_.allocate_gradient(); }
   // --- state ----------------------------------------------------------------------------
   /// Micro-batches in the current, open window.
   std::int64_t window_position() const override { return accumulation_.position(); }

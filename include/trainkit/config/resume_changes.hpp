@@ -6,7 +6,7 @@
 /// Free to change on resume: how long (TRAIN.END_EPOCH, BEGIN_EPOCH), how often and where
 /// (LOG_FREQUENT, VAL_FREQUENT, CHECKPOINT_FREQUENT, TRAIN.CHECKPOINT_KEEP, OUTPUT_PATH), how
 /// to resume (TRAIN.RESUME, AUTO_RESUME, RESUME_CHANGES), on which devices (GPUS, DIST_TIMEOUT,
-/// DIST_HEARTBEAT, NUM_WORKERS_PER_GPU), how much memory (TRAIN.MEMORY_BUDGET: pieces of a
+/// DIST_HEARTBEAT, NUM_WORKERS_PER_GPU), how much memory (TRAIN.MEMORY_BUDGET, PIECE_ITEMS: pieces of a
 /// micro-batch change rounding, not the step), evaluation (VAL.*, TEST.*), reporting (TRAIN.LOSS_LOGGERS,
 /// NONFINITE_PATIENCE) and the initial weights (NETWORK.PARTIAL_PRETRAIN and its prefix
 /// changes: a resume takes the weights from the checkpoint). Every other key, an application's

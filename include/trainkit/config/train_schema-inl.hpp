@@ -162,6 +162,10 @@ TRAINKIT_INLINE Schema train_schema() {
       .doc("memory for training (0: no plan): a fraction of the device's memory (0.8, \"80%\"), or bytes (\"12GiB\"); "
            "the largest piece of each micro-batch that fits is measured and planned, the optimizer step unchanged "
            "(needs a task that can split its batches)");
+  s.integer("PIECE_ITEMS", 0).min(0).max(kMaxBatchImages)
+      .doc("> 0: every micro-batch with more items runs as pieces of at most this many, each with its own forward and "
+           "backward, the optimizer step the whole micro-batch's (MEMORY_BUDGET plans it instead; needs a task that "
+           "can split its batches)");
   s.integer("TARGET_BATCH", 0).min(0).max(kMaxBatchImages)
       .doc("> 0: the effective batch per optimizer step; sets the per-device batch to TARGET_BATCH / (world size x "
            "GRAD_ACCUMULATE_STEPS) in place of BATCH_IMAGES (with MEMORY_BUDGET: the plan splits it to fit)");

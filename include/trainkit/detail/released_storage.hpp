@@ -1,6 +1,7 @@
 #pragma once
 /// Releasing a flat buffer's memory while its views stay: Sharding::gradients frees the model's
 /// gradient between windows this way, so that the parameters' .grad stay the same tensors.
+#include <c10/core/DeviceGuard.h>
 #include <torch/types.h>
 
 #include <cstddef>
@@ -16,8 +17,10 @@ inline void release_storage(const torch::Tensor& t) {
   impl->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
   impl->set_nbytes(0);
 }
-/// The storage of the flat buffer `t` allocated again (zeros) after release_storage().
+/// The storage of the flat buffer `t` allocated again (zeros) after release_storage(), on `t`'s
+/// device (CUDA's allocator allocates on the current device, which need not be it).
 inline void allocate_released(const torch::Tensor& t) {
+  const c10::OptionalDeviceGuard on_its_device(t.device());
   auto* impl = t.storage().unsafeGetStorageImpl();
   const auto bytes = static_cast<size_t>(t.numel()) * t.element_size();
   impl->set_data_ptr_noswap(impl->allocator()->allocate(bytes));
