@@ -438,6 +438,10 @@ RunResult run_fit(const tk::RunPlan& plan, const tk::Launch& launch, Model& mode
     r.plan_seconds = f.plan->seconds;
     for (const auto& [items, bytes] : f.plan->measured) r.train_samples -= items;
   }
+  // A relaunch of a finished run trains nothing: its last epoch's figures come from the
+  // checkpoint it resumed from.
+  if (r.epoch_loss.empty() && f.train.count("Loss")) r.epoch_loss.push_back(f.train.at("Loss"));
+  if (r.val.empty() && !f.validation.empty()) r.val.push_back(f.validation);
   r.skipped = f.skipped_steps;
   r.checkpoint = f.checkpoints.empty() ? f.resumed_from : f.checkpoints.back();
   std::vector<double> samples{static_cast<double>(r.train_samples)}, peak{peak_rss_mib()};

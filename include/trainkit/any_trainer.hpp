@@ -76,6 +76,13 @@ class AnyTrainer {
   /// items in this rank's micro-batches of the window; each micro-step's loss is then the
   /// terms' sums, one value per term.
   virtual void begin_window(const std::vector<std::int64_t>& items) = 0;
+  /// Whether each micro-batch's gradient leaves for the other ranks when it ends (a sharded
+  /// gradient, Sharding::gradients, with several ranks): a micro-batch that fails is then
+  /// replayed alone (discard_micro_batch), the window's earlier ones being summed already.
+  virtual bool reduces_each_micro_batch() const = 0;
+  /// Trainer::discard_micro_batch(): the micro-batch that failed (out of memory) forgotten,
+  /// the window's earlier micro-batches kept.
+  virtual void discard_micro_batch() = 0;
   /// Trainer::discard_window(): the open window's gradient and counts dropped.
   virtual void discard_window() = 0;
   /// End of epoch: the partial window by TrainerOptions::partial_window (step.md).

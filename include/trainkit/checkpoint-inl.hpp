@@ -30,6 +30,31 @@ TRAINKIT_INLINE void LoopState::save(torch::serialize::OutputArchive& a, const s
   a.write("fit.logged.names", c10::IValue(c10::List<std::string>(names)));
   a.write("fit.logged.sums", c10::IValue(c10::List<double>(sums)));
   a.write("fit.logged.weights", c10::IValue(c10::List<double>(weights)));
+  write_means(a, "fit.train", train);
+  write_means(a, "fit.validation", validation);
+}
+
+TRAINKIT_INLINE void LoopState::write_means(torch::serialize::OutputArchive& a, const std::string& key,
+                                           const std::map<std::string, double>& means) {
+  std::vector<std::string> names;
+  std::vector<double> values;
+  for (const auto& [name, value] : means) names.push_back(name), values.push_back(value);
+  a.write(key + ".names", c10::IValue(c10::List<std::string>(names)));
+  a.write(key + ".values", c10::IValue(c10::List<double>(values)));
+}
+
+TRAINKIT_INLINE std::map<std::string, double> LoopState::read_means(torch::serialize::InputArchive& a,
+                                                                   const std::string& key) {
+  std::map<std::string, double> means;
+  c10::IValue names;
+  if (!a.try_read(key + ".names", names)) return means;  // (older files: not recorded)
+  const auto values = detail::read_value(a, key + ".values").toDoubleList();
+  const auto list = names.toListRef();
+  if (values.size() != list.size())
+    throw std::runtime_error("record '" + key + "' has " + std::to_string(list.size()) + " names and " +
+                             std::to_string(values.size()) + " values");
+  for (size_t i = 0; i < list.size(); ++i) means[list[i].toStringRef()] = values.get(i);
+  return means;
 }
 
 TRAINKIT_INLINE LoopState LoopState::read(torch::serialize::InputArchive& a) {
@@ -54,6 +79,8 @@ TRAINKIT_INLINE LoopState LoopState::read(torch::serialize::InputArchive& a) {
     const auto weights = detail::read_value(a, "fit.logged.weights").toDoubleList();
     for (size_t i = 0; i < names.size(); ++i) s.logged.of[names[i].toStringRef()] = {sums.get(i), weights.get(i)};
   }
+  s.train = read_means(a, "fit.train");
+  s.validation = read_means(a, "fit.validation");
   return s;
 }
 

@@ -52,6 +52,7 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -96,12 +97,19 @@ struct LoopState {
   std::int64_t total_batch = 0;   ///< its samples per optimizer step over every process (0: not known)
   Metrics metrics;                ///< the epoch's running sums ("Loss" and the task's metrics)
   Metrics::Totals logged;         ///< the sums at the last log window
+  std::map<std::string, double> train;       ///< the last completed epoch's means (over every rank)
+  std::map<std::string, double> validation;  ///< the last validation's metrics
 
   /// The records, "fit.*"; `path` is the file's own name.
   void save(torch::serialize::OutputArchive& a, const std::string& path) const;
   /// The records save() wrote (those after fit.path may be absent: files of older versions,
   /// whose loop wrote them itself when it did).
   static LoopState read(torch::serialize::InputArchive& a);
+
+ private:
+  static void write_means(torch::serialize::OutputArchive& a, const std::string& key,
+                          const std::map<std::string, double>& means);
+  static std::map<std::string, double> read_means(torch::serialize::InputArchive& a, const std::string& key);
 };
 
 /// State a callback keeps across a resume (an EMA of the weights, early stopping's counters):

@@ -78,7 +78,10 @@
 ///     window begun in an earlier epoch or before a resume, or in the optimizer phase, stops the
 ///     run with an error; the checkpoints written so far are intact. batch_end callbacks see the
 ///     replayed micro-batches again. Data parallel: only the rank that ran out replays; the
-///     others wait for it at the window's all-reduce.
+///     others wait for it at the window's all-reduce. With a gradient reduced at the end of
+///     every micro-batch (TRAIN.ZERO_STAGE 2, several ranks), the failed micro-batch alone is
+///     replayed: the window's earlier ones are summed on every rank already, and sending them
+///     again would pair collectives of different micro-batches across the ranks.
 ///   Without task.split an out-of-memory error stops the run, naming the micro-batch.
 ///
 /// Errors: a checkpoint that cannot be written (unwritable directory, full disk) throws
@@ -152,8 +155,8 @@ struct FitResult {
   FitPosition position;                        ///< where training would continue
   std::int64_t windows = 0;                    ///< optimizer phases so far (applied + skipped)
   std::int64_t applied_steps = 0, skipped_steps = 0;
-  std::map<std::string, double> train;         ///< the last completed epoch's means
-  std::map<std::string, double> validation;    ///< the last validation
+  std::map<std::string, double> train;         ///< the last completed epoch's means (or the resumed checkpoint's)
+  std::map<std::string, double> validation;    ///< the last validation (or the resumed checkpoint's)
   std::vector<std::string> checkpoints;        ///< written by this call, in order
   std::string resumed_from;                    ///< the checkpoint loaded ("" = none)
   std::string best_checkpoint;                 ///< "" when no best metric
@@ -225,7 +228,10 @@ class FitLoop {
         options_(options),
         callbacks_(std::move(callbacks)),
         checkpoints_(options.output_path(), options.prefix(), options.checkpoint_keep()),
-        pieces_(trainer, task, options.piece_items(), [this](const std::string& text) { say(text); }) {}
+        pieces_(trainer, task, options.piece_items(), [this](const std::string& text) { say(text); },
+                [this](const std::string& text) {
+                  if (log_) log_->say_local(text);
+                }) {}
 
   FitResult run() {
     StopSignals signals(options_.handle_signals());
@@ -266,6 +272,7 @@ class FitLoop {
         if (trainer_.window_position() == 0) open_window(prefetch, epoch, index, batches);
         seed_generators(epoch, index);
         const Batch batch = next_batch(prefetch, epoch, index, batches);
+        if (task_.split && trainer_.reduces_each_micro_batch()) batch_sums_ = {metrics_, log_->counts()};
         MicroStepResult r;
         try {
           r = micro_step(batch, epoch, index, batches);
@@ -316,14 +323,14 @@ class FitLoop {
       end.epoch = epoch;
       for (const auto& [name, sw] : totals.of) end.train[name] = totals.mean(name);
       add_terms_loss(end.train);
-      result_.train = end.train;
+      result_.train = state_.train = end.train;
       const bool last = epoch + 1 == options_.end_epoch();
       bool new_best = false;
       if (task_.validate && ((epoch + 1) % options_.val_frequent() == 0 || last)) {
         end.validation = task_.validate(epoch);
         mean_over_ranks(end.validation);  // the schedule and the best must agree on every rank
         trainer_.model().train();
-        result_.validation = end.validation;
+        result_.validation = state_.validation = end.validation;
         log_->validation(epoch, end.validation);
         new_best = observe_best(epoch, end.validation);
       }
@@ -409,6 +416,10 @@ class FitLoop {
     for (const auto& name : checkpoints_.restore(*opened, trainer_, callbacks_.state))
       say("trainkit: the checkpoint has no state for the callback '" + name + "' (written without it): it starts afresh");
     finished_ = saved.finished;
+    // The last epoch's means and validation, as the run that wrote it reported them (a run
+    // with nothing left to train reports these).
+    result_.train = state_.train = saved.train;
+    result_.validation = state_.validation = saved.validation;
     pieces_.resume_with(saved.piece_items);
     metrics_ = saved.metrics;
     logged_ = saved.logged;
@@ -563,11 +574,14 @@ class FitLoop {
   }
   // Out of memory in micro-batch `index`: the window begins again at its first micro-batch,
   // which this returns, with the loop's sums as they were when it opened.
+  // (A gradient reduced at each micro-batch's end: that micro-batch again, alone, with the
+  // sums as they were before it.)
   std::int64_t replay_window(const std::exception& e, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
     const std::int64_t first = pieces_.replay(e, epoch, index, batches);  // throws when it cannot
-    metrics_ = window_sums_.metrics;
-    log_->restore(window_sums_.counts);
-    replaying_ = true;
+    const WindowSums& sums = first == index && trainer_.reduces_each_micro_batch() ? batch_sums_ : window_sums_;
+    metrics_ = sums.metrics;
+    log_->restore(sums.counts);
+    replaying_ = trainer_.window_position() == 0;  // the window opens again: its counts are the trainer's
     return first;
   }
 
@@ -733,7 +747,7 @@ class FitLoop {
   struct WindowSums {       // the loop's sums when the open window began (a replay puts them back)
     Metrics metrics;
     RunLog::Counts counts;
-  } window_sums_;
+  } window_sums_, batch_sums_;  // (batch_sums_: before the current micro-batch, for replaying it alone)
   struct Held {  // a loss of terms: the open window's micro-batches, made when it opened
     FitPosition at;
     Batch batch;

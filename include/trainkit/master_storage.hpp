@@ -58,6 +58,12 @@ class MasterStorage : public detail::FlatParameters {
   /// The half gradient's memory, where Sharding::gradients released it, allocated (zeros): for
   /// a backward outside the step (the memory plan's measurement), which zero() releases again.
   void allocate_gradient() { half_.allocate_if_released(); }
+  /// Sharding::gradients with several ranks: each micro-batch's gradient is reduce-scattered
+  /// into this rank's slices of the window's sum at its end.
+  bool reduces_each_micro_batch() const { return shards_gradients(); }
+  /// With reduces_each_micro_batch(): the half gradient of a micro-batch that failed before
+  /// its reduction dropped; the window's earlier micro-batches, already summed, stay.
+  void discard_micro_batch() { half_.zero_grad(/*release=*/true); }
   // A backward the phase does not follow: its half gradient joins the window's fp32 sum, or
   // with Sharding::gradients this rank's slices of it (at the micro-batch's end).
   void backward_done(const detail::BackwardDone& done);

@@ -131,8 +131,10 @@ class PieceRunner {
   using Loss = std::function<torch::Tensor(const Batch&, double weight)>;
   using Say = std::function<void(const std::string&)>;
 
-  PieceRunner(AnyTrainer& trainer, const Task<Batch>& task, std::int64_t piece_items, Say say)
-      : trainer_(trainer), task_(task), piece_items_(piece_items), say_(std::move(say)) {}
+  /// `say`: what every rank does alike (the plan), said once; `say_local`: what this rank
+  /// alone does (a replay), said by it.
+  PieceRunner(AnyTrainer& trainer, const Task<Batch>& task, std::int64_t piece_items, Say say, Say say_local)
+      : trainer_(trainer), task_(task), piece_items_(piece_items), say_(std::move(say)), say_local_(std::move(say_local)) {}
 
   /// The largest piece run at once (0: whole micro-batches).
   std::int64_t piece_items() const { return piece_items_; }
@@ -277,6 +279,13 @@ class PieceRunner {
   /// micro-batch (the loop puts its own sums back to the window's start). Throws, saying why,
   /// when the window cannot be replayed: no split, a window begun in an earlier epoch or
   /// before a resume, or pieces of one item.
+  ///
+  /// A gradient reduced at each micro-batch's end (AnyTrainer::reduces_each_micro_batch: stage
+  /// 2 with several ranks) replays the failed micro-batch alone and returns `index`: the
+  /// window's earlier micro-batches are summed on every rank already, and replaying them would
+  /// send them again while the other ranks go on (their collectives would no longer line up).
+  /// Each micro-batch's generators are then its position's (the loop seeds them by position
+  /// with several ranks).
   std::int64_t replay(const std::exception& e, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
     const std::string where = "out of memory at " + position_text(epoch, index, batches) + " (optimizer step " +
                               std::to_string(trainer_.windows() + 1) + ", " +
@@ -286,6 +295,19 @@ class PieceRunner {
     if (!task_.split)
       throw std::runtime_error(where + "Give the task a split function (tk::Task::split, with items) so that trainkit "
                                "replays the window in smaller pieces, or plan them with TRAIN.MEMORY_BUDGET" + intact);
+    if (trainer_.reduces_each_micro_batch()) {
+      if (last_piece_items_ <= 1)
+        throw std::runtime_error(where + "Pieces of one item do not fit: recompute activations (tk::recompute), train "
+                                 "in half precision, or use a smaller model" + intact);
+      trainer_.discard_micro_batch();  // (throws where its backward had sent buckets)
+      if (!trainer_.device().is_cpu()) c10::getDeviceAllocator(trainer_.device().type())->emptyCache();
+      piece_items_ = std::max<std::int64_t>(1, last_piece_items_ / 2);
+      ++replays_;
+      say_local_("trainkit: " + where + "The micro-batch is replayed alone in pieces of at most " + items_text(piece_items_) +
+           " (the window's earlier micro-batches are summed on every rank already: TRAIN.ZERO_STAGE 2); the run goes "
+           "on at that size, and the optimizer step is the window's as before");
+      return index;
+    }
     if (!window_.open || window_.epoch != epoch)
       throw std::runtime_error(where + "The window began " +
                                (window_.open ? "in epoch " + std::to_string(window_.epoch) : std::string("before this run resumed")) +
@@ -298,7 +320,7 @@ class PieceRunner {
     if (!trainer_.device().is_cpu()) c10::getDeviceAllocator(trainer_.device().type())->emptyCache();
     piece_items_ = std::max<std::int64_t>(1, last_piece_items_ / 2);
     ++replays_;
-    say_("trainkit: " + where + "The window's partial gradient is dropped and the window replayed from micro-batch " +
+    say_local_("trainkit: " + where + "The window's partial gradient is dropped and the window replayed from micro-batch " +
          std::to_string(window_.index) + " in pieces of at most " + items_text(piece_items_) +
          "; the run goes on at that size, and the optimizer step is the window's as before");
     return window_.index;
@@ -331,7 +353,7 @@ class PieceRunner {
   AnyTrainer& trainer_;
   const Task<Batch>& task_;
   std::int64_t piece_items_ = 0;
-  Say say_;
+  Say say_, say_local_;
   bool planned_ = false;
   std::int64_t last_piece_items_ = -1;  // the items of the last micro-step's largest piece
   std::int64_t replays_ = 0;

@@ -341,6 +341,11 @@ TRAINKIT_INLINE torch::Tensor FlatStorage::norm() const {
   return sharded() ? replicas_->global_norm(local_grad_) : at::linalg_vector_norm(grad_, 2);
 }
 
+TRAINKIT_INLINE void FlatStorage::discard_micro_batch() {
+  drop_reduction();
+  if (!detail::is_released(grad_)) detail::release_storage(grad_);
+}
+
 TRAINKIT_INLINE void FlatStorage::zero() {
   drop_reduction();
   summed_ = false;

@@ -310,6 +310,14 @@ class FlatStorage : public detail::FlatParameters {
   /// The gradient's memory, where Sharding::gradients released it, allocated (zeros): for a
   /// backward outside the step (the memory plan's measurement), which zero() releases again.
   void allocate_gradient();
+  /// Sharding::gradients with several ranks: each micro-batch's gradient is reduce-scattered
+  /// into this rank's slices of the window's sum at its end.
+  bool reduces_each_micro_batch() const { return shards_gradients(); }
+  /// With reduces_each_micro_batch(): the gradient of a micro-batch that failed before its
+  /// reduction dropped; the window's earlier micro-batches, already summed on every rank,
+  /// stay. Throws when the failed backward had sent buckets (overlap): the other ranks have
+  /// them.
+  void discard_micro_batch();
   template <class Update>
   void update(Update&& f) {
     if (!sharded()) {

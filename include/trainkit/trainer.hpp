@@ -275,6 +275,23 @@ class Trainer final : public detail::TrainerCore {
     count_terms(items);
   }
 
+  /// Whether each micro-batch's gradient is reduced over the ranks when it ends (a sharded
+  /// gradient, Sharding::gradients, with several ranks).
+  bool reduces_each_micro_batch() const override { return storage_.reduces_each_micro_batch(); }
+  /// With a gradient reduced at each micro-batch's end (reduces_each_micro_batch()): forgets
+  /// the micro-batch whose forward or backward failed (out of memory), its loss, counts and
+  /// unreduced gradient, and keeps the window's earlier micro-batches, which every rank has
+  /// summed already; the fit loop then replays that micro-batch alone, in smaller pieces, and
+  /// every rank's collectives still line up. Throws where the failed backward had sent
+  /// buckets to the other ranks (TrainerOptions::overlap_reduction).
+  void discard_micro_batch() override {
+    TORCH_CHECK(storage_.reduces_each_micro_batch(), "discard_micro_batch: the gradient is reduced once per window "
+                "here (not Sharding::gradients with several ranks): discard the window (discard_window)");
+    storage_.discard_micro_batch();
+    accumulation_.load_state(started_.accumulation);
+    window_loss_ = started_.window_loss;
+  }
+
   /// Discards the open window: its gradient, loss and item count, as if none of its
   /// micro-batches had run (the fit loop, before replaying a window after an out-of-memory
   /// error). Parameters, optimizer state, counters and the schedule are untouched. The loss
@@ -453,6 +470,7 @@ class Trainer final : public detail::TrainerCore {
                   "micro_step(closure): the closure must take no arguments");
     static_assert(std::is_convertible_v<std::invoke_result_t<Closure&>, torch::Tensor>,
                   "micro_step(closure): the closure must return the loss as a torch::Tensor");
+    started_ = {accumulation_.state(), window_loss_};
     const torch::Tensor loss = forward(closure);
     // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items); loss
     //    terms carry their own (begin_window).
@@ -480,6 +498,7 @@ class Trainer final : public detail::TrainerCore {
       total += items[j];
     }
     const bool opens = accumulation_.position() == 0;
+    started_ = {accumulation_.state(), window_loss_};
     double weight = 0;
     for (size_t j = 0; j < items.size(); ++j) {
       const auto piece = static_cast<std::int64_t>(j);
@@ -661,6 +680,10 @@ class Trainer final : public detail::TrainerCore {
   Accumulation accumulation_;
   Clip clip_;
   storage_type storage_;
+  struct MicroBatchStart {  // the window as the current micro-batch found it (discard_micro_batch)
+    typename Accumulation::State accumulation{};
+    torch::Tensor window_loss;
+  } started_;
 };
 
 }  // namespace trainkit

@@ -21,8 +21,8 @@
 //       [--oom-backward-rank R]                    with --fit: rank R runs out of memory once in the
 //                                                  backward of epoch 0's micro-batch 1, after the last
 //                                                  layer's gradients were accumulated
-//       [--oom-rank R]                             with --fit: rank R runs out of memory once, in
-//                                                  epoch 0's micro-batch 1 (a c10::OutOfMemoryError
+//       [--oom-rank R [--oom-index I]]             with --fit: rank R runs out of memory once, in
+//                                                  epoch 0's micro-batch I (default 1; a c10::OutOfMemoryError
 //                                                  from the loss), and replays its window in pieces
 //       [--cap-rank R --cap F]                     with --fit: a real allocation failure. Rank R measures
 //                                                  the peak of epoch 0's micro-batch 1, caps its address
@@ -63,7 +63,7 @@ struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
-  int oom_backward_rank = -1, resume = 0, cap_rank = -1;
+  int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1;
   std::int64_t width = 512;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
   double cap = 0, dropout = 0;
@@ -92,7 +92,7 @@ Args parse(int argc, char** argv) {
   take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
   take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank), take("reduce", a.reduce);
   take("sharding", a.sharding), take("flush", a.flush), take("overlap", a.overlap);
-  take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume);
+  take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume), take("oom-index", a.oom_index);
   take("cap-rank", a.cap_rank), take("cap", a.cap), take("width", a.width), take("dropout", a.dropout);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
@@ -251,7 +251,8 @@ int run(const Args& a) {
     task.loss = [&](const std::vector<std::int64_t>& b, tk::Metrics&) {
       if (rank == a.cap_rank && at_epoch == 0) cap.at(at_index, a.cap);
       if (a.sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(a.sleep_ms));
-      if (rank == a.oom_rank && !oom_thrown && at_epoch == 0 && at_index == 1 && static_cast<std::int64_t>(b.size()) == a.batch) {
+      if (rank == a.oom_rank && !oom_thrown && at_epoch == 0 && at_index == a.oom_index &&
+          static_cast<std::int64_t>(b.size()) == a.batch) {
         oom_thrown = true;
         TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (the driver's --oom-rank)");
       }

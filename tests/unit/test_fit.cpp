@@ -256,6 +256,10 @@ TEST_CASE("fit: a finished job run again trains nothing and says so") {
   CHECK(again.checkpoints.empty());
   CHECK(again.message.find("nothing to train: '" + dir / "model-0001.ckpt" + "' is at epoch 2 and TRAIN.END_EPOCH is 2") !=
         std::string::npos);
+  // It reports the last epoch's figures, from the checkpoint.
+  REQUIRE(first.train.count("Loss"));
+  CHECK(again.train == first.train);
+  CHECK(again.validation == first.validation);
 }
 
 TEST_CASE("fit: the epoch's means are weighted by items, not averages of averages") {

@@ -494,7 +494,7 @@ TEST_CASE("TRAIN.MEMORY_BUDGET: an optimizer state that does not fit stops the p
   Big model;
   tk::Trainer<> trainer(model, tk::AdamW{1e-3, 1e-2});
   auto task = big_task(model, data);
-  tk::detail::PieceRunner<Rows> runner(trainer, task, 0, [](const std::string&) {});
+  tk::detail::PieceRunner<Rows> runner(trainer, task, 0, [](const std::string&) {}, [](const std::string&) {});
   // A real allocation failure: the address space capped 32 MiB over what the process has, so
   // the first 64 MiB moment cannot be mapped.
   ::rlimit saved{};

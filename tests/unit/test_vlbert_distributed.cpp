@@ -100,6 +100,19 @@ double max_difference(const std::string& a, const std::string& b) {
   return worst;
 }
 
+// The relative L2 distance between two checkpoints' model tensors, over all of them.
+double relative_distance(const std::string& a, const std::string& b) {
+  const auto x = model_tensors(a), y = model_tensors(b);
+  REQUIRE(x.size() == y.size());
+  double diff = 0, norm = 0;
+  for (const auto& [name, t] : x) {
+    REQUIRE_MESSAGE(y.count(name), name << " missing from " << b);
+    diff += (t.to(torch::kDouble) - y.at(name).to(torch::kDouble)).square().sum().item<double>();
+    norm += y.at(name).to(torch::kDouble).square().sum().item<double>();
+  }
+  return std::sqrt(diff / norm);
+}
+
 // Train-Loss by step from a run's JSON-lines log; a step logged twice fails.
 std::map<std::int64_t, double> logged_losses(const std::string& path) {
   std::ifstream in(path);
@@ -169,6 +182,102 @@ TEST_CASE("the main job: 2 ranks x micro-batch B train as 1 process x 2B (FP32, 
   const double diff = max_difference(dir / "one/vl-bert_base_vqa-0001.ckpt", dir / "two/vl-bert_base_vqa-0001.ckpt");
   MESSAGE("largest parameter difference, 1 x 2B against 2 x B after 8 windows: " << diff);
   CHECK(diff < 1e-5);
+}
+
+// Pre-training on 64 scenes with one TARGET_BATCH of 32, split `sets` ways, on `world` ranks,
+// in the directory dir/name (a run there already is resumed: AUTO_RESUME), its output in
+// dir/<logs>.rank<r>.*. The epochs' losses it trained (RESULT).
+std::vector<double> split_run(const testing::TempDir& dir, const std::string& name, int world, std::vector<std::string> sets,
+                              std::string logs = "") {
+  if (logs.empty()) logs = name;
+  for (const std::string s : {"DATASET.TRAIN_SCENES=64", "TRAIN.TARGET_BATCH=32", "TRAIN.LR_SCHEDULE=constant",
+                              "TRAIN.WARMUP_STEPS=1"})
+    sets.insert(sets.begin(), s);
+  run_to_end(vlbert_args("pretrain", dir / name, sets), world, dir / logs);
+  std::vector<double> losses;
+  for (const auto& l : result_line(dir / (logs + ".rank0.out"))["epoch_loss"]) losses.push_back(l.get<double>());
+  return losses;
+}
+
+TEST_CASE("the main job's objective does not depend on the split: at identical weights the epoch loss of 1 x 32, "
+          "4 x 8, pieces, 2 ranks x 2 x 8 (stages 0 and 2), 4 ranks x 2 x 4 agree to 1e-6") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  // LR 1e-30: the weights stay the initial ones, so every run's epoch loss is the objective over
+  // the same 64 scenes with the same masks (they depend on the seed, the epoch and the sample).
+  const std::vector<std::string> frozen{"TRAIN.LR=1e-30", "TRAIN.END_EPOCH=1"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), frozen.begin(), frozen.end());
+    return more;
+  };
+  const auto whole = split_run(dir, "1x32", 1, with({"TRAIN.GRAD_ACCUMULATE_STEPS=1"}));
+  REQUIRE(whole.size() == 1);
+  const std::map<std::string, std::vector<double>> splits{
+      {"1 x 4 x 8", split_run(dir, "4x8", 1, with({"TRAIN.GRAD_ACCUMULATE_STEPS=4"}))},
+      {"1 x 32 as pieces of 5", split_run(dir, "pieces", 1, with({"TRAIN.GRAD_ACCUMULATE_STEPS=1", "TRAIN.PIECE_ITEMS=5"}))},
+      {"2 ranks x 2 x 8", split_run(dir, "w2", 2, with({"TRAIN.GRAD_ACCUMULATE_STEPS=2"}))},
+      {"2 ranks x 2 x 8, stage 2, pieces of 3",
+       split_run(dir, "w2s2", 2, with({"TRAIN.GRAD_ACCUMULATE_STEPS=2", "TRAIN.ZERO_STAGE=2", "TRAIN.PIECE_ITEMS=3"}))},
+      {"4 ranks x 2 x 4", split_run(dir, "w4", 4, with({"TRAIN.GRAD_ACCUMULATE_STEPS=2"}))}};
+  for (const auto& [name, losses] : splits) {
+    INFO(name << ": " << losses.at(0) << ", 1 x 32: " << whole[0]);
+    CHECK(std::abs(losses.at(0) - whole[0]) <= 1e-6 * whole[0]);
+  }
+}
+
+TEST_CASE("the main job trains the same model at 1, 2 and 4 ranks with one TARGET_BATCH (stages 0, 1, 2), and a "
+          "2-rank run resumed at 4 ranks goes on as the 2-rank run") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  const std::vector<std::string> trained{"TRAIN.LR=1e-3", "TRAIN.END_EPOCH=2"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), trained.begin(), trained.end());
+    return more;
+  };
+  const auto w2 = split_run(dir, "w2", 2, with({"TRAIN.GRAD_ACCUMULATE_STEPS=2"}));
+  REQUIRE(w2.size() == 2);
+  const std::string last = "/vl-bert_base_pretrain-0001.ckpt";
+  // Not comparing nothing: the second epoch moved the weights and lowered the loss.
+  CHECK(relative_distance(dir / ("w2/vl-bert_base_pretrain-0000.ckpt"), dir / ("w2" + last)) > 1e-3);
+  CHECK(w2[1] < w2[0] - 0.1);
+  struct Run {
+    std::string name;
+    int world;
+    std::vector<std::string> sets;
+  };
+  for (const Run& run : std::vector<Run>{{"w1", 1, {"TRAIN.GRAD_ACCUMULATE_STEPS=1"}},
+                                         {"w4", 4, {"TRAIN.GRAD_ACCUMULATE_STEPS=2"}},
+                                         {"w2s2", 2, {"TRAIN.GRAD_ACCUMULATE_STEPS=2", "TRAIN.ZERO_STAGE=2"}},
+                                         {"w4s1", 4, {"TRAIN.GRAD_ACCUMULATE_STEPS=2", "TRAIN.ZERO_STAGE=1"}}}) {
+    const auto losses = split_run(dir, run.name, run.world, with(run.sets));
+    REQUIRE(losses.size() == 2);
+    for (size_t e = 0; e < 2; ++e) {
+      INFO(run.name << " epoch " << e << ": " << losses[e] << ", 2 ranks: " << w2[e]);
+      CHECK(std::abs(losses[e] - w2[e]) <= 1e-5 * w2[e]);
+    }
+    // AdamW turns the rounding noise of gradients that are 0 in exact arithmetic (the attention
+    // keys' biases: softmax ignores a shift) into steps of the LR's size: a few 1e-5 of those.
+    const double d = relative_distance(dir / (run.name + last), dir / ("w2" + last));
+    MESSAGE(run.name << ": relative L2 distance of the weights from the 2-rank run's after 2 epochs: " << d);
+    CHECK(d < 5e-5);
+  }
+  // Stopped after epoch 0 at 2 ranks, resumed at 4 (the same TARGET_BATCH: the data go on at the
+  // checkpoint's position), with stages 0 and 2.
+  for (const std::string stage : {"0", "2"}) {
+    const std::string name = "w2to4s" + stage;
+    const std::vector<std::string> sets{"TRAIN.GRAD_ACCUMULATE_STEPS=2", "TRAIN.ZERO_STAGE=" + stage};
+    auto first = with(sets);
+    first.push_back("TRAIN.END_EPOCH=1");
+    split_run(dir, name, 2, first);
+    const auto resumed = split_run(dir, name, 4, with(sets), name + "-resumed");
+    CHECK(slurp(dir / (name + "-resumed.rank0.err")).find("was written by 2 processes, this run has 4") != std::string::npos);
+    REQUIRE(resumed.size() == 1);  // the resumed run trained epoch 1 alone
+    INFO("stage " << stage << ": epoch 1 resumed at 4 ranks " << resumed[0] << ", 2 ranks " << w2[1]);
+    CHECK(std::abs(resumed[0] - w2[1]) <= 1e-5 * w2[1]);
+    const double d = relative_distance(dir / (name + last), dir / ("w2" + last));
+    MESSAGE("stage " << stage << ": a 2-rank run resumed at 4 ranks, relative L2 distance from the 2-rank run: " << d);
+    CHECK(d < 1e-5);
+  }
 }
 
 TEST_CASE("the main job: a SIGKILLed rank stops the other within DIST_TIMEOUT, and the relaunch resumes exactly") {

@@ -24,6 +24,12 @@ TRAINKIT_INLINE void RunLog::say(const std::string& text) {
   if (text_log_) text_log_->line(text);
 }
 
+TRAINKIT_INLINE void RunLog::say_local(const std::string& text) {
+  if (writes_) return say(text);
+  std::cerr << "(rank " << trainer_.replicas().rank() << " of " << trainer_.replicas().world_size() << ") " << text
+            << std::endl;
+}
+
 TRAINKIT_INLINE void RunLog::report(const std::string& text) {
   if (!writes_) return;
   if (progress_) progress_->message(text);

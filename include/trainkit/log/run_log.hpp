@@ -63,6 +63,9 @@ class RunLog {
   /// A line for the user (the writing rank only), below the progress line when there is one,
   /// and in the text log.
   void say(const std::string& text);
+  /// What happened on this rank alone (an out-of-memory replay): said as say() does on the
+  /// writing rank, on stderr with the rank on the others.
+  void say_local(const std::string& text);
   /// A line of the run's record (a validation, a checkpoint): below the progress line when there
   /// is one (not on stderr without one), and in the text log.
   void report(const std::string& text);
