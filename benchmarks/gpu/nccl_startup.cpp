@@ -6,13 +6,19 @@
 //   2. a trainer with DataParallel (attach, reduce_gradients with item totals, on the GPU)
 //      gives the single-process trainer's losses;
 //   3. resume: a DataParallel trainer saves after step 6, a fresh one loads (the ranks' state
-//      compared through the group, on the GPU) and steps 7-12 equal the uninterrupted run's.
+//      compared through the group, on the GPU) and steps 7-12 equal the uninterrupted run's;
+//   4. the sharded code on the device: ZeRO stage 2 with the overlap, its buffers cut as a
+//      sharded run cuts them (DataParallel::shard_at_world_size_one), so that reduce-scatter
+//      with PREMUL_SUM (item counts), all-gather, gather to rank 0 (a save), the gradient
+//      released between windows and buckets launched by the hooks all run on NCCL, counted
+//      and asserted; the losses equal one process's, and a resume is exact.
 // Its last line is PASS or FAIL: and the list (exit 1).
 //
 //   nccl_startup             # cuda:0, NCCL
 //   nccl_startup --dry-run   # the same code on the CPU with Gloo (no GPU needed)
 #include "harness.hpp"
 #include "resume_check.hpp"
+#include "../../tests/support/counting_backend.hpp"
 
 #include <trainkit/distributed.hpp>
 #include <trainkit/trainkit.hpp>
@@ -91,6 +97,74 @@ int main(int argc, char** argv) try {
   if (!(dp_vs_single <= (dry ? 0.0 : 1e-6) * std::abs(single.front())))
     failed.push_back("DataParallel at world size 1 differs from one process by " + std::to_string(dp_vs_single));
   bench::report_resume("DataParallel/fp32", dp, dry ? 0.0 : 1e-6, failed);
+
+  // 4. Stage 2 at world size 1, cut as a sharded run (small buckets: several of them), every
+  //    collective counted.
+  auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(group.backend());
+  tk::ProcessGroup counted(group.store(), counter, group.info(), group.timeout(), group.device());
+  const auto sharded_options = tk::TrainerOptions(options).sharding(tk::Sharding::gradients).overlap_reduction(true);
+  const auto sharded_replicas = [&] {
+    auto replicas = std::make_shared<tk::DataParallel>(counted, /*bucket_bytes=*/64 << 10);
+    replicas->shard_at_world_size_one(true);
+    return replicas;
+  };
+  std::vector<double> sharded;
+  std::int64_t overlapped = 0, released = 0, buckets = 0, gathers = 0;
+  {
+    auto task = bench::make_task(rs.model, rs.micro_batch, rs.seq, device);
+    T t(task.module, tk::AdamW{1e-3, 1e-2}, sharded_options);
+    t.set_replicas(sharded_replicas());
+    buckets = t.storage().partition().buckets();
+    int64_t k = 0;
+    while (sharded.size() < single.size()) {
+      auto r = t.micro_step([&] { return task.loss(k++); }, rs.micro_batch * rs.seq);
+      if (!r.window_closed) continue;
+      sharded.push_back(r.report.loss());
+      released += t.gradients().storage().nbytes() == 0;  // between windows: no gradient held
+    }
+    overlapped = t.storage().overlapped_buckets();
+    const auto before = counter->gather_calls;
+    torch::serialize::OutputArchive archive;
+    t.save(archive);  // the slices gathered to rank 0, bucket by bucket
+    gathers = counter->gather_calls - before;
+    if (!t.storage().sharded()) failed.push_back("the sharded check's storage is not sharded");
+  }
+  double sharded_vs_single = 0.0;
+  for (size_t i = 0; i < single.size(); ++i)
+    sharded_vs_single = std::max(sharded_vs_single, std::abs(single[i] - sharded[i]));
+  std::printf("- stage 2 cut as sharded at world size 1 (%lld buckets), 12 steps of 2 micro-batches: reduce-scatters %lld "
+              "(PREMUL_SUM %lld), all-gathers %lld, gathers to rank 0 in a save %lld, buckets launched by the hooks "
+              "%lld, windows ending with the gradient released %lld of %zu; max |loss difference| from one process "
+              "%.3g\n",
+              static_cast<long long>(buckets), static_cast<long long>(counter->reduce_scatter_calls),
+              static_cast<long long>(counter->premul_sum_calls), static_cast<long long>(counter->all_gather_calls),
+              static_cast<long long>(gathers), static_cast<long long>(overlapped), static_cast<long long>(released),
+              sharded.size(), sharded_vs_single);
+  // Every micro-batch's gradient is reduce-scattered bucket by bucket, each step's parameters
+  // all-gathered, and a save gathers every bucket's slices.
+  const auto micro_batches = static_cast<std::int64_t>(2 * sharded.size());
+  if (buckets < 2) failed.push_back("the sharded check has one bucket: nothing is cut");
+  if (counter->reduce_scatter_calls != micro_batches * buckets)
+    failed.push_back("stage 2 ran " + std::to_string(counter->reduce_scatter_calls) + " reduce-scatters, not " +
+                     std::to_string(micro_batches * buckets));
+  if (!dry && counter->premul_sum_calls != counter->reduce_scatter_calls)
+    failed.push_back("NCCL's reduce-scatters with item counts did not weight inside the reduction (PREMUL_SUM): " +
+                     std::to_string(counter->premul_sum_calls) + " of " + std::to_string(counter->reduce_scatter_calls));
+  if (counter->all_gather_calls < static_cast<std::int64_t>(sharded.size()) * buckets)
+    failed.push_back("stage 2 all-gathered " + std::to_string(counter->all_gather_calls) + " buckets, fewer than " +
+                     std::to_string(static_cast<std::int64_t>(sharded.size()) * buckets));
+  if (gathers < buckets) failed.push_back("a sharded save gathered " + std::to_string(gathers) + " buckets to rank 0");
+  if (overlapped == 0) failed.push_back("no bucket was launched by the hooks during a backward");
+  if (released != static_cast<std::int64_t>(sharded.size())) failed.push_back("the gradient was held between windows");
+  if (!(sharded_vs_single <= 1e-6 * std::abs(single.front())))
+    failed.push_back("stage 2 at world size 1 differs from one process by " + std::to_string(sharded_vs_single));
+  rs.tag = "sharded";
+  const auto sh = bench::check_resume(rs, [&](bench::Task& task) {
+    auto t = std::make_unique<T>(task.module, tk::AdamW{1e-3, 1e-2}, sharded_options);
+    t->set_replicas(sharded_replicas());
+    return t;
+  });
+  bench::report_resume("DataParallel/fp32, stage 2 cut as sharded", sh, dry ? 0.0 : 1e-6, failed);
 
   if (failed.empty()) {
     std::printf("PASS\n");

@@ -510,6 +510,18 @@ class DataParallel final : public Replicas {
                                   std::to_string(bucket_bytes_));
   }
 
+  /// At world size 1, cut the trainer's buffers as a sharded run does (TrainerOptions::sharding:
+  /// one slice of every bucket, which is the whole bucket) and install the overlap's hooks:
+  /// the reduce-scatters (PREMUL_SUM with item counts on NCCL), all-gathers, gathers to rank 0,
+  /// released gradients and hook-launched buckets of sharding then all run, each on one rank,
+  /// with the results of one process. For checking that code on a single device (the GPU check,
+  /// benchmarks/gpu/nccl_startup.cpp); it costs the collectives' time. No effect with more ranks.
+  DataParallel& shard_at_world_size_one(bool on) {
+    shard_alone_ = on;
+    return *this;
+  }
+  bool shards_alone() const override { return shard_alone_ && world_size() == 1; }
+
   int rank() const override { return group_.rank(); }
   int world_size() const override { return group_.world_size(); }
   const ProcessGroup& group() const { return group_; }
@@ -577,10 +589,13 @@ class DataParallel final : public Replicas {
   }
   void all_gather(torch::Tensor& flat, const detail::Partition& partition) override {
     check_partition(partition, flat);
-    // Each rank's slice is sent from a copy: the output bucket holds it, and the input of an
-    // all-gather may not alias its output on every backend. Gloo's all-gather also receives
-    // into a copy of the bucket: at most two buckets in flight there.
-    const size_t in_flight = group_.backend()->getBackendName() == "gloo" ? 2 : static_cast<size_t>(-1);
+    // NCCL gathers in place: a rank's slice is its part of the output bucket (slice(b) starts
+    // at rank x length / world), which ncclAllGather takes as its input without a copy. Other
+    // backends may not alias input and output: the slice is sent from a copy. Gloo's
+    // all-gather also receives into a copy of the bucket: at most two buckets in flight there.
+    const std::string backend = group_.backend()->getBackendName();
+    const bool in_place = backend == "nccl";
+    const size_t in_flight = backend == "gloo" ? 2 : static_cast<size_t>(-1);
     const auto count = partition.buckets();
     std::vector<torch::Tensor> sent(static_cast<size_t>(count));
     std::vector<c10::intrusive_ptr<c10d::Work>> works(static_cast<size_t>(count));
@@ -594,7 +609,8 @@ class DataParallel final : public Replicas {
       if (static_cast<size_t>(b) >= in_flight) wait(b - static_cast<std::int64_t>(in_flight));
       const auto bucket = partition.bucket(b), slice = partition.slice(b);
       try {
-        sent[static_cast<size_t>(b)] = flat.narrow(0, slice.begin, slice.length).clone();
+        const auto mine = flat.narrow(0, slice.begin, slice.length);
+        sent[static_cast<size_t>(b)] = in_place ? mine : mine.clone();
         auto out = flat.narrow(0, bucket.begin, bucket.length);
         works[static_cast<size_t>(b)] = group_.backend()->_allgather_base(out, sent[static_cast<size_t>(b)]);
       } catch (const std::exception& e) {
@@ -813,6 +829,7 @@ class DataParallel final : public Replicas {
   ProcessGroup group_;
   std::int64_t bucket_bytes_;
   std::int64_t windows_ = 0;
+  bool shard_alone_ = false;
 };
 
 }  // namespace trainkit

@@ -124,6 +124,12 @@ class Replicas {
   // --- sharded storage (see the file comment) ---
   /// Bytes per bucket of the gradient's reduction (the partition's bucket size).
   virtual std::int64_t bucket_bytes() const { return std::int64_t{25} << 20; }
+  /// Whether the storage cuts its buffers as a sharded run does even at world size 1 (and
+  /// installs the overlap's hooks), so that every collective of sharding runs, each on one
+  /// rank: DataParallel::shard_at_world_size_one, the GPU check's way to run them on NCCL.
+  virtual bool shards_alone() const { return false; }
+  /// Whether the storage cuts its buffers for this many ranks (more than one, or shards_alone).
+  bool communicates() const { return world_size() > 1 || shards_alone(); }
   virtual std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local,
                                                      const detail::Partition& partition, const WindowWeights& window,
                                                      bool closes) = 0;

@@ -6,24 +6,42 @@
 namespace trainkit {
 namespace detail {
 
-TRAINKIT_INLINE Readiness::Readiness(const std::vector<Range>& parameters, std::vector<std::string> names,
-                                     const Partition& partition)
+TRAINKIT_INLINE Readiness::Readiness(const std::vector<Range>& parameters, const std::vector<std::int64_t>& order,
+                                     std::vector<std::string> names, const Partition& partition)
     : names_(std::move(names)), initial_(static_cast<size_t>(partition.buckets()), 0) {
-  for (const auto& p : parameters) {
+  // Each bucket's expected completion: the earliest model place among its parameters (the
+  // backward reaches it last). A bucket of padding alone is complete at once.
+  std::vector<std::int64_t> completes(initial_.size(), std::numeric_limits<std::int64_t>::max());
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const auto& p = parameters[i];
     std::int64_t first = 0;
     while (first + 1 < partition.buckets() && partition.bucket(first + 1).begin <= p.begin) ++first;
     std::int64_t last = first;
     while (last + 1 < partition.buckets() && partition.bucket(last + 1).begin < p.end()) ++last;
     spans_.push_back({first, last});
-    for (auto b = first; b <= last; ++b) ++initial_[static_cast<size_t>(b)];
+    for (auto b = first; b <= last; ++b) {
+      ++initial_[static_cast<size_t>(b)];
+      completes[static_cast<size_t>(b)] = std::min(completes[static_cast<size_t>(b)], order[i]);
+    }
   }
+  // Latest place first; among equals (a parameter over several buckets) the higher bucket first.
+  for (std::int64_t b = partition.buckets() - 1; b >= 0; --b) order_.push_back(b);
+  std::stable_sort(order_.begin(), order_.end(), [&](std::int64_t a, std::int64_t b) {
+    return completes[static_cast<size_t>(a)] > completes[static_cast<size_t>(b)];
+  });
 }
 
 TRAINKIT_INLINE void Readiness::arm(Reduction& reduction) {
   waiting_ = initial_;
   fired_.assign(spans_.size(), false);
-  next_ = static_cast<std::int64_t>(initial_.size()) - 1;
+  pending_ = static_cast<std::int64_t>(spans_.size());
+  next_ = 0;
   reduction_ = &reduction;
+}
+
+TRAINKIT_INLINE void Readiness::launch_rest() {
+  if (!reduction_) return;
+  for (; next_ < static_cast<std::int64_t>(order_.size()); ++next_) reduction_->launch(order_[static_cast<size_t>(next_)]);
 }
 
 TRAINKIT_INLINE void Readiness::ready(size_t i) {
@@ -32,17 +50,20 @@ TRAINKIT_INLINE void Readiness::ready(size_t i) {
   if (fired_[i]) {
     // A second accumulation in one backward: the reentrant backward of tk::recompute for a
     // parameter used inside and outside its region. Harmless until the bucket has left.
-    if (last > next_)
+    bool sent = false;  // a bucket of it has left
+    for (std::int64_t k = 0; k < next_ && !sent; ++k) sent = order_[static_cast<size_t>(k)] >= first && order_[static_cast<size_t>(k)] <= last;
+    if (sent)
       throw std::runtime_error("trainkit: parameter '" + names_[i] + "' received a second gradient in one backward "
                                "after its bucket's reduction had started (a parameter used both inside and outside "
                                "tk::recompute?); set TrainerOptions::overlap_reduction(false) (TRAIN.OVERLAP_REDUCTION: false)");
     return;
   }
   fired_[i] = true;
+  --pending_;
   for (auto b = first; b <= last; ++b) --waiting_[static_cast<size_t>(b)];
-  while (next_ >= 0 && waiting_[static_cast<size_t>(next_)] == 0) {
-    reduction_->launch(next_--);
-    ++overlapped_;
+  while (next_ < static_cast<std::int64_t>(order_.size()) && waiting_[static_cast<size_t>(order_[static_cast<size_t>(next_)])] == 0) {
+    reduction_->launch(order_[static_cast<size_t>(next_++)]);
+    if (pending_ > 0) ++overlapped_;  // (launched by the last gradient: nothing left to overlap)
   }
 }
 
@@ -84,6 +105,7 @@ TRAINKIT_INLINE void FlatParameters::place(torch::nn::Module& model, const Train
                   "; trainkit keeps parameters in fp32 (mixed precision comes from the precision policy)");
     }
     PlacedParameter e{p.key(), t};
+    e.order = static_cast<std::int64_t>(placed.size());
     for (const auto& [substring, m] : options.lr_mult())
       if (p.key().find(substring) != std::string::npos) {
         e.lr_mult = m;
@@ -113,7 +135,7 @@ TRAINKIT_INLINE void FlatParameters::place(torch::nn::Module& model, const Train
 
 TRAINKIT_INLINE Partition FlatParameters::partition_for(const Replicas& replicas, Sharding sharding,
                                                         std::int64_t element_size) const {
-  if (replicas.world_size() == 1)
+  if (!replicas.communicates())
     return Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
   return Partition(layout_.padded(), std::max<std::int64_t>(1, replicas.bucket_bytes() / element_size), align_,
                    replicas.world_size(), replicas.rank(), sharding != Sharding::none);
@@ -121,12 +143,14 @@ TRAINKIT_INLINE Partition FlatParameters::partition_for(const Replicas& replicas
 
 TRAINKIT_INLINE void FlatParameters::install_hooks() {
   std::vector<Range> ranges;
+  std::vector<std::int64_t> order;
   std::vector<std::string> names;
   for (const auto& e : placed_) {
     ranges.push_back({e.offset, e.param.numel()});
+    order.push_back(e.order);
     names.push_back(e.name);
   }
-  readiness_ = std::make_shared<Readiness>(ranges, std::move(names), partition_);
+  readiness_ = std::make_shared<Readiness>(ranges, order, std::move(names), partition_);
   for (size_t i = 0; i < placed_.size(); ++i)
     torch::autograd::impl::set_post_acc_grad_hooks(placed_[i].param, std::make_unique<ReadyHook>(readiness_, i));
 }
@@ -310,7 +334,7 @@ TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& 
   summed_ = false;
   if (shards_gradients()) detail::release_storage(grad_);
   readiness_.reset();
-  if (overlap_ && replicas.world_size() > 1) install_hooks();
+  if (overlap_ && replicas.communicates()) install_hooks();
   return sharded();
 }
 
@@ -441,6 +465,7 @@ TRAINKIT_INLINE GradientFactor FlatStorage::finish_reduction(Replicas& replicas,
                                                              bool closes) {
   GradientFactor factor;
   if (reduction_) {
+    readiness_->launch_rest();  // (parameters that got no gradient), in the launch order
     readiness_->disarm();
     factor = reduction_->finish();
     reduction_.reset();

@@ -73,6 +73,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -90,22 +91,36 @@ struct PlacedParameter {
   double lr_mult = 1.0;
   bool decay = true;
   std::int64_t offset = 0;  ///< in the flat buffers
+  std::int64_t order = 0;   ///< its place among the model's trainable parameters
 };
 
 /// Overlap (TrainerOptions::overlap_reduction): during an armed backward, which buckets of the
 /// partition are complete. Each parameter's post-accumulate-grad hook (ReadyHook) counts its
-/// gradient in the buckets it lies in; the buckets are launched in descending order (a backward
-/// produces the last parameters' gradients first), each as soon as it and every bucket above it
-/// are complete, so every rank launches them in the same order. What is left when the backward
-/// ends (parameters that got no gradient) is launched by Reduction::finish().
+/// gradient in the buckets it lies in. The buckets are launched in one order fixed when the
+/// hooks are installed, the same on every rank: by when a backward is expected to complete
+/// them, a backward producing the model's parameters' gradients in reverse order (the bucket
+/// whose earliest parameter comes last in the model first). Each is launched as soon as it and
+/// every bucket before it in that order are complete. The layout groups parameters by weight
+/// decay and LR multiplier, so a bucket may hold parameters of every layer (BERT's biases and
+/// norms, TRAIN.NO_DECAY): it comes last, and does not hold the others back. What is left when
+/// the backward ends (parameters that got no gradient) is launched by launch_rest(), in that
+/// order: every rank's launches are that one sequence.
 class Readiness {
  public:
-  Readiness(const std::vector<Range>& parameters, std::vector<std::string> names, const Partition& partition);
+  /// `parameters`: each parameter's elements in the flat layout; `order`: each one's place
+  /// among the model's parameters (its gradient is expected after those of later places).
+  Readiness(const std::vector<Range>& parameters, const std::vector<std::int64_t>& order, std::vector<std::string> names,
+            const Partition& partition);
   void arm(Reduction& reduction);
   void disarm() { reduction_ = nullptr; }
+  /// Launches the buckets the armed backward did not complete, in the launch order.
+  void launch_rest();
   /// Buckets launched in the armed backward.
-  std::int64_t launched() const { return static_cast<std::int64_t>(initial_.size()) - 1 - next_; }
-  /// Buckets launched by the hooks, during backward passes, since the hooks were installed.
+  std::int64_t launched() const { return next_; }
+  /// The order in which the buckets are launched.
+  const std::vector<std::int64_t>& launch_order() const { return order_; }
+  /// Buckets launched by the hooks while parameters' gradients were still to come in their
+  /// backward (overlapping it), since the hooks were installed.
   std::int64_t overlapped() const { return overlapped_; }
 
   /// Parameter i's gradient is accumulated (its hook; the autograd engine's thread).
@@ -115,8 +130,10 @@ class Readiness {
   std::vector<std::string> names_;
   std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // each parameter's first and last bucket
   std::vector<std::int64_t> initial_, waiting_;
+  std::vector<std::int64_t> order_;  // the buckets in launch order
   std::vector<bool> fired_;
-  std::int64_t next_ = -1, overlapped_ = 0;
+  std::int64_t next_ = 0, overlapped_ = 0;  // next_: the place in order_ of the next launch
+  std::int64_t pending_ = 0;                 // parameters whose gradient has not come in this backward
   Reduction* reduction_ = nullptr;
 };
 
@@ -157,8 +174,8 @@ class FlatParameters {
   /// Sharded: this rank's slices of the reduced gradient (the window's sum over the ranks, in
   /// the phase; with Sharding::gradients also the sum of the window's earlier micro-batches).
   const torch::Tensor& local_gradients() const { return local_grad_; }
-  /// Gradient buckets whose reduction started during a backward (TrainerOptions::
-  /// overlap_reduction), since the replicas were attached.
+  /// Gradient buckets whose reduction started during a backward, before its last gradient
+  /// (TrainerOptions::overlap_reduction), since the replicas were attached.
   std::int64_t overlapped_buckets() const { return readiness_ ? readiness_->overlapped() : 0; }
 
   /// Once per window, a pointer compare per parameter.

@@ -331,7 +331,7 @@ class Trainer final : public detail::TrainerCore {
     TORCH_CHECK(accumulation_.position() == 0, "set_replicas: a window is open (",
                 accumulation_.position(), " micro-batches); attach between windows");
     const bool was_sharded = storage_.sharded();
-    if (options_.sharding() != Sharding::none && replicas->world_size() > 1 && windows_ > 0)
+    if (options_.sharding() != Sharding::none && replicas->communicates() && windows_ > 0)
       throw std::logic_error("set_replicas: with sharding (TrainerOptions::sharding, TRAIN.ZERO_STAGE) the optimizer's "
                              "state is cut by rank: attach the replicas before the first optimizer step (" +
                              std::to_string(windows_) + " have run), then load() a checkpoint to continue");

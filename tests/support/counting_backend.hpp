@@ -10,8 +10,8 @@
 
 namespace trainkit_testing {
 
-/// A c10d backend that counts the all-reduce, reduce-scatter and all-gather calls and bytes that
-/// pass through it to `inner`:
+/// A c10d backend that counts the all-reduce, reduce-scatter, all-gather and gather calls (and
+/// bytes) that pass through it to `inner`:
 /// tk::ProcessGroup(g.store(), counter, g.info(), ...).
 class CountingBackend final : public c10d::Backend {
  public:
@@ -27,6 +27,7 @@ class CountingBackend final : public c10d::Backend {
                                                       const c10d::ReduceScatterOptions& opts) override {
     ++reduce_scatter_calls;
     reduce_scatter_bytes += static_cast<std::int64_t>(input.nbytes());
+    if (opts.reduceOp.op_ == c10d::ReduceOp::PREMUL_SUM) ++premul_sum_calls;
     return inner_->_reduce_scatter_base(output, input, opts);
   }
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
@@ -37,6 +38,7 @@ class CountingBackend final : public c10d::Backend {
   }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override {
+    ++gather_calls;
     return inner_->gather(outputs, inputs, opts);
   }
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -50,6 +52,8 @@ class CountingBackend final : public c10d::Backend {
 
   std::int64_t all_reduce_calls = 0, all_reduce_bytes = 0;
   std::int64_t reduce_scatter_calls = 0, reduce_scatter_bytes = 0, all_gather_calls = 0, all_gather_bytes = 0;
+  std::int64_t premul_sum_calls = 0;  ///< reduce-scatters that weight each rank's part inside (NCCL's PREMUL_SUM)
+  std::int64_t gather_calls = 0;
 
  private:
   c10::intrusive_ptr<c10d::Backend> inner_;

@@ -60,7 +60,7 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 49);  // VL-BERT's 28 TRAIN keys and trainkit's 21
+  CHECK(t.size() == 50);  // VL-BERT's 28 TRAIN keys and trainkit's 22
   CHECK(t["ZERO_STAGE"] == 0);
   CHECK(t["OVERLAP_REDUCTION"] == true);
   CHECK(t["NO_DECAY"] == json::array());
@@ -84,6 +84,7 @@ TEST_CASE("defaults: every toolkit key of config.md, with its default") {
   CHECK(t["CHECKPOINT_KEEP"] == 3);
   CHECK(t["MEMORY_BUDGET"] == 0.0);
   CHECK(t["TARGET_BATCH"] == 0);
+  CHECK(t["PIECE_ITEMS"] == 0);
   CHECK(c.tree()["RNG_SEED"] == -1);
   CHECK(c.tree()["OUTPUT_PATH"] == "./output");
   CHECK(c.tree()["LOG_FREQUENT"] == 50);

@@ -188,4 +188,44 @@ TEST_CASE("construction holds the parameters at most twice: the gradients come a
 }
 #endif
 
+TEST_CASE("overlap: buckets launch in the order the backward completes them, a bucket of every layer's biases last") {
+  // Four layers' weights (32 elements each) then their biases (16 each), as TRAIN.NO_DECAY
+  // groups them: buckets of 32 elements hold w0, w1, w2, w3, (b0, b1), (b2, b3). The model's
+  // order is w0 b0 w1 b1 w2 b2 w3 b3, and a backward delivers it in reverse.
+  const std::vector<tk::detail::Range> ranges{{0, 32}, {32, 32}, {64, 32}, {96, 32}, {128, 16}, {144, 16}, {160, 16}, {176, 16}};
+  const std::vector<std::int64_t> order{0, 2, 4, 6, 1, 3, 5, 7};  // each range's place in the model
+  const tk::detail::Partition partition(192, 32, 16, 2, 0, /*sharded=*/true);
+  REQUIRE(partition.buckets() == 6);
+  tk::detail::Readiness readiness(ranges, order, {"w0", "w1", "w2", "w3", "b0", "b1", "b2", "b3"}, partition);
+  CHECK(readiness.launch_order() == std::vector<std::int64_t>{3, 5, 2, 1, 4, 0});
+  struct Recorder final : tk::Reduction {
+    std::vector<std::int64_t> launched;
+    void launch(std::int64_t b) override { launched.push_back(b); }
+    tk::GradientFactor finish() override { return {}; }
+  } reduction;
+  readiness.arm(reduction);
+  // b3, w3, b2, w2, b1, w1, b0, w0 (ranges 7, 3, 6, 2, 5, 1, 4, 0).
+  const std::vector<std::vector<std::int64_t>> after{{}, {3}, {3, 5}, {3, 5, 2}, {3, 5, 2}, {3, 5, 2, 1}, {3, 5, 2, 1, 4},
+                                                     {3, 5, 2, 1, 4, 0}};
+  const std::vector<size_t> arrivals{7, 3, 6, 2, 5, 1, 4, 0};
+  for (size_t k = 0; k < arrivals.size(); ++k) {
+    readiness.ready(arrivals[k]);
+    CAPTURE(k);
+    CHECK(reduction.launched == after[k]);
+  }
+  // Every launch but the one the last gradient made overlapped the backward. (Launched from
+  // the top down, the biases' bucket 5 would have held back every bucket below it until b2,
+  // and bucket 4 until b0: nothing but 5 before the backward's second half.)
+  CHECK(readiness.overlapped() == 5);
+
+  // A backward in which w0 and b0 get no gradient: the rest is launched when it ends, in the
+  // same order, so every rank's launches are one sequence.
+  Recorder partial;
+  readiness.arm(partial);
+  for (const size_t i : {7, 3, 6, 2, 5, 1}) readiness.ready(i);
+  CHECK(partial.launched == std::vector<std::int64_t>{3, 5, 2, 1});
+  readiness.launch_rest();
+  CHECK(partial.launched == std::vector<std::int64_t>{3, 5, 2, 1, 4, 0});
+}
+
 }  // namespace test_parameter_storage
