@@ -528,7 +528,7 @@ TEST_CASE("fit: a budget or piece size needs a task that splits its batches") {
                        doctest::Contains("TRAIN.MEMORY_BUDGET: planning the micro-batch needs a task that splits its batches"),
                        tk::ConfigError);
   CHECK_THROWS_WITH(tk::fit(trainer, t.task, replay_options(dir.path, 1).piece_items(4)),
-                    doctest::Contains("FitOptions::piece_items needs task.split"));
+                    doctest::Contains("FitOptions::piece_items (TRAIN.PIECE_ITEMS) needs task.split"));
   t.task.split = [](const Rows& b, std::int64_t) { return std::vector<Rows>{b}; };
   t.task.items = nullptr;
   CHECK_THROWS_WITH(tk::fit(trainer, t.task, replay_options(dir.path, 1)), doctest::Contains("task.split needs task.items"));
