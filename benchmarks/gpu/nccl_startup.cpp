@@ -104,7 +104,7 @@ int main(int argc, char** argv) try {
   tk::ProcessGroup counted(group.store(), counter, group.info(), group.timeout(), group.device());
   const auto sharded_options = tk::TrainerOptions(options).sharding(tk::Sharding::gradients).overlap_reduction(true);
   const auto sharded_replicas = [&] {
-    auto replicas = std::make_shared<tk::DataParallel>(counted, /*bucket_bytes=*/64 << 10);
+    auto replicas = std::make_shared<tk::DataParallel>(counted, /*bucket_bytes=*/1 << 20);
     replicas->shard_at_world_size_one(true);
     return replicas;
   };

@@ -22,7 +22,10 @@
 #      2e-4 after: the same start, then the kernels' rounding apart),
 #   4. NCCL at world size 1: trainkit's process-group start-up and first all-reduce (10 s at
 #      most), a DataParallel trainer against one process, and a save after step 6 loaded into a
-#      fresh DataParallel trainer; torch.distributed's start-up for reference.
+#      fresh DataParallel trainer; then ZeRO stage 2 cut as a sharded run (shard_at_world_size_one):
+#      reduce-scatter with PREMUL_SUM, all-gather, gather to rank 0, the released gradient and
+#      hook-launched buckets on NCCL, counted and asserted, against one process and resumed;
+#      torch.distributed's start-up for reference.
 # The unit tests are not run there: they run in CI on the CPU, building them would cost most of
 # the machine's time, and their one CUDA case (test_recompute.cpp's "recompute on CUDA") runs in
 # gpu_check, on the same model and code (tests/support/recompute_model.hpp). Each step has a time limit out of one budget (TRAINKIT_GPU_BUDGET
@@ -210,7 +213,7 @@ fi
 
 # --- 4. NCCL: start-up, DataParallel, resume ----------------------------------------------------
 say ""
-say "### NCCL at world size 1: process-group start-up, DataParallel through a trainer, resume"
+say "### NCCL at world size 1: process-group start-up, DataParallel through a trainer, resume, the sharded collectives"
 say ""
 if [[ ! -f "$ROOT/include/trainkit/distributed.hpp" ]]; then
   say "- trainkit: SKIPPED, include/trainkit/distributed.hpp is not in this tree"
