@@ -17,8 +17,9 @@
 // (off - one process), where one process runs the same micro-batches with no communication. The
 // biases are in their own group, as BERT's TRAIN.NO_DECAY puts biases and norms (the layout
 // then ends with a bucket holding a bias of every layer, complete only at the end of the
-// backward); "in backward" is the share of the buckets launched while the backward ran
-// (--no-decay 0: no such group).
+// backward); "in backward" is the share of the buckets launched before the backward's last
+// gradient, "left at launch" the mean share of the backward's gradient still to come when a
+// bucket was launched (what its reduction could hide behind; --no-decay 0: no such group).
 //
 // Per rank: "held" is the bytes of every tensor the trainer holds between optimizer steps (the
 // model's parameters and gradients, the masters, the optimizer's state, the reduced slices;
@@ -136,12 +137,12 @@ int child(const Settings& s) {
                              static_cast<double>(reductions * trainer.storage().partition().buckets());
   std::ofstream(s.out + ".rank" + std::to_string(group.rank()))
       << distinct_bytes(held) / params << " " << (status_bytes("VmHWM:") - baseline) / params << " "
-      << ms[1 + (ms.size() - 1) / 2] << " " << in_backward << "\n";
+      << ms[1 + (ms.size() - 1) / 2] << " " << in_backward << " " << trainer.storage().backward_left_at_launch() << "\n";
   return 0;
 }
 
 struct Result {
-  double held = 0, peak = 0, ms = 0, in_backward = 0;
+  double held = 0, peak = 0, ms = 0, in_backward = 0, left = 0;
 };
 
 // W processes of this program for one configuration; rank 0's figures.
@@ -178,7 +179,7 @@ Result launch(const std::string& self, const Settings& s, int world, int port) {
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw std::runtime_error("a rank failed");
   }
   Result r;
-  std::ifstream(s.out + ".rank0") >> r.held >> r.peak >> r.ms >> r.in_backward;
+  std::ifstream(s.out + ".rank0") >> r.held >> r.peak >> r.ms >> r.in_backward >> r.left;
   return r;
 }
 
@@ -234,7 +235,7 @@ int main(int argc, char** argv) {
       std::vector<Result> runs;
       for (std::int64_t k = 0; k < run.repeat; ++k) runs.push_back(launch(path, run, world, ++port));
       Result m;
-      for (double Result::*field : {&Result::held, &Result::peak, &Result::ms, &Result::in_backward}) {
+      for (double Result::*field : {&Result::held, &Result::peak, &Result::ms, &Result::in_backward, &Result::left}) {
         std::vector<double> v;
         for (const auto& r : runs) v.push_back(r.*field);
         std::sort(v.begin(), v.end());
@@ -275,8 +276,8 @@ int main(int argc, char** argv) {
                   static_cast<long long>(s.overlap_batch), static_cast<long long>(s.accumulate),
                   static_cast<long long>(s.bucket_mib), static_cast<long long>(s.repeat));
       std::printf("| stage | one process ms | overlap off ms | overlap on ms | on / off | communication hidden | "
-                  "buckets launched in backward |\n");
-      std::printf("|---|---|---|---|---|---|---|\n");
+                  "buckets launched in backward | backward left at launch |\n");
+      std::printf("|---|---|---|---|---|---|---|---|\n");
       Settings run = s;
       run.batch = s.overlap_batch;
       const double alone = measure(run, 1).ms;
@@ -286,8 +287,8 @@ int main(int argc, char** argv) {
         const double off = measure(run, 2).ms;
         run.overlap = 1;
         const Result on = measure(run, 2);
-        std::printf("| %d | %.1f | %.1f | %.1f | %.2f | %.0f%% | %.0f%% |\n", stage, alone, off, on.ms, on.ms / off,
-                    100.0 * (off - on.ms) / std::max(off - alone, 1e-9), 100.0 * on.in_backward);
+        std::printf("| %d | %.1f | %.1f | %.1f | %.2f | %.0f%% | %.0f%% | %.0f%% |\n", stage, alone, off, on.ms, on.ms / off,
+                    100.0 * (off - on.ms) / std::max(off - alone, 1e-9), 100.0 * on.in_backward, 100.0 * on.left);
         std::fflush(stdout);
       }
     }

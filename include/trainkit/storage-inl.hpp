@@ -19,6 +19,8 @@ TRAINKIT_INLINE Readiness::Readiness(const std::vector<Range>& parameters, const
     std::int64_t last = first;
     while (last + 1 < partition.buckets() && partition.bucket(last + 1).begin < p.end()) ++last;
     spans_.push_back({first, last});
+    elements_.push_back(p.length);
+    total_elements_ += p.length;
     for (auto b = first; b <= last; ++b) {
       ++initial_[static_cast<size_t>(b)];
       completes[static_cast<size_t>(b)] = std::min(completes[static_cast<size_t>(b)], order[i]);
@@ -35,13 +37,17 @@ TRAINKIT_INLINE void Readiness::arm(Reduction& reduction) {
   waiting_ = initial_;
   fired_.assign(spans_.size(), false);
   pending_ = static_cast<std::int64_t>(spans_.size());
+  pending_elements_ = total_elements_;
   next_ = 0;
   reduction_ = &reduction;
 }
 
 TRAINKIT_INLINE void Readiness::launch_rest() {
   if (!reduction_) return;
-  for (; next_ < static_cast<std::int64_t>(order_.size()); ++next_) reduction_->launch(order_[static_cast<size_t>(next_)]);
+  for (; next_ < static_cast<std::int64_t>(order_.size()); ++next_) {
+    reduction_->launch(order_[static_cast<size_t>(next_)]);
+    ++launches_;  // (the backward has ended: nothing left to hide behind)
+  }
 }
 
 TRAINKIT_INLINE void Readiness::ready(size_t i) {
@@ -60,10 +66,13 @@ TRAINKIT_INLINE void Readiness::ready(size_t i) {
   }
   fired_[i] = true;
   --pending_;
+  pending_elements_ -= elements_[i];
   for (auto b = first; b <= last; ++b) --waiting_[static_cast<size_t>(b)];
   while (next_ < static_cast<std::int64_t>(order_.size()) && waiting_[static_cast<size_t>(order_[static_cast<size_t>(next_)])] == 0) {
     reduction_->launch(order_[static_cast<size_t>(next_++)]);
     if (pending_ > 0) ++overlapped_;  // (launched by the last gradient: nothing left to overlap)
+    ++launches_;
+    left_sum_ += total_elements_ > 0 ? static_cast<double>(pending_elements_) / static_cast<double>(total_elements_) : 0.0;
   }
 }
 

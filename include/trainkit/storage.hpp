@@ -122,6 +122,10 @@ class Readiness {
   /// Buckets launched by the hooks while parameters' gradients were still to come in their
   /// backward (overlapping it), since the hooks were installed.
   std::int64_t overlapped() const { return overlapped_; }
+  /// Over every bucket launched since the hooks were installed: the mean share of its
+  /// backward's gradient elements still to come when it was launched (0 for those launched at
+  /// the backward's end): how much of the backward a bucket's reduction could hide behind.
+  double backward_left() const { return launches_ > 0 ? left_sum_ / static_cast<double>(launches_) : 0.0; }
 
   /// Parameter i's gradient is accumulated (its hook; the autograd engine's thread).
   void ready(size_t i);
@@ -134,6 +138,10 @@ class Readiness {
   std::vector<bool> fired_;
   std::int64_t next_ = 0, overlapped_ = 0;  // next_: the place in order_ of the next launch
   std::int64_t pending_ = 0;                 // parameters whose gradient has not come in this backward
+  std::vector<std::int64_t> elements_;       // each parameter's elements
+  std::int64_t total_elements_ = 0, pending_elements_ = 0;
+  std::int64_t launches_ = 0;
+  double left_sum_ = 0;  // backward_left()'s sum
   Reduction* reduction_ = nullptr;
 };
 
@@ -177,6 +185,9 @@ class FlatParameters {
   /// Gradient buckets whose reduction started during a backward, before its last gradient
   /// (TrainerOptions::overlap_reduction), since the replicas were attached.
   std::int64_t overlapped_buckets() const { return readiness_ ? readiness_->overlapped() : 0; }
+  /// The mean share of a backward's gradient still to come when its buckets were launched
+  /// (Readiness::backward_left).
+  double backward_left_at_launch() const { return readiness_ ? readiness_->backward_left() : 0.0; }
 
   /// Once per window, a pointer compare per parameter.
   void check() const;
