@@ -281,6 +281,20 @@ TEST_CASE("the main job trains the same model at 1, 2 and 4 ranks with one TARGE
   }
 }
 
+TEST_CASE("the main job run again after it finished trains nothing and reports the last epoch's figures") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  const auto first = split_run(dir, "run", 2, {"TRAIN.END_EPOCH=1"});
+  const auto again = split_run(dir, "run", 2, {"TRAIN.END_EPOCH=1"}, "again");
+  CHECK(slurp(dir / "again.rank0.err").find("nothing to train") != std::string::npos);
+  REQUIRE(first.size() == 1);
+  CHECK(again == first);  // from the checkpoint, as the first run reported it
+  const auto a = result_line(dir / "run.rank0.out"), b = result_line(dir / "again.rank0.out");
+  REQUIRE(a["val"].contains("MLM-Acc"));
+  CHECK(b["val"] == a["val"]);
+  CHECK(b["steps"] == a["steps"]);
+}
+
 TEST_CASE("the main job with TRAIN.ZERO_STAGE 2 and TRAIN.MEMORY_BUDGET plans and trains on 2 and 3 ranks") {
   if (!have_program()) return;
   testing::TempDir dir;
