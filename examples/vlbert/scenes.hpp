@@ -363,24 +363,45 @@ struct Batch {
   torch::Tensor mlm_at;       // [N] the labelled entries of mlm_labels, as row * T + column, in order
                               // (pre-training): the MLM head scores only these against the vocabulary
   torch::Tensor mvrc_at;      // [M] the labelled entries of mvrc_labels, as row * R + column (pre-training)
+  // Host: where each row's entries begin in mlm_at and mvrc_at (one more for the end), so that
+  // rows() cuts them without reading the device.
+  std::vector<std::int64_t> mlm_from, mvrc_from;
   std::int64_t size() const { return text.size(0); }
   /// The loss terms' items, host values with no device read (the sizes of mlm_at, mvrc_at):
   /// labelled words (MLM) and labelled regions (MVRC).
   std::int64_t mlm_count() const { return mlm_at.defined() ? mlm_at.numel() : 0; }
   std::int64_t mvrc_count() const { return mvrc_at.defined() ? mvrc_at.numel() : 0; }
-  /// mlm_at of `labels` [B, T] (nonzero: a host sync where the labels are on a GPU; the batches
-  /// are built on the host, so only a split batch's pieces pay it).
+  /// mlm_at of `labels` [B, T] (nonzero: a host sync where the labels are on a GPU: the batches
+  /// are built on the host, and rows() cuts these with the host offsets).
   static torch::Tensor labelled(const torch::Tensor& labels) {
     return labels.defined() ? labels.reshape({-1}).ge(0).nonzero().squeeze(1) : labels;
+  }
+  /// Where each row's entries of labelled(labels) begin, and their end (host values).
+  static std::vector<std::int64_t> row_starts(const torch::Tensor& labels) {
+    std::vector<std::int64_t> from{0};
+    if (!labels.defined()) return from;
+    const auto per_row = labels.ge(0).sum(1).cpu();  // (on the host when it is built)
+    for (std::int64_t i = 0; i < per_row.size(0); ++i) from.push_back(from.back() + per_row[i].item<std::int64_t>());
+    return from;
   }
   /// Rows [begin, end) (padding kept at the batch's widths).
   Batch rows(std::int64_t begin, std::int64_t end) const {
     auto cut = [&](const torch::Tensor& t) { return t.defined() ? t.narrow(0, begin, end - begin) : t; };
+    // The rows' labelled entries, renumbered from `begin`: no device read.
+    auto cut_at = [&](const torch::Tensor& at, const std::vector<std::int64_t>& from, const torch::Tensor& labels) {
+      std::vector<std::int64_t> starts;
+      if (!at.defined() || from.size() != static_cast<size_t>(size()) + 1)
+        return std::make_pair(labelled(cut(labels)), labels.defined() ? row_starts(cut(labels)) : starts);
+      for (auto i = begin; i <= end; ++i) starts.push_back(from[static_cast<size_t>(i)] - from[static_cast<size_t>(begin)]);
+      const auto first = from[static_cast<size_t>(begin)], n = from[static_cast<size_t>(end)] - first;
+      return std::make_pair(at.narrow(0, first, n) - begin * labels.size(1), starts);
+    };
     std::vector<int> kept;
     if (!types.empty()) kept.assign(types.begin() + begin, types.begin() + end);
-    const auto labels = cut(mlm_labels), regions_labels = cut(mvrc_labels);
-    return {cut(text), cut(features), cut(boxes), cut(regions), labels, regions_labels,
-            cut(answers), cut(answer_at), kept, labelled(labels), labelled(regions_labels)};
+    const auto [piece_mlm_at, piece_mlm_from] = cut_at(mlm_at, mlm_from, mlm_labels);
+    const auto [piece_mvrc_at, piece_mvrc_from] = cut_at(mvrc_at, mvrc_from, mvrc_labels);
+    return {cut(text), cut(features), cut(boxes), cut(regions), cut(mlm_labels), cut(mvrc_labels), cut(answers),
+            cut(answer_at), kept, piece_mlm_at, piece_mvrc_at, piece_mlm_from, piece_mvrc_from};
   }
   /// `parts` batches of consecutive rows, sizes differing by at most one (tk::Task::split).
   std::vector<Batch> split(std::int64_t parts) const {
@@ -405,7 +426,7 @@ struct Batch {
       return pin ? t.pin_memory().to(device, /*non_blocking=*/true) : t.to(device);
     };
     return {move(text), move(features), move(boxes), move(regions), move(mlm_labels), move(mvrc_labels),
-            move(answers), move(answer_at), types, move(mlm_at), move(mvrc_at)};
+            move(answers), move(answer_at), types, move(mlm_at), move(mvrc_at), mlm_from, mvrc_from};
   }
 };
 
@@ -490,6 +511,8 @@ class BatchBuilder {
     }
     out.mlm_at = Batch::labelled(out.mlm_labels);  // on the host, here
     out.mvrc_at = Batch::labelled(out.mvrc_labels);
+    out.mlm_from = Batch::row_starts(out.mlm_labels);
+    out.mvrc_from = Batch::row_starts(out.mvrc_labels);
     return out;
   }
 

@@ -72,10 +72,12 @@ class AnyTrainer {
   using PieceLoss = std::function<torch::Tensor(std::int64_t)>;
   /// Trainer::micro_step_pieces(loss, items): one micro-batch as pieces of items[j] items.
   MicroStepResult micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items);
-  /// Trainer::begin_window(items): the next window's loss is terms, term t having items[t]
-  /// items in this rank's micro-batches of the window; each micro-step's loss is then the
-  /// terms' sums, one value per term.
-  virtual void begin_window(const std::vector<std::int64_t>& items) = 0;
+  /// Trainer::begin_window(items, micro_batches): the next window's loss is terms, term t
+  /// having items[t] items in this rank's `micro_batches` micro-batches of the window (-1: the
+  /// window's length); each micro-step's loss is then the terms' sums, one value per term.
+  virtual void begin_window(const std::vector<std::int64_t>& items, std::int64_t micro_batches = -1) = 0;
+  /// Whether the open window's loss is terms (a window begun with begin_window).
+  virtual bool window_has_terms() const = 0;
   /// Whether each micro-batch's gradient leaves for the other ranks when it ends (a sharded
   /// gradient, Sharding::gradients, with several ranks): a micro-batch that fails is then
   /// replayed alone (discard_micro_batch), the window's earlier ones being summed already.

@@ -282,6 +282,7 @@ class FitLoop {
           continue;
         }
         asked.stop |= signals.received() != 0;
+        if (r.window_closed) held_.clear();  // (a loss of terms: the window's micro-batches)
         // 3. After a window: a log window logs, and the ranks agree there on stops and
         //    checkpoints, in the collective that logging does anyway.
         Requests agreed;
@@ -309,6 +310,7 @@ class FitLoop {
       // 4. End of the epoch: the partial window, then the epoch's sums over the ranks and their
       //    stop requests in one collective.
       if (auto report = flush(epoch, batches)) window_closed(*report, {epoch, batches, batches});
+      if (trainer_.window_position() == 0) held_.clear();
       log_->epoch_ends({epoch, batches, batches});
       asked.stop |= signals.received() != 0;
       Metrics::Totals totals = metrics_.totals();
@@ -415,6 +417,10 @@ class FitLoop {
     check_world_size(saved, opened->path);
     for (const auto& name : checkpoints_.restore(*opened, trainer_, callbacks_.state))
       say("trainkit: the checkpoint has no state for the callback '" + name + "' (written without it): it starts afresh");
+    if (terms() && trainer_.window_position() > 0 && !trainer_.window_has_terms())
+      throw std::runtime_error("fit: '" + opened->path + "' was written inside a window (PARTIAL_WINDOW: span) whose loss "
+                               "was one value, and this task's loss is terms (task.terms): the window's gradient cannot go "
+                               "on with them. Resume from a checkpoint at a window's boundary, or set TRAIN.PARTIAL_WINDOW: flush");
     finished_ = saved.finished;
     // The last epoch's means and validation, as the run that wrote it reported them (a run
     // with nothing left to train reports these).
@@ -541,14 +547,15 @@ class FitLoop {
     if (terms() && !replaying_) {
       held_.clear();
       std::vector<std::int64_t> items(task_.terms.size(), 0);
-      for (const FitPosition at : window_positions(epoch, index, batches)) {
+      const auto positions = window_positions(epoch, index, batches);
+      for (const FitPosition at : positions) {
         seed_generators(at.epoch, at.index);  // (task.batch draws nothing from them; as if it ran there)
         const std::int64_t n = at.epoch == epoch ? batches : task_.batches_per_epoch(at.epoch);
         held_.push_back({at, prefetch.next(at.epoch, at.index, n)});
         const auto counts = term_items(held_.back().batch);
         for (size_t t = 0; t < counts.size(); ++t) items[t] += counts[t];
       }
-      trainer_.begin_window(items);
+      trainer_.begin_window(items, static_cast<std::int64_t>(positions.size()));
     }
     replaying_ = false;
     if (!task_.split) return;
@@ -556,14 +563,18 @@ class FitLoop {
     window_sums_ = {metrics_, log_->counts()};
   }
   // The positions of the window that opens at (epoch, index): the window's length, or what is
-  // left of the epoch; with PARTIAL_WINDOW span, the rest from the next epochs' first ones.
+  // left of the epoch; with PARTIAL_WINDOW span, the rest from the next epochs' first ones, past
+  // END_EPOCH too (a window left open at the run's end goes on there when END_EPOCH is raised).
   std::vector<FitPosition> window_positions(std::int64_t epoch, std::int64_t index, std::int64_t batches) const {
     std::vector<FitPosition> at;
     const auto n = static_cast<size_t>(trainer_.window_length());
     for (std::int64_t i = index; i < batches && at.size() < n; ++i) at.push_back({epoch, i});
     if (trainer_.options().partial_window() != PartialWindow::span) return at;
-    for (std::int64_t e = epoch + 1; e < options_.end_epoch() && at.size() < n; ++e)
-      for (std::int64_t i = 0, m = task_.batches_per_epoch(e); i < m && at.size() < n; ++i) at.push_back({e, i});
+    for (std::int64_t e = epoch + 1; at.size() < n; ++e) {
+      const std::int64_t m = task_.batches_per_epoch(e);
+      TORCH_CHECK(m >= 1, "fit: task.batches_per_epoch(", e, ") must be >= 1, got ", m);
+      for (std::int64_t i = 0; i < m && at.size() < n; ++i) at.push_back({e, i});
+    }
     return at;
   }
   // The batch at (epoch, index): held by the open window, else made (or taken from the workers).

@@ -52,6 +52,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -114,8 +115,12 @@ class Replicas {
   /// Phase 5: see the file comment.
   virtual GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) = 0;
   /// Before a window of loss terms: `counts` (a device tensor, one per term) summed over the
-  /// ranks in place, without a host sync.
-  virtual void sum_counts(torch::Tensor& counts) = 0;
+  /// ranks in place, without a host sync. (The default serves one process only.)
+  virtual void sum_counts(torch::Tensor&) {
+    if (world_size() > 1)
+      throw std::logic_error("trainkit::Replicas: this implementation does not sum the loss terms' counts over its " +
+                             std::to_string(world_size()) + " ranks (Replicas::sum_counts); Trainer::begin_window needs it");
+  }
   /// Throws (on every rank) unless `state` is the same on every rank; `what` names it.
   virtual void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) = 0;
   /// `values` combined elementwise over the ranks by `op`, in place.

@@ -39,7 +39,9 @@ struct Task {
   /// in a batch, on the host. The loop counts a window's items before it runs it (it makes the
   /// window's micro-batches first and holds them), sums them over the ranks, and weights
   /// each term by 1 / its count (Trainer::begin_window): the gradient is that of one
-  /// micro-batch holding the whole global batch, however the batch is split.
+  /// micro-batch holding the whole global batch, however the batch is split. (Sum in fp32: a
+  /// half-precision sum over many items overflows where their mean would not; under autocast
+  /// cross_entropy and its sums already run in fp32.)
   std::vector<std::string> terms;
   std::function<std::vector<std::int64_t>(const Batch&)> term_items;
   /// Optional (needs items): `parts` pieces of a micro-batch, together holding its items, each

@@ -86,6 +86,7 @@ TRAINKIT_INLINE void TrainerCore::read_window_loss(torch::serialize::InputArchiv
 TRAINKIT_INLINE void TrainerCore::write_terms(torch::serialize::OutputArchive& archive) const {
   write_tensor(archive, "window.term_items", torch::tensor(terms_.items, torch::kLong));
   write_tensor(archive, "window.term_weights", terms_.weights);
+  write_value(archive, "window.term_micro_batches", terms_.micro_batches);
 }
 
 TRAINKIT_INLINE void TrainerCore::read_terms(torch::serialize::InputArchive& archive) {
@@ -94,6 +95,7 @@ TRAINKIT_INLINE void TrainerCore::read_terms(torch::serialize::InputArchive& arc
   const auto items = read_tensor(archive, "window.term_items").to(torch::kLong).contiguous();
   terms_.items.assign(items.data_ptr<std::int64_t>(), items.data_ptr<std::int64_t>() + items.numel());
   terms_.weights = read_tensor(archive, "window.term_weights").to(device_, torch::kFloat);
+  terms_.micro_batches = read_value(archive, "window.term_micro_batches").toInt();
   if (terms_.items.empty() || terms_.weights.numel() != items.numel() || window_loss_.numel() != items.numel())
     throw std::runtime_error("the open window's loss-term records do not agree (" + std::to_string(items.numel()) +
                              " counts, " + std::to_string(terms_.weights.numel()) + " weights, a window loss of " +
@@ -112,10 +114,14 @@ TRAINKIT_INLINE void TrainerCore::count_terms(const std::vector<std::int64_t>& i
     local.push_back(1.0 / static_cast<double>(std::max<std::int64_t>(items[t], 1)));
   }
   // Every rank's counts, summed on the device (float64: exact to 2^53 items). A term with no
-  // item on any rank has only zero sums: any finite weight leaves it out.
+  // item on any rank has only zero sums: any finite weight leaves it out. A window with no item
+  // of any term on any rank gets NaN weights: its gradient is non-finite and the step skipped, as
+  // the single count's divisor of 0 skips it (on the device: no host read of the totals).
   auto total = device_values(counts, torch::kDouble, device_);
   replicas_->sum_counts(total);
-  terms_.weights = total.clamp_min(1.0).reciprocal().to(torch::kFloat);
+  const auto none = total.sum().eq(0.0);
+  terms_.weights = at::where(none, std::numeric_limits<double>::quiet_NaN(), total.clamp_min(1.0).reciprocal())
+                       .to(torch::kFloat);
   terms_.local_weights = device_values(local, torch::kFloat, device_);
   terms_.items = items;
 }

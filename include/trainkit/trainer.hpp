@@ -51,6 +51,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -167,6 +168,7 @@ class TrainerCore : public AnyTrainer {
     std::vector<std::int64_t> items;  // this rank's items of each term in the window
     torch::Tensor weights;            // 1 / (each term's items over every rank), fp32, on the device
     torch::Tensor local_weights;      // 1 / (this rank's items of each term): the report's loss
+    std::int64_t micro_batches = 0;   // the micro-batches counted: the window may not run more
     bool active() const { return !items.empty(); }
   } terms_;
 
@@ -269,11 +271,18 @@ class Trainer final : public detail::TrainerCore {
   ///   trainer.begin_window({mlm_tokens, masked_regions});  // this rank's, over the window
   ///   for (const auto& b : window)
   ///     trainer.micro_step([&] { auto o = model(b); return torch::stack({o.mlm_sum, o.mvrc_sum}); });
-  void begin_window(const std::vector<std::int64_t>& items) override {
+  /// `micro_batches`: how many micro-batches the counts cover (the window's length, fewer for a
+  /// partial window); running more in the window is refused, since their items were not counted.
+  void begin_window(const std::vector<std::int64_t>& items, std::int64_t micro_batches = -1) override {
     TORCH_CHECK(accumulation_.position() == 0, "begin_window: a window is open (", accumulation_.position(),
                 " micro-batches of ", accumulation_.window(), "); call it before a window's first micro-batch");
+    TORCH_CHECK(micro_batches <= accumulation_.window(), "begin_window: counts of ", micro_batches,
+                " micro-batches for a window of ", accumulation_.window());
     count_terms(items);
+    terms_.micro_batches = micro_batches < 0 ? accumulation_.window() : micro_batches;
   }
+  /// Whether the open window's loss is terms (begin_window).
+  bool window_has_terms() const override { return terms_.active(); }
 
   /// Whether each micro-batch's gradient is reduced over the ranks when it ends (a sharded
   /// gradient, Sharding::gradients, with several ranks).
@@ -535,6 +544,9 @@ class Trainer final : public detail::TrainerCore {
     if (!terms_.active()) return accumulation_.weight(items);
     TORCH_CHECK(items < 0, "micro_step: the window's loss is terms (begin_window), whose counts were given "
                 "there; this micro-batch gives an item count (", items, ") as well");
+    TORCH_CHECK(accumulation_.position() < terms_.micro_batches, "micro_step: the window's loss terms were counted "
+                "over ", terms_.micro_batches, " micro-batches (begin_window), and this is micro-batch ",
+                accumulation_.position() + 1, " of the window: its items are not in the counts");
     return accumulation_.weight_terms();
   }
 

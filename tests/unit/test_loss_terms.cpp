@@ -197,4 +197,30 @@ TEST_CASE("loss terms: misuse is refused, saying what to do") {
   CHECK(trainer.micro_step([&] { return big_loss(model, r); }, 4).window_closed == false);
 }
 
+TEST_CASE("loss terms: a window runs only the micro-batches it counted; one with no item anywhere is skipped") {
+  const auto data = testing::regression(32);
+  auto model = make_mlp(9);
+  Acc4 trainer(model, tk::SGD{0.1});
+  const auto r = rows(data, 0, 4);
+  // Counts of 2 micro-batches (a partial window): a third would add items nobody counted.
+  trainer.begin_window({2 * r.items()[0], 2 * r.items()[1]}, 2);
+  trainer.micro_step([&] { return sums(model, r); });
+  trainer.micro_step([&] { return sums(model, r); });
+  CHECK_THROWS_WITH_AS(trainer.micro_step([&] { return sums(model, r); }), doctest::Contains("not in the counts"),
+                       c10::Error);
+  REQUIRE(trainer.flush().has_value());
+
+  // No item of any term on any rank: the step is skipped (as a single count of 0 skips it), the
+  // parameters unchanged.
+  auto other = make_mlp(10);
+  tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<1>> skipping(
+      other, tk::SGD{0.1}, tk::TrainerOptions().nonfinite(tk::NonFinite::skip));
+  const auto before = flat(*other);
+  skipping.begin_window({0, 0});
+  const auto step = skipping.micro_step([&] { return sums(other, r) * 0; });
+  REQUIRE(step.window_closed);
+  CHECK(step.report.skipped());
+  CHECK(torch::equal(flat(*other), before));
+}
+
 }  // namespace test_loss_terms

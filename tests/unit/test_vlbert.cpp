@@ -207,14 +207,21 @@ TEST_CASE("the MLM head scores only the labelled positions, with the loss and ac
   CHECK(picked.mlm.loss.item<double>() == doctest::Approx(all.mlm.loss.item<double>()).epsilon(1e-6));
   CHECK(picked.mlm.count.item<std::int64_t>() == all.mlm.count.item<std::int64_t>());
   CHECK(picked.mlm.correct.item<std::int64_t>() == all.mlm.correct.item<std::int64_t>());
-  // A split batch's pieces carry their own positions.
+  // A split batch's pieces carry their own positions (cut with the host offsets: no device
+  // read), and their counts (the loss terms' items) add up to the batch's.
   const auto pieces = b.split(3);
-  std::int64_t labelled = 0;
+  std::int64_t labelled = 0, regions = 0;
   for (const auto& p : pieces) {
     CHECK(p.mlm_at.equal(Batch::labelled(p.mlm_labels)));
-    labelled += p.mlm_at.numel();
+    CHECK(p.mvrc_at.equal(Batch::labelled(p.mvrc_labels)));
+    CHECK(p.mlm_from == Batch::row_starts(p.mlm_labels));
+    CHECK(p.mvrc_count() == p.mvrc_labels.ge(0).sum().item<std::int64_t>());
+    labelled += p.mlm_count();
+    regions += p.mvrc_count();
   }
   CHECK(labelled == b.mlm_at.numel());
+  CHECK(regions == b.mvrc_labels.ge(0).sum().item<std::int64_t>());
+  CHECK(regions > 0);
 }
 
 TEST_CASE("the text-only prior per question type: each type's share, averaging to the overall prior") {
