@@ -34,7 +34,8 @@
 ///      optimizer step S drops the JSON lines past S (what the stopped run logged after its
 ///      checkpoint; said once) and opens its TensorBoard file with a session start at S + 1, which
 ///      hides those points in TensorBoard: each (step, tag) is in the logs once.
-///   4. End of an epoch: validation every VAL_FREQUENT epochs (and after the last), Val-<metric>
+///   4. End of an epoch: validation every VAL_FREQUENT epochs (and after the last; task.validate
+///      runs with the model in eval mode and no graph, its mode restored after), Val-<metric>
 ///      logged, the plateau schedule told, the epoch_end callback, a checkpoint every
 ///      CHECKPOINT_FREQUENT epochs (and after the last, at a new best, on request). A callback
 ///      that finishes the run (EpochEnd::request_finish, e.g. EarlyStopping in callbacks.hpp)
@@ -329,9 +330,8 @@ class FitLoop {
       const bool last = epoch + 1 == options_.end_epoch();
       bool new_best = false;
       if (task_.validate && ((epoch + 1) % options_.val_frequent() == 0 || last)) {
-        end.validation = task_.validate(epoch);
+        end.validation = validate(epoch);
         mean_over_ranks(end.validation);  // the schedule and the best must agree on every rank
-        trainer_.model().train();
         result_.validation = state_.validation = end.validation;
         log_->validation(epoch, end.validation);
         new_best = observe_best(epoch, end.validation);
@@ -626,6 +626,20 @@ class FitLoop {
     logged_ = totals;
     log_->window(report, at, &interval);
     return agreed;
+  }
+
+  // 4. task.validate in eval mode (dropout off, normalisation's running statistics) and without
+  // a graph, whatever the task does itself; the model's mode as it was afterwards, also when
+  // validate throws.
+  std::map<std::string, double> validate(std::int64_t epoch) {
+    struct Mode {
+      torch::nn::Module& model;
+      bool training;
+      ~Mode() { model.train(training); }
+    } restore{trainer_.model(), trainer_.model().is_training()};
+    trainer_.model().eval();
+    torch::NoGradGuard no_grad;
+    return task_.validate(epoch);
   }
 
   // 4. A better validation metric: the epoch's checkpoint becomes the best; the plateau

@@ -50,7 +50,8 @@ struct Task {
   /// the loop runs micro-batches that do not fit in memory as pieces (FitOptions::memory_budget,
   /// piece_items) and replays a window after an out-of-memory error (fit.hpp, "Memory").
   std::function<std::vector<Batch>(const Batch&, std::int64_t parts)> split;
-  /// Optional: validation after an epoch; the metrics are logged as Val-<name>.
+  /// Optional: validation after an epoch; the metrics are logged as Val-<name>. tk::fit runs it
+  /// with the model in eval mode and under NoGradGuard (the model's mode restored after).
   std::function<std::map<std::string, double>(std::int64_t epoch)> validate;
   /// Optional: the validation metric that ranks checkpoints (the best is kept) and drives the
   /// plateau schedule.

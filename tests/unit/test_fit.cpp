@@ -262,6 +262,30 @@ TEST_CASE("fit: a finished job run again trains nothing and says so") {
   CHECK(again.validation == first.validation);
 }
 
+TEST_CASE("fit: validation runs in eval mode without a graph, as written in the guide (no eval() of its own)") {
+  TempDir dir;
+  torch::manual_seed(17);
+  RegressionTask t(testing::make_mlp(11, 8, 16, 3, /*dropout=*/0.5));
+  // A validate as fit.md shows one: no eval(), no NoGradGuard. With dropout on, two passes over
+  // the same data would differ; in eval mode they are equal.
+  bool in_eval = false, without_grad = false, training_after = false;
+  t.task.validate = [&](std::int64_t) {
+    in_eval = !t.model->is_training();
+    without_grad = !torch::GradMode::is_enabled();
+    const auto a = torch::mse_loss(t.model(t.data.x), t.data.y).item<double>();
+    const auto b = torch::mse_loss(t.model(t.data.x), t.data.y).item<double>();
+    return std::map<std::string, double>{{"MSE", a}, {"MSE-again", b}};
+  };
+  tk::Callbacks callbacks;
+  callbacks.epoch_end = [&](tk::EpochEnd&) { training_after = t.model->is_training(); };
+  T trainer(t.model, tk::AdamW{1e-2}, trainer_options());
+  const auto r = tk::fit(trainer, t.task, fit_options(dir.path, 1), callbacks);
+  CHECK(in_eval);
+  CHECK(without_grad);
+  CHECK(training_after);  // the mode it found, back
+  CHECK(r.validation.at("MSE") == r.validation.at("MSE-again"));
+}
+
 TEST_CASE("fit: the epoch's means are weighted by items, not averages of averages") {
   TempDir dir;
   torch::manual_seed(13);
