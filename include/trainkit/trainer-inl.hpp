@@ -18,8 +18,19 @@ TRAINKIT_INLINE torch::Device TrainerCore::first_device(torch::nn::Module& modul
   throw std::invalid_argument("Trainer: the model has no trainable parameters (none has requires_grad=true)");
 }
 
-TRAINKIT_INLINE void TrainerCore::start(std::unique_ptr<UpdateRule> rule) {
+TRAINKIT_INLINE void TrainerCore::start(std::unique_ptr<UpdateRule> rule, bool half_autocast) {
   rule_ = std::move(rule);
+  // float16 on a CPU: LibTorch's CPU kernels for it are slow (few CPUs compute in fp16), and
+  // autocast adds a cast per op (docs/guide/memory.md's table has this project's figures).
+  // Said once per process.
+  static std::once_flag said;
+  if (half_autocast && device_.is_cpu())
+    std::call_once(said, [&] {
+      std::cerr << "trainkit: warning: " << type_name() << " on the CPU: the forward autocasts to float16, whose "
+                << "CPU kernels are slow (several times FP32's time per step); FP16 and its loss scaling are for "
+                << "GPUs. On a CPU train in FP32, or BF16 where the CPU has bfloat16 instructions (AVX512-BF16, "
+                << "AMX) and the model's matrices are large (docs/guide/memory.md, \"Which precision\")" << std::endl;
+    });
   if (options_.sharding() != Sharding::none && !rule_->fused())
     throw std::invalid_argument("trainkit::TrainerOptions: sharding (TRAIN.ZERO_STAGE) needs trainkit's fused "
                                 "optimizers (tk::SGD, tk::Adam, tk::AdamW): a torch::optim::Optimizer keeps the "

@@ -51,8 +51,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iostream>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -108,8 +110,9 @@ class TrainerCore : public AnyTrainer {
  protected:
   TrainerCore(TrainerOptions options, std::shared_ptr<torch::nn::Module> module);
   /// The end of Trainer's construction, once the storage exists: the update rule, the counters
-  /// and the constant schedule.
-  void start(std::unique_ptr<UpdateRule> rule);
+  /// and the constant schedule. `half_autocast`: the forward autocasts to float16, which a CPU
+  /// runs slowly; said once per process.
+  void start(std::unique_ptr<UpdateRule> rule, bool half_autocast = false);
 
   // Checkpoint records of the shared state (Trainer::write_state and read_state put the
   // policies' and the storage's between them).
@@ -225,7 +228,8 @@ class Trainer final : public detail::TrainerCore {
                   "trainkit::Trainer with MasterWeights<T>: a torch::optim::Optimizer would update "
                   "the model's half parameters, not the fp32 masters; use the fused tk::SGD, "
                   "tk::Adam or tk::AdamW, or PrecisionPolicy<T> without MasterWeights");
-    start(detail::make_rule(std::move(optimizer), storage_.groups()));
+    start(detail::make_rule(std::move(optimizer), storage_.groups()),
+          detail::autocast_dtype_of<precision_mode>() == at::kHalf);
   }
 
   Trainer(const Trainer&) = delete;

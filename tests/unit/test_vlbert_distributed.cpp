@@ -281,6 +281,23 @@ TEST_CASE("the main job trains the same model at 1, 2 and 4 ranks with one TARGE
   }
 }
 
+TEST_CASE("FP16 on the CPU is said once per process, with what to use instead; FP32 and BF16 say nothing") {
+  if (!have_program()) return;
+  testing::TempDir dir;
+  split_run(dir, "fp16", 2, {"TRAIN.END_EPOCH=1", "TRAIN.FP16=true"});
+  split_run(dir, "bf16", 1, {"TRAIN.END_EPOCH=1", "TRAIN.BF16=true"});
+  const std::string warning = "on the CPU: the forward autocasts to float16";
+  for (const std::string rank : {"0", "1"}) {
+    const std::string said = slurp(dir / ("fp16.rank" + rank + ".err"));
+    INFO(said);
+    const auto at = said.find(warning);
+    CHECK(at != std::string::npos);
+    CHECK(said.find(warning, at + 1) == std::string::npos);  // once
+    CHECK(said.find("train in FP32, or BF16") != std::string::npos);
+  }
+  CHECK(slurp(dir / "bf16.rank0.err").find(warning) == std::string::npos);
+}
+
 TEST_CASE("the main job run again after it finished trains nothing and reports the last epoch's figures") {
   if (!have_program()) return;
   testing::TempDir dir;
