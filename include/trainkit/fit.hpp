@@ -489,7 +489,7 @@ class FitLoop {
   // the epoch's means.
   MicroStepResult micro_step(const Batch& batch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
     const std::int64_t items = task_.items ? task_.items(batch) : -1;
-    log_->samples(items >= 0 ? items : 1);
+    log_->samples(items);  // (-1: no count, the micro-batch is the unit)
     MicroStepResult r;
     try {
       r = pieces_.step(batch, items, [&](const Batch& b, double weight) { return counted_loss(b, weight); });

@@ -197,14 +197,14 @@ TEST_CASE("fit: a stop inside an epoch finishes the window, checkpoints, and res
 }
 
 /// The lines of a JSON-lines scalar log as (step, tag, value), in order, without the timings
-/// (wall time, samples-per-second), which differ between runs.
+/// (wall time, samples-per-second, seconds-per-step), which differ between runs.
 std::vector<std::string> log_lines(const std::string& path) {
   std::vector<std::string> out;
   std::ifstream in(path);
   std::string line;
   while (std::getline(in, line)) {
     const auto j = nlohmann::json::parse(line);
-    if (j["tag"] == tk::scalar_tags::samples_per_second) continue;
+    if (j["tag"] == tk::scalar_tags::samples_per_second || j["tag"] == tk::scalar_tags::seconds_per_step) continue;
     out.push_back(j["step"].dump() + " " + j["tag"].get<std::string>() + " " + j["value"].dump());
   }
   return out;

@@ -64,14 +64,14 @@ TEST_CASE("progress: not a terminal, a plain line every every_steps steps, smoot
       progress.update(state_at(1, step, 32 * step));
     }
     CHECK(f.out.str() ==
-          "Epoch 1  10%  10/100 | 0:00:01 epoch ETA 0:00:09 | 320.0 samples/s | loss 0.5 lr 0.001 scale 1024\n");
+          "Epoch 1  10%  10/100 | 0:00:01 epoch ETA 0:00:09 | 100 ms/step | 320.0 samples/s | loss 0.5 lr 0.001 scale 1024\n");
     f.out.str("");
     for (int step = 11; step <= 20; ++step) {
       f.now = 1 + 0.2 * (step - 10);  // 2 s for the next 10: averages 1.5 s per 10 steps
       progress.update(state_at(1, step, 32 * step));
     }
     CHECK(f.out.str() ==
-          "Epoch 1  20%  20/100 | 0:00:03 epoch ETA 0:00:12 | 213.3 samples/s | loss 0.5 lr 0.001 scale 1024\n");
+          "Epoch 1  20%  20/100 | 0:00:03 epoch ETA 0:00:12 | 150 ms/step | 213.3 samples/s | loss 0.5 lr 0.001 scale 1024\n");
     f.out.str("");
     f.now = 4;
     progress.update(state_at(1, 25, 800));  // not due
@@ -101,8 +101,9 @@ TEST_CASE("progress: not a terminal, a line every every_seconds; unknown fields 
   f.now = 30;
   state.step = 6;
   state.samples = 60;
+  state.unit = "micro-batches";  // (a task without item counts: the fit loop counts micro-batches)
   progress.update(state);
-  CHECK(f.out.str() == "Epoch 2 step 6 | 0:00:30 | 2.0 samples/s\n");  // no total: no percentage, no ETA
+  CHECK(f.out.str() == "Epoch 2 step 6 | 0:00:30 | 5 s/step | 2.0 micro-batches/s\n");  // no total: no percentage, no ETA
 }
 
 TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to the width") {
@@ -114,7 +115,7 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   CHECK(progress.is_terminal());
   progress.update(state_at(0, 0, 0));  // drawn at once, no rate yet
   CHECK(f.out.str() ==
-        "\rEpoch 0 [>                   ]   0%   0/100 | 0:00:00 epoch ETA -:--:-- | - samples/s | loss 0.5 lr 0.001 "
+        "\rEpoch 0 [>                   ]   0%   0/100 | 0:00:00 epoch ETA -:--:-- | - s/step | - samples/s | loss 0.5 lr 0.001 "
         "scale 1024\x1b[K");
   f.out.str("");
   f.now = 0.1;
@@ -123,7 +124,7 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   f.now = 0.5;
   progress.update(state_at(0, 5, 50));
   CHECK(f.out.str() ==
-        "\rEpoch 0 [=>                  ]   5%   5/100 | 0:00:01 epoch ETA 0:00:10 | 100.0 samples/s | loss 0.5 lr 0.001 "
+        "\rEpoch 0 [=>                  ]   5%   5/100 | 0:00:01 epoch ETA 0:00:10 | 100 ms/step | 100.0 samples/s | loss 0.5 lr 0.001 "
         "scale 1024\x1b[K");
   f.out.str("");
   progress.message("saved");  // its own line, then the progress line again below it
@@ -133,7 +134,7 @@ TEST_CASE("progress: on a terminal, one line redrawn in place, throttled, cut to
   progress.update(state_at(0, 6, 60));
   progress.finish();  // the latest state, and the line's newline
   CHECK(f.out.str() ==
-        "\rEpoch 0 [=>                  ]   6%   6/100 | 0:00:01 epoch ETA 0:00:09 | 100.0 samples/s | loss 0.5 lr 0.001 "
+        "\rEpoch 0 [=>                  ]   6%   6/100 | 0:00:01 epoch ETA 0:00:09 | 100 ms/step | 100.0 samples/s | loss 0.5 lr 0.001 "
         "scale 1024\x1b[K\n");
 
   Fixture narrow;
@@ -156,12 +157,12 @@ TEST_CASE("progress: a new epoch ends the previous line; the rates carry over, t
   f.out.str("");
   f.now = 2;  // a second of validation
   progress.update(state_at(1, 0, 0));
-  CHECK(f.out.str() == "\n\rEpoch 1 [>                   ]   0%   0/100 | 0:00:02 epoch ETA 0:00:01 | 1000.0 samples/s | "
+  CHECK(f.out.str() == "\n\rEpoch 1 [>                   ]   0%   0/100 | 0:00:02 epoch ETA 0:00:01 | 10 ms/step | 1000.0 samples/s | "
                        "loss 0.5 lr 0.001 scale 1024\x1b[K");
   f.out.str("");
   f.now = 3;  // 100 steps in 1 s again: the epoch boundary's second is not in the rate
   progress.update(state_at(1, 100, 1000));
-  CHECK(f.out.str().find("100% 100/100 | 0:00:03 epoch ETA 0:00:00 | 1000.0 samples/s") != std::string::npos);
+  CHECK(f.out.str().find("100% 100/100 | 0:00:03 epoch ETA 0:00:00 | 10 ms/step | 1000.0 samples/s") != std::string::npos);
 }
 
 TEST_CASE("progress: std::cout and std::cerr are asked whether they are terminals") {
@@ -208,7 +209,7 @@ TEST_CASE("progress: the whole run's ETA and the epoch count, when the state has
   f.now = 1;
   s.step = 10, s.run_step = 110, s.samples = 320;
   progress.update(s);
-  CHECK(f.out.str() == "Epoch 1/3  10%  10/100 | 0:00:01 ETA 0:00:19 | 320.0 samples/s | loss 0.5 lr 0.001 scale 1024\n");
+  CHECK(f.out.str() == "Epoch 1/3  10%  10/100 | 0:00:01 ETA 0:00:19 | 100 ms/step | 320.0 samples/s | loss 0.5 lr 0.001 scale 1024\n");
 }
 
 }  // namespace test_progress

@@ -14,6 +14,14 @@ TRAINKIT_INLINE std::string format_hms(double seconds) {
   return text;
 }
 
+TRAINKIT_INLINE std::string format_step_time(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "- s/step";
+  char buf[32];
+  if (seconds < 1) std::snprintf(buf, sizeof buf, "%.3g ms/step", seconds * 1000);
+  else std::snprintf(buf, sizeof buf, "%.3g s/step", seconds);
+  return buf;
+}
+
 TRAINKIT_INLINE int stream_descriptor(const std::ostream* out) {
   if (out == &std::cout) return STDOUT_FILENO;
   if (out == &std::cerr || out == &std::clog) return STDERR_FILENO;
@@ -121,10 +129,11 @@ TRAINKIT_INLINE std::string ProgressLine::format() const {
   } else if (state_.total > 0) {
     text += " epoch ETA " + detail::format_hms(double(state_.total - state_.step) * per_step);
   }
+  text += " | " + detail::format_step_time(per_step);
   if (has_rate) {
-    std::snprintf(buf, sizeof buf, " | %.1f samples/s", rate_->samples / rate_->seconds);
+    std::snprintf(buf, sizeof buf, " | %.1f %s/s", rate_->samples / rate_->seconds, state_.unit.c_str());
   } else {
-    std::snprintf(buf, sizeof buf, " | - samples/s");
+    std::snprintf(buf, sizeof buf, " | - %s/s", state_.unit.c_str());
   }
   text += buf;
   if (state_.loss) {

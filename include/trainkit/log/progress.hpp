@@ -1,6 +1,6 @@
 #pragma once
 /// The training progress line: epoch, a bar, percentage and step/total, elapsed time, the whole
-/// run's ETA, samples/s, loss, LR and loss scale.
+/// run's ETA, the time per step, the throughput (samples/s, or its unit), loss, LR and loss scale.
 ///
 /// Contract:
 ///   ProgressLine(options)  output stream, terminal or not, clock: injectable (tests)
@@ -70,7 +70,8 @@ struct ProgressState {
   std::int64_t total = 0;    ///< steps in this epoch; 0: unknown (no ETA, no percentage)
   std::int64_t run_step = 0;   ///< steps done in this run (every epoch's)
   std::int64_t run_total = 0;  ///< steps in the whole run; 0: unknown (the ETA is the epoch's)
-  std::int64_t samples = 0;  ///< samples done in this epoch
+  std::int64_t samples = 0;  ///< samples (items) done in this epoch
+  std::string unit = "samples";  ///< what `samples` counts, in the throughput's label (unit/s)
   std::optional<double> loss;  ///< shown as it is, NaN and inf included
   double lr = std::numeric_limits<double>::quiet_NaN();
   double loss_scale = std::numeric_limits<double>::quiet_NaN();
@@ -80,6 +81,8 @@ namespace detail {
 
 /// A duration as h:mm:ss (hours unbounded); "-:--:--" when unknown (negative, NaN, infinite).
 std::string format_hms(double seconds);
+/// The time of one step: "12.3 ms/step", "1.52 s/step"; "- s/step" when unknown.
+std::string format_step_time(double seconds);
 
 int stream_descriptor(const std::ostream* out);
 

@@ -72,6 +72,7 @@ TRAINKIT_INLINE void RunLog::epoch_begins(std::int64_t epoch, std::int64_t index
 }
 
 TRAINKIT_INLINE void RunLog::samples(std::int64_t n) {
+  if (n < 0) unit_ = "micro-batches", n = 1;  // (no item count: the micro-batch is the unit)
   samples_since_log_ += n;
   samples_in_epoch_ += n;
 }
@@ -84,6 +85,7 @@ TRAINKIT_INLINE void RunLog::restore(const Counts& c) {
 TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
                                     const std::map<std::string, double>* interval) {
   ++run_windows_;
+  ++windows_since_log_;
   if (interval == nullptr) {  // no sync: the terminal's line moves, nothing else
     if (progress_ && progress_->is_terminal()) progress_->update(progress_state(at));
     return;
@@ -97,8 +99,10 @@ TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
                             " (mean since the last log)");
   const double seconds = std::chrono::duration<double>(Clock::now() - clock_).count();
   const double speed = seconds > 0 ? static_cast<double>(samples_since_log_) / seconds : 0.0;
+  const double per_step = seconds / static_cast<double>(windows_since_log_);
   clock_ = Clock::now();
   samples_since_log_ = 0;
+  windows_since_log_ = 0;
 
   scalar(scalar_tags::train_loss, loss, step);
   for (const auto& [name, value] : *interval)
@@ -112,6 +116,7 @@ TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
   scalar(scalar_tags::loss_scale, report.loss_scale(), step);
   scalar(scalar_tags::skipped_steps, static_cast<double>(report.skipped_steps()), step);
   scalar(scalar_tags::samples_per_second, speed, step);
+  scalar(scalar_tags::seconds_per_step, per_step, step);
   last_loss_ = loss;
   last_lr_ = report.lr();
   if (trainer_.uses_loss_scale()) last_scale_ = report.loss_scale();
@@ -121,7 +126,8 @@ TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
                        ": loss " + detail::short_number(loss) + ", lr " + detail::short_number(report.lr()) +
                        ", grad norm " + detail::short_number(report.grad_norm());
     if (trainer_.uses_loss_scale()) line += ", loss scale " + detail::short_number(report.loss_scale());
-    line += ", skipped " + std::to_string(report.skipped_steps()) + ", " + detail::short_number(speed) + " samples/s";
+    line += ", skipped " + std::to_string(report.skipped_steps()) + ", " + detail::format_step_time(per_step) + ", " +
+            detail::short_number(speed) + " " + unit_ + "/s";
     text_log_->line(line);
   }
 }
@@ -142,6 +148,7 @@ TRAINKIT_INLINE void RunLog::epoch_ends(LogPosition at) {
 TRAINKIT_INLINE void RunLog::paused() {
   clock_ = Clock::now();
   samples_since_log_ = 0;
+  windows_since_log_ = 0;
 }
 
 TRAINKIT_INLINE void RunLog::finish(std::int64_t epoch, std::int64_t index) {
@@ -205,6 +212,7 @@ TRAINKIT_INLINE ProgressState RunLog::progress_state(LogPosition at) const {
   p.run_step = run_windows_;
   p.run_total = std::max(run_total_, run_windows_);
   p.samples = samples_in_epoch_;
+  p.unit = unit_;
   p.loss = last_loss_;
   p.lr = last_lr_;
   p.loss_scale = last_scale_;

@@ -10,8 +10,10 @@
 ///   started()                      before resuming: the run's start in the text log
 ///   open(resumed, run_windows)     after resuming: the scalar logs, from the trainer's step on
 ///   epoch_begins(epoch, index, batches)
-///   samples(n)                     n more samples trained (speed, progress); counts() and
-///                                  restore() put them back for a replayed window
+///   samples(n)                     n more items trained (speed, progress; n < 0: a micro-batch
+///                                  without an item count, and the throughput's unit becomes
+///                                  micro-batches); counts() and restore() put them back for a
+///                                  replayed window
 ///   window(report, position, interval)
 ///                                  after each optimizer window; `interval` (the means since the
 ///                                  last log window) only at log windows: then it logs, checks
@@ -134,6 +136,8 @@ class RunLog {
   double last_lr_ = std::numeric_limits<double>::quiet_NaN(), last_scale_ = std::numeric_limits<double>::quiet_NaN();
   Clock::time_point clock_ = Clock::now();
   std::int64_t samples_since_log_ = 0, samples_in_epoch_ = 0;
+  std::int64_t windows_since_log_ = 0;  // optimizer steps since the last log (seconds-per-step)
+  std::string unit_ = "items";          // what samples() counts: items, or micro-batches
 };
 
 }  // namespace trainkit

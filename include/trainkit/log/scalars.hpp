@@ -56,8 +56,11 @@ inline std::string validation(std::string_view metric) { return "Val-" + std::st
 inline constexpr const char* loss_scale = "loss-scale";
 /// Running count of skipped (non-finite) steps.
 inline constexpr const char* skipped_steps = "skipped-steps";
-/// Training throughput since the last log.
+/// Training throughput since the last log: items (task.items) per second, or micro-batches per
+/// second when the task gives no item count.
 inline constexpr const char* samples_per_second = "samples-per-second";
+/// Wall time per optimizer step since the last log, in seconds.
+inline constexpr const char* seconds_per_step = "seconds-per-step";
 }  // namespace scalar_tags
 
 /// When buffered records go to the file: after `every_records` records or, checked as records
