@@ -10,6 +10,10 @@ install(DIRECTORY "${PROJECT_SOURCE_DIR}/include/" DESTINATION "${CMAKE_INSTALL_
 
 install(TARGETS trainkit EXPORT trainkitTargets)
 install(FILES "${PROJECT_SOURCE_DIR}/LICENSE" DESTINATION "${CMAKE_INSTALL_DATADIR}/doc/trainkit")
+# trainkit-plot: a run's curves from its JSON-lines log as SVG (Python's standard library only):
+# nothing to build, so it comes with the package in every mode, the header-only one included.
+# (trainkit-config and trainkit-weights are programs: TRAINKIT_BUILD_TOOLS, the `package` preset.)
+install(PROGRAMS "${PROJECT_SOURCE_DIR}/tools/trainkit-plot" DESTINATION "${CMAKE_INSTALL_BINDIR}")
 
 # The registry's shard as a source: the package builds trainkit::registry from it on demand.
 install(FILES "${PROJECT_SOURCE_DIR}/src/registry/shard.hpp" DESTINATION "${CMAKE_INSTALL_DATADIR}/trainkit/registry")

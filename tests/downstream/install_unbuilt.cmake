@@ -15,7 +15,7 @@ if(NOT rc EQUAL 0)
 endif()
 foreach(file include/trainkit/trainkit.hpp include/trainkit/weights.hpp include/trainkit/trainer-inl.hpp
              share/trainkit/compiled/trainkit.cpp share/cmake/trainkit/trainkitConfig.cmake
-             share/doc/trainkit/LICENSE)
+             share/doc/trainkit/LICENSE bin/trainkit-plot)
   if(NOT EXISTS "${WORK}/prefix/${file}")
     message(FATAL_ERROR "cmake --install of the unbuilt tree did not install ${file}:\n${out}")
   endif()
