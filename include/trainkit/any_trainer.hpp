@@ -5,7 +5,7 @@
 /// micro-step through AnyTrainer is one virtual call into Trainer<P, A, C>'s own micro_step,
 /// whose phases have no branch on a policy.
 ///
-///   std::unique_ptr<tk::AnyTrainer> trainer = tk::make_trainer(config, model);  // registry.hpp
+///   std::unique_ptr<tk::AnyTrainer> trainer = tk::make_trainer(tk::RunPlan::from(config), model);  // plan.hpp
 ///   auto r = trainer->micro_step([&] { return loss_of(model, batch); }, batch.size());
 ///   if (r.window_closed) log(r.report);
 ///   trainer->flush();
@@ -87,7 +87,8 @@ class AnyTrainer {
   virtual void discard_micro_batch() = 0;
   /// Trainer::discard_window(): the open window's gradient and counts dropped.
   virtual void discard_window() = 0;
-  /// End of epoch: the partial window by TrainerOptions::partial_window (step.md).
+  /// End of epoch: the partial window by TrainerOptions::partial_window
+  /// (docs/design/optimizer-phase.md).
   virtual std::optional<StepReport> flush() = 0;
 
   // --- what it is ----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 #pragma once
-/// The command line of an example driver (api.md): --cfg FILE, --set K=V, --model-dir DIR,
+/// The command line of an example driver (docs/guide/configs.md): --cfg FILE, --set K=V, --model-dir DIR,
 /// --resume, as overrides of a Config.
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/config/error.hpp>

@@ -116,7 +116,7 @@ TRAINKIT_INLINE nlohmann::json Config::parse_text(const std::string& text, Forma
   const detail::YamlParser parser = detail::yaml_parser();
   if (!parser)
     throw ConfigError("", name + ": YAML support is not built in; #include <trainkit/config_yaml.hpp> and link "
-                                 "yaml-cpp (CMake: target_link_libraries(<target> PRIVATE trainkit::yaml)), "
+                                 "libyaml (CMake: target_link_libraries(<target> PRIVATE trainkit::yaml)), "
                                  "or use the JSON form of this file");
   return parser(text, name);
 }

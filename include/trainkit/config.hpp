@@ -1,5 +1,5 @@
 #pragma once
-/// Configuration files (config.md): VL-BERT's sections and keys, read from JSON (here) or YAML
+/// Configuration files (docs/guide/configs.md; every key: docs/config-reference.md): VL-BERT's sections and keys, read from JSON (here) or YAML
 /// (<trainkit/config_yaml.hpp>, optional), checked against a schema, with `--set` overrides.
 /// What the values mean for a run (the trainer type, the total batch, the base LR, the loop's
 /// options) is read once from the validated tree by tk::RunPlan (plan.hpp).
@@ -17,7 +17,7 @@
 ///   - Top-level mappings without a registered schema (VL-BERT's NETWORK, DATASET, VAL, TEST...)
 ///     pass through unchanged and are listed by unvalidated_sections(), unless strict_sections().
 ///   - A Config owns everything it holds: two Config objects never share values.
-/// Needs only nlohmann-json. YAML needs yaml-cpp: include <trainkit/config_yaml.hpp> in one
+/// Needs only nlohmann-json. YAML needs libyaml: include <trainkit/config_yaml.hpp> in one
 /// translation unit of the program (and link trainkit::yaml); it is never pulled in from here.
 ///
 /// The parts, one file each: config/error.hpp (ConfigError), config/text.hpp, config/json_reader.hpp,

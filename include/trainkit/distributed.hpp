@@ -18,7 +18,7 @@
 ///              SLURM_PROCID and SLURM_NTASKS are, else the options (by default one process).
 /// One process (world size 1) runs the same code over an in-memory store.
 ///
-/// Communication: the gradient is summed once per window (step.md phase 5) by a bucketed
+/// Communication: the gradient is summed once per window (phase 5, docs/design/optimizer-phase.md) by a bucketed
 /// all-reduce of the trainer's flat gradient storage, `bucket_bytes` per collective, started
 /// bucket by bucket during the window's last backward as the gradients become ready
 /// (TrainerOptions::overlap_reduction), or all at its end; the division by the world size is

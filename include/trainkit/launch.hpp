@@ -10,7 +10,7 @@
 ///   launch.attach(*trainer);                                  // DataParallel when world > 1
 ///   task.batch = [&](epoch, index) { return my_batch(sampler.batch(epoch, index)).to(launch.device()); };
 ///
-/// GPUS (config.md) against the launch:
+/// GPUS (docs/config-reference.md) against the launch:
 ///   ''          the CPU when this machine has no CUDA device (said once, in notes()), else the
 ///               local rank's GPU (cuda:LOCAL_RANK).
 ///   '0,1,2,3'   one device per process on this node: local rank i trains on cuda:GPUS[i]. The

@@ -7,7 +7,7 @@
 /// as they are (the autocast region casts fp32 inputs for matmul-like ops). Checkpoints hold
 /// the masters; loading restores the half parameters from them.
 ///
-/// The window's gradient is summed in fp32 (step.md §3): after each backward that the phase
+/// The window's gradient is summed in fp32 (docs/design/storage.md): after each backward that the phase
 /// does not follow, the half gradient joins an fp32 sum. In the optimizer phase the gradient
 /// is fp32 in one of three ways, chosen per phase:
 ///   whole    the half gradient cast into one fp32 buffer (or added to the window's sum),

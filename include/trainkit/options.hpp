@@ -16,7 +16,7 @@
 
 namespace trainkit {
 
-/// End of epoch with a partial window (step.md): `flush` steps on the k micro-batches it has
+/// End of epoch with a partial window (docs/design/optimizer-phase.md): `flush` steps on the k micro-batches it has
 /// (mean over them), `span` carries the window into the next epoch, `drop` discards it.
 enum class PartialWindow { flush, span, drop };
 /// FP32/BF16 non-finite gradient: `skip` the step and count it, or `abort` with a diagnostic.

@@ -46,7 +46,7 @@ class ConstantSchedule final : public Schedule {
   std::string describe() const override { return "constant"; }
 };
 
-// --- Concrete schedules (config.md's LR_SCHEDULE) -------------------------------------------
+// --- Concrete schedules (TRAIN.LR_SCHEDULE: docs/config-reference.md) -------------------------------------------
 //
 // Positions. VL-BERT steps its scheduler *before* optimizer.step(), so its k-th update (k from
 // 0) runs at scheduler position k + 1, and the LR it logs before training is position 0.
@@ -195,7 +195,8 @@ class PlateauSchedule final : public PositionSchedule {
   double multiplier_ = 1.0;
 };
 
-/// A schedule as config.md describes it (TRAIN.LR_SCHEDULE and its keys); positions in epochs.
+/// A schedule as the configuration describes it (TRAIN.LR_SCHEDULE and its keys,
+/// docs/config-reference.md); positions in epochs.
 struct ScheduleOptions {
   std::string name = "constant";    ///< step, triangle, cosine, constant or plateau
   Warmup warmup;

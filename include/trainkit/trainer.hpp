@@ -11,7 +11,7 @@
 ///   trainer.flush();
 ///
 /// The step's order is written once, in micro_step() and optimizer_phase() below, with the
-/// phases numbered as in step.md. Each policy is a member whose calls compile to straight-line
+/// phases numbered as in docs/design/optimizer-phase.md. Each policy is a member whose calls compile to straight-line
 /// code for its configuration: there is no branch on a policy inside the step.
 ///
 /// Storage: the trainer holds its precision's parameter storage (storage.hpp): at construction
@@ -181,7 +181,8 @@ class TrainerCore : public AnyTrainer {
 
 }  // namespace detail
 
-/// A training configuration as a type. See the file comment for use; step.md for semantics.
+/// A training configuration as a type. See the file comment for use; docs/design/optimizer-phase.md
+/// for semantics.
 /// It is also an AnyTrainer (any_trainer.hpp): code that takes AnyTrainer& (tk::fit, the
 /// checkpoint manager, a driver) compiles once for every configuration.
 template <class Precision = PrecisionPolicy<FP32>, class Accumulation = AccumulationPolicy<1>,
@@ -315,7 +316,8 @@ class Trainer final : public detail::TrainerCore {
     accumulation_.discard();
   }
 
-  /// End of epoch: handle a partial window by TrainerOptions::partial_window (step.md).
+  /// End of epoch: handle a partial window by TrainerOptions::partial_window
+  /// (docs/design/optimizer-phase.md).
   /// Returns the report when an optimizer phase ran.
   std::optional<StepReport> flush() override {
     if (accumulation_.position() == 0) return std::nullopt;
@@ -592,7 +594,7 @@ class Trainer final : public detail::TrainerCore {
     }
   }
 
-  // The optimizer phase, after the window's last micro-step (step.md, phases 5-11).
+  // The optimizer phase, after the window's last micro-step (phases 5-11, docs/design/optimizer-phase.md).
   StepReport optimizer_phase() {
     storage_.check();  // the parameters and their .grad are still the storage's views
     const double rescale = accumulation_.rescale();

@@ -57,7 +57,7 @@ class ScopedEnv {
 
 }  // namespace
 
-TEST_CASE("defaults: every toolkit key of config.md, with its default") {
+TEST_CASE("defaults: every toolkit key of the TRAIN section, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
   CHECK(t.size() == 50);  // VL-BERT's 28 TRAIN keys and trainkit's 22

@@ -225,7 +225,7 @@ TEST_CASE("without the YAML parser, a YAML file says how to enable it") {
     ~Unregister() { tk::detail::yaml_parser() = saved; }
   } unregister;
   CHECK(error_of("TRAIN: {}\n") ==
-        "test.yaml: YAML support is not built in; #include <trainkit/config_yaml.hpp> and link yaml-cpp (CMake: "
+        "test.yaml: YAML support is not built in; #include <trainkit/config_yaml.hpp> and link libyaml (CMake: "
         "target_link_libraries(<target> PRIVATE trainkit::yaml)), or use the JSON form of this file");
 }
 

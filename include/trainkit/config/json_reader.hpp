@@ -17,7 +17,7 @@ namespace trainkit {
 namespace detail {
 
 /// Parses YAML text into JSON; registered by <trainkit/config_yaml.hpp>. A plain function
-/// pointer in a function-local static: a capability of the program (is yaml-cpp linked?), not
+/// pointer in a function-local static: a capability of the program (is libyaml linked?), not
 /// state of any Config.
 using YamlParser = nlohmann::json (*)(const std::string& text, const std::string& name);
 YamlParser& yaml_parser();

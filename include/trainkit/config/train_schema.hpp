@@ -1,5 +1,5 @@
 #pragma once
-/// The toolkit's schemas (config.md): the TRAIN section with VL-BERT's keys and trainkit's, and
+/// The toolkit's schemas (docs/config-reference.md is generated from them): the TRAIN section with VL-BERT's keys and trainkit's, and
 /// the top level that holds it; applications register their own sections beside them.
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/config/error.hpp>
@@ -32,14 +32,14 @@ std::string check_increasing(const nlohmann::json& epochs);
 inline constexpr std::int64_t kMaxBatchImages = std::int64_t{1} << 24;
 inline constexpr std::int64_t kMaxAccumulateSteps = std::int64_t{1} << 20;
 
-/// The TRAIN section of config.md: VL-BERT's keys, then trainkit's.
+/// The TRAIN section: VL-BERT's keys, then trainkit's.
 Schema train_schema();
 
 /// GPUS as device numbers ("0, 1,2" -> {0, 1, 2}; "" -> {}); std::nullopt when it is not a
 /// comma-separated list of numbers. The one reading of GPUS (the schema's check, tk::Launch).
 std::optional<std::vector<int>> device_list(const std::string& gpus);
 
-/// The top level of config.md (TRAIN included); application sections are added to it.
+/// The top level (TRAIN included); application sections are added to it.
 Schema root_schema();
 
 /// Section names a VL-BERT file uses; a top-level key near one of them (NETWROK) is a typo,

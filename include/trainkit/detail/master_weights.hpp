@@ -35,7 +35,7 @@ void store_untrained_in(torch::nn::Module& model, at::ScalarType dtype, bool kee
 /// unused; they are views into the masters, and their gradients live in a small compact fp32
 /// buffer (`kept`).
 ///
-/// A window's gradients are summed in fp32 (step.md §3), not in the half .grad: after each
+/// A window's gradients are summed in fp32 (docs/design/storage.md), not in the half .grad: after each
 /// micro-batch but the window's last, accumulate() adds the half gradient into an fp32 buffer
 /// and zeroes it; gather() adds the last one. Summing N half gradients in half precision would
 /// round at every addition (bf16 keeps 8 significant bits: over 16 micro-batches the sum is off

@@ -1,5 +1,5 @@
 #pragma once
-/// The random generators a training state includes (step.md, "State"), saved and restored in
+/// The random generators a training state includes (docs/design/checkpoints.md), saved and restored in
 /// one place: the CPU generator (data order, CPU dropout) and, when the trainer's device is a
 /// GPU, that device's CUDA generator (dropout on the GPU). Records "rng.cpu" and "rng.cuda".
 /// RngStates holds them in memory.
