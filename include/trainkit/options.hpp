@@ -60,16 +60,16 @@ struct TrainerOptions {
   TORCH_ARG(bool, keep_norm_fp32) = true;
   /// Master weights: with one micro-batch per window in one process, a model with more
   /// parameters than this runs its optimizer phase in chunks of this many elements (rounded up
-  /// to 64): the fp32 gradient exists one chunk at a time (16 Mi elements: 64 MiB), not whole
-  /// (4 bytes per parameter). Smaller models cast their gradient whole, in one pass.
+  /// to 64): the fp32 gradient exists one chunk at a time, not whole (4 bytes per parameter).
+  /// Smaller models cast their gradient whole, in one pass.
   TORCH_ARG(std::int64_t, master_chunk) = std::int64_t{1} << 24;
   /// Master weights with data parallelism (tk::DataParallel): what a window of one
   /// micro-batch all-reduces. `half`: the model's half gradient as it is (half the bytes of
   /// fp32; each rank's part weighted to the mean first, so loss-scaled sums do not overflow),
   /// and the optimizer phase then runs in chunks as in one process. `fp32`: the gradient cast
   /// to fp32 whole first (4 more bytes per parameter at the phase's peak). `automatic`: half
-  /// with FP16 (its error, measured against the fp32 sum: 1.5e-4 relative at 2 ranks to 3.3e-4
-  /// at 8, about one more fp16 rounding), fp32 with BF16 (1.0e-3 to 2.1e-3; docs/guide/memory.md). A window of several
+  /// with FP16, whose half sum errs by about one more fp16 rounding, fp32 with BF16, whose
+  /// would err several times more (measured: docs/guide/memory.md). A window of several
   /// micro-batches holds an fp32 sum, which is all-reduced in fp32 whatever this says.
   /// Without master weights the gradient is fp32 and only `automatic` or `fp32` are accepted.
   TORCH_ARG(ReducePrecision, reduce_precision) = ReducePrecision::automatic;
