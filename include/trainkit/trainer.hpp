@@ -597,72 +597,91 @@ class Trainer final : public detail::TrainerCore {
   // The optimizer phase, after the window's last micro-step (phases 5-11, docs/design/optimizer-phase.md).
   StepReport optimizer_phase() {
     storage_.check();  // the parameters and their .grad are still the storage's views
-    const double rescale = accumulation_.rescale();
-    // 5. Data parallel: the sum over ranks (a bucketed all-reduce of the flat gradient, once
-    //    per window); `factor` makes it the mean over every rank's micro-batches or items.
+    // 5. Data parallel: the sum over ranks (bucket by bucket, once per window); `factor` makes
+    //    it the mean over every rank's micro-batches, items or terms.
     const GradientFactor factor = storage_.reduce(*replicas_, window_weights());
-    // 6+7. One pass over the gradient: the global L2 norm of the still-scaled gradient, both
-    //    the overflow check and, divided by the divisor, the logged and clipped norm. A
-    //    non-finite gradient has a non-finite norm. So has a finite one whose norm overflows
-    //    fp32 (the squares are summed in fp32: elements from ~1.8e19 on), and it is skipped as
-    //    an overflow too, where torch.amp.GradScaler checks elements and applies it (clipped by
-    //    max_norm / inf = 0): a norm beyond fp32 is as unusable as an inf (tests: test_skip).
-    const auto scaled_norm = storage_.norm();
-    // The accumulated gradient is the true gradient times `divisor` (no ATen call where it is
-    // the loss scale or a constant: the phase is ~15 calls, each a few microseconds).
-    torch::Tensor divisor;
-    if constexpr (Precision::scales_loss)
-      divisor = factor.rescale == 1.0 ? precision_.scale() : precision_.scale() / factor.rescale;
-    else
-      divisor = constant(1.0 / factor.rescale);
-    if (factor.total.defined()) divisor = divisor * factor.total;  // the ranks' item total
-    const bool unit = !Precision::scales_loss && factor.rescale == 1.0 && !factor.total.defined();
-    const auto true_norm = unit ? scaled_norm : scaled_norm / divisor;
-    // found_inf = 1.0 when the norm is not finite (x * 0 is 0 for finite x and NaN otherwise).
-    // (A window with no items on any rank has divisor 0: a non-finite true norm, skipped.)
-    const auto found_inf =
-        at::nan_to_num((factor.total.defined() ? true_norm : scaled_norm) * 0.0, /*nan=*/1.0);
+    // 6-7. One pass over the gradient: the norm of the still-scaled gradient, both the overflow
+    //    check and, unscaled, the logged and clipped norm.
+    const Unscaled norm = unscale(factor, storage_.norm());
     // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
-    const torch::Tensor optimizer_divisor = clip_.divisor(divisor, true_norm);
-    // 9. The update over the storage's chunks, skipped on the device when found_inf
-    //    (parameters and optimizer state unchanged, bit for bit). The LR comes from the
-    //    schedule at the applied-step position; the counters (10) are advanced first, as the
-    //    update rule's step count follows them.
-    ensure_lr_table();
-    const auto lr = lr_table_.index_select(0, applied_);
-    lrs_.clear();
-    for (const auto& g : storage_.groups()) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
-    skipped_ = skipped_ + found_inf.to(torch::kLong);  // new tensors: the report keeps this window's values
-    applied_ = at::rsub(skipped_, windows_ + 1);       // applied + skipped = optimizer phases run
+    const torch::Tensor optimizer_divisor = clip_.divisor(norm.divisor, norm.true_norm);
+    // 9. The counters, then the update over the storage's chunks, skipped on the device when
+    //    found_inf (parameters and optimizer state unchanged, bit for bit); the LR is the
+    //    schedule's at the applied-step position, which the update rule's step count follows.
+    const torch::Tensor lr = scheduled_lr();
+    skipped_ = skipped_ + norm.found_inf.to(torch::kLong);  // new tensors: the last report keeps its values
+    applied_ = at::rsub(skipped_, windows_ + 1);            // applied + skipped = optimizer phases run
     storage_.update([&](const std::vector<detail::ParamGroup>& groups, torch::Tensor& gradient) {
-      clip_.apply(gradient, divisor);  // (ClipValue clamps the true gradient itself)
-      rule_->step(groups, optimizer_divisor, found_inf, lrs_, applied_);
+      clip_.apply(gradient, norm.divisor);  // (ClipValue clamps the true gradient itself)
+      rule_->step(groups, optimizer_divisor, norm.found_inf, lrs_, applied_);
     });
-    // 10. Loss-scale update; the schedule advances (through applied_) only on applied steps.
-    StepReport report;
-    report.values_ = std::make_shared<StepReport::Values>();
-    auto& v = report.values_->device;
-    v[StepReport::kScale] = Precision::scales_loss ? precision_.scale().clone() : precision_.scale();
-    precision_.update(found_inf);
+    // 10. The loss scale's update (the report keeps the scale this window ran with).
+    torch::Tensor scale = Precision::scales_loss ? precision_.scale().clone() : precision_.scale();
+    precision_.update(norm.found_inf);
     ++windows_;
-    // (Loss terms: this rank's terms, each the mean over this rank's items of it.)
-    v[StepReport::kLoss] = terms_.active() ? (window_loss_ * terms_.local_weights).sum()
-                           : rescale == 1.0 ? window_loss_
-                                            : window_loss_ * rescale;
-    v[StepReport::kNorm] = true_norm;
-    v[StepReport::kLr] = lr;
-    v[StepReport::kFoundInf] = found_inf;
-    v[StepReport::kSkipped] = skipped_;
-    v[StepReport::kApplied] = applied_;
-    report.window_ = windows_;
-    report.micro_batches_ = accumulation_.position();
-    report.items_ = accumulation_.items();
+    StepReport report = window_report(std::move(scale), norm, lr);
     // 11. Zero the gradient: one fill of the flat storage. (The window's loss is not zeroed:
     //     the next window's first micro-step replaces it.)
     storage_.zero();
     accumulation_.reset();
     terms_ = {};
     host_checks(report);
+    return report;
+  }
+
+  // 6-7 unscaled: the accumulated gradient is the true gradient times `divisor` (the loss scale,
+  // the accumulation's rescale, the ranks' item total; no ATen call where it is the loss scale
+  // or a constant: the phase is ~15 calls, each a few microseconds). A non-finite gradient has a
+  // non-finite norm; so has a finite one whose norm overflows fp32 (its squares are summed in
+  // fp32: elements from ~1.8e19 on), skipped as an overflow too, where torch.amp.GradScaler
+  // checks elements and applies it: a norm beyond fp32 is as unusable as an inf (test_skip).
+  struct Unscaled {
+    torch::Tensor divisor, true_norm, found_inf;
+  };
+  Unscaled unscale(const GradientFactor& factor, const torch::Tensor& scaled_norm) {
+    Unscaled u;
+    if constexpr (Precision::scales_loss)
+      u.divisor = factor.rescale == 1.0 ? precision_.scale() : precision_.scale() / factor.rescale;
+    else
+      u.divisor = constant(1.0 / factor.rescale);
+    if (factor.total.defined()) u.divisor = u.divisor * factor.total;  // the ranks' item total
+    const bool unit = !Precision::scales_loss && factor.rescale == 1.0 && !factor.total.defined();
+    u.true_norm = unit ? scaled_norm : scaled_norm / u.divisor;
+    // found_inf = 1.0 when the norm is not finite (x * 0 is 0 for finite x and NaN otherwise).
+    // (A window with no items on any rank has divisor 0: a non-finite true norm, skipped.)
+    u.found_inf = at::nan_to_num((factor.total.defined() ? u.true_norm : scaled_norm) * 0.0, /*nan=*/1.0);
+    return u;
+  }
+
+  // The LR of the window about to be applied, from the schedule's device table at the applied
+  // count (each group's times its multiplier, in lrs_).
+  torch::Tensor scheduled_lr() {
+    ensure_lr_table();
+    auto lr = lr_table_.index_select(0, applied_);
+    lrs_.clear();
+    for (const auto& g : storage_.groups()) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
+    return lr;
+  }
+
+  // The closed window's report: device values, read on the host only when asked for.
+  StepReport window_report(torch::Tensor scale, const Unscaled& norm, const torch::Tensor& lr) {
+    StepReport report;
+    report.values_ = std::make_shared<StepReport::Values>();
+    auto& v = report.values_->device;
+    v[StepReport::kScale] = std::move(scale);
+    // The window's mean loss; loss terms: this rank's terms, each the mean over this rank's items.
+    const double rescale = accumulation_.rescale();
+    v[StepReport::kLoss] = terms_.active() ? (window_loss_ * terms_.local_weights).sum()
+                           : rescale == 1.0 ? window_loss_
+                                            : window_loss_ * rescale;
+    v[StepReport::kNorm] = norm.true_norm;
+    v[StepReport::kLr] = lr;
+    v[StepReport::kFoundInf] = norm.found_inf;
+    v[StepReport::kSkipped] = skipped_;
+    v[StepReport::kApplied] = applied_;
+    report.window_ = windows_;
+    report.micro_batches_ = accumulation_.position();
+    report.items_ = accumulation_.items();
     return report;
   }
 
