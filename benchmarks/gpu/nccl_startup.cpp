@@ -3,7 +3,7 @@
 // (benchmarks/gpu/CMakeLists.txt).
 //   1. how long the process group takes to form, and its first and second all-reduce (the
 //      start-up and the first all-reduce within 10 s, asserted);
-//   2. a trainer with DataParallel (attach, reduce_gradients with item totals, on the GPU)
+//   2. a trainer with DataParallel (attach, the bucketed reduction with item totals, on the GPU)
 //      gives the single-process trainer's losses;
 //   3. resume: a DataParallel trainer saves after step 6, a fresh one loads (the ranks' state
 //      compared through the group, on the GPU) and steps 7-12 equal the uninterrupted run's;

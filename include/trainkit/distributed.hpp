@@ -102,12 +102,6 @@ class DataParallel final : public Replicas {
     }
   }
 
-  GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) override {
-    const auto element = static_cast<std::int64_t>(flat_grad.element_size());
-    const detail::Partition buckets(flat_grad.numel(), std::max<std::int64_t>(1, bucket_bytes_ / element), 64 / element,
-                                    world_size(), rank(), /*sharded=*/false);
-    return start_reduction(flat_grad, {}, buckets, window, /*closes=*/true)->finish();
-  }
   std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local, const detail::Partition& partition,
                                              const WindowWeights& window, bool closes) override {
     if (local.defined()) check_partition(partition, flat_grad);

@@ -70,14 +70,14 @@ TRAINKIT_INLINE GradientFactor MasterStorage::reduce(Replicas& replicas, const W
   }
   std::optional<GradientFactor> reduced;
   if (reduce_half())
-    reduced = half_.reduce_in_half([&](torch::Tensor& h) { return replicas.reduce_gradients(h, window); });
+    reduced = half_.reduce_in_half([&](torch::Tensor& h) { return replicas.reduce_buckets(h, {}, partition_, window, true); });
   if ((single_process_ || reduced) && !half_.summed().defined() && params_.numel() > options_.master_chunk()) {
     chunk_ = torch::empty({(options_.master_chunk() + 63) / 64 * 64}, params_.options());
     return reduced ? *reduced : GradientFactor{window.rescale, {}};  // (one process: nothing to sum)
   }
   grad_ = half_.gather();
   bind_gradients(grad_);
-  return reduced ? *reduced : replicas.reduce_gradients(grad_, window);
+  return reduced ? *reduced : replicas.reduce_buckets(grad_, {}, partition_, window, /*closes=*/true);
 }
 
 TRAINKIT_INLINE torch::Tensor MasterStorage::norm() {

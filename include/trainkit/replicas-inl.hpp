@@ -11,10 +11,6 @@ TRAINKIT_INLINE GradientFactor Replicas::reduce_buckets(torch::Tensor& flat_grad
   return start_reduction(flat_grad, std::move(local), partition, window, closes)->finish();
 }
 
-TRAINKIT_INLINE GradientFactor SingleProcess::reduce_gradients(torch::Tensor&, const WindowWeights& window) {
-  return {window.rescale, {}};
-}
-
 TRAINKIT_INLINE std::unique_ptr<Reduction> SingleProcess::start_reduction(torch::Tensor& flat_grad,
                                                                           torch::Tensor local,
                                                                           const detail::Partition& partition,

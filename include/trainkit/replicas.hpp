@@ -8,14 +8,6 @@
 ///                                 once, from Trainer::set_replicas(): every rank's parameters and
 ///                                 buffers become rank 0's (those that are views of `rewritten`
 ///                                 the caller sets from flat_params afterwards)
-///   reduce_gradients(flat_grad, window)
-///                                 optimizer phase 5, once per window, never inside one:
-///                                 `flat_grad` becomes the sum over ranks; returns the
-///                                 GradientFactor that makes it the mean gradient over every
-///                                 rank's micro-batches (or items when item counts are given),
-///                                 without a host sync (the item total stays on the device). A
-///                                 non-finite value on any rank is non-finite on every rank after
-///                                 the sum, so every rank skips the same steps
 ///   sum_counts(counts)            Trainer::begin_window, before a window of loss terms: each
 ///                                 term's item count summed over the ranks, in place (a device
 ///                                 tensor: no host sync; one small collective per window)
@@ -23,14 +15,19 @@
 ///                                 holds the same state (each rank loads the full checkpoint)
 /// and, for the storage's buckets (detail::Partition, storage.hpp):
 ///   start_reduction(flat_grad, local, partition, window, closes) -> Reduction
-///                                 phase 5 bucket by bucket, so that it can overlap the last
-///                                 backward (and, with Sharding::gradients, every backward of a
-///                                 window): launch(b) sends bucket b (every rank launches the
-///                                 buckets in the same order), finish() sends the rest, waits,
-///                                 and returns the factor when `closes`. `local` undefined: each
-///                                 bucket summed over the ranks in place; defined (sharded): this
-///                                 rank's slice of each bucket's sum into `local`. Each rank's
-///                                 part weighted as reduce_gradients() weights it
+///                                 phase 5, the one reduction of the gradient, bucket by bucket,
+///                                 so that it can overlap the last backward (and, with
+///                                 Sharding::gradients, every backward of a window): launch(b)
+///                                 sends bucket b (every rank launches the buckets in the same
+///                                 order), finish() sends the rest, waits, and returns the
+///                                 GradientFactor that makes the sum the mean gradient over every
+///                                 rank's micro-batches, items or terms when `closes` (without a
+///                                 host sync: an item total stays on the device). `local`
+///                                 undefined: each bucket summed over the ranks in place; defined
+///                                 (sharded): this rank's slice of each bucket's sum into
+///                                 `local`. A non-finite value on any rank is non-finite on every
+///                                 rank after the sum, so every rank skips the same steps
+///   reduce_buckets(...)           start_reduction() and finish() at once (nothing overlapped)
 ///   global_norm(local)            phases 6-7: the L2 norm over every rank's `local` slices (one
 ///                                 small all-reduce of the squares; a device scalar)
 ///   sum(values)                   phase 9, sharded master weights: the fp32-kept parameters
@@ -75,7 +72,7 @@ struct WindowWeights {
   bool normalized = false;
 };
 
-/// What phase 5 gives back: flat_grad * rescale / total is the mean gradient over every rank's
+/// What phase 5 gives back: the gradient * rescale / total is the mean gradient over every rank's
 /// micro-batches or items. `total` is undefined (read as 1) unless the divisor is only known on
 /// the device: the window's item count summed over the ranks, as a 0-dim float tensor on the
 /// gradient's device, which the trainer folds into the optimizer's divisor (reading it on the
@@ -112,8 +109,6 @@ class Replicas {
   /// would cost a collective and a temporary of their size for nothing.
   virtual void attach(torch::nn::Module& model, const torch::Tensor& flat_params,
                       const torch::Tensor& rewritten = torch::Tensor()) = 0;
-  /// Phase 5: see the file comment.
-  virtual GradientFactor reduce_gradients(torch::Tensor& flat_grad, const WindowWeights& window) = 0;
   /// Before a window of loss terms: `counts` (a device tensor, one per term) summed over the
   /// ranks in place, without a host sync. (The default serves one process only.)
   virtual void sum_counts(torch::Tensor&) {
@@ -155,7 +150,6 @@ class SingleProcess final : public Replicas {
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
   void attach(torch::nn::Module&, const torch::Tensor&, const torch::Tensor& = torch::Tensor()) override {}
-  TRAINKIT_INLINE GradientFactor reduce_gradients(torch::Tensor&, const WindowWeights& window) override;
   void sum_counts(torch::Tensor&) override {}
   void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override {}
   void all_reduce(std::vector<double>&, Reduce) override {}
