@@ -7,7 +7,7 @@
 ///   tk::FitResult r = tk::fit(trainer, task, options, callbacks);
 ///   if (r.finished) ...                               // stopped early; a re-run trains no further
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/fit.hpp>
+#include <trainkit/fit_events.hpp>
 
 #include <cmath>
 #include <cstdint>

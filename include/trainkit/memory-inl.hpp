@@ -6,13 +6,6 @@
 namespace trainkit {
 namespace detail {
 
-TRAINKIT_INLINE bool is_out_of_memory(const std::exception& e) {
-  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) || dynamic_cast<const std::bad_alloc*>(&e)) return true;
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
-    return c10_error->msg().find("can't allocate memory") != std::string::npos;
-  return false;
-}
-
 TRAINKIT_INLINE double proc_status_bytes(const char* name) {
   std::ifstream status("/proc/self/status");
   std::string line;

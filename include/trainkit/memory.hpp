@@ -21,6 +21,7 @@
 #include <trainkit/any_trainer.hpp>
 #include <trainkit/config/error.hpp>
 #include <trainkit/detail/messages.hpp>
+#include <trainkit/detail/out_of_memory.hpp>
 #include <trainkit/detail/rng_state.hpp>
 #include <trainkit/metrics.hpp>
 #include <trainkit/task.hpp>
@@ -48,10 +49,6 @@
 namespace trainkit {
 
 namespace detail {
-
-/// Whether `e` says that memory ran out: CUDA's c10::OutOfMemoryError, the CPU allocator's
-/// "can't allocate memory", std::bad_alloc.
-bool is_out_of_memory(const std::exception& e);
 
 // A "Name:   12345 kB" line of /proc/self/status, in bytes (-1 when absent).
 double proc_status_bytes(const char* name);

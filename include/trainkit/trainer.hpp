@@ -31,9 +31,9 @@
 #include <trainkit/clip.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/module_of.hpp>
+#include <trainkit/detail/out_of_memory.hpp>
 #include <trainkit/detail/rng_state.hpp>
 #include <trainkit/master_storage.hpp>
-#include <trainkit/memory.hpp>
 #include <trainkit/optim.hpp>
 #include <trainkit/options.hpp>
 #include <trainkit/precision.hpp>
