@@ -54,6 +54,9 @@
 
 namespace trainkit {
 
+template <class Precision, class Accumulation, class Clip>
+class Trainer;  // (trainer.hpp: the registry names the types; its shards define them)
+
 /// The Trainer type of a key, as a type: TrainerOf<FP32, 4, ClipNorm>.
 template <class PrecisionTag, int N, class ClipTag>
 using TrainerOf = Trainer<PrecisionPolicy<PrecisionTag>, AccumulationPolicy<N>, ClipPolicy<ClipTag>>;

@@ -15,9 +15,6 @@
 
 namespace trainkit {
 
-template <class, class, class>
-class Trainer;
-
 /// Thrown with NonFinite::abort when an FP32/BF16 window has a non-finite gradient.
 class NonFiniteGradient : public std::runtime_error {
  public:
@@ -28,7 +25,20 @@ class NonFiniteGradient : public std::runtime_error {
 /// them to the host at once (one sync), so a report that is never read costs no sync.
 class StepReport {
  public:
+  /// One phase's values, device scalars as the trainer makes them (nothing is read here).
+  struct Device {
+    torch::Tensor loss, grad_norm, loss_scale, lr, found_inf, skipped, applied;
+  };
+
   StepReport() = default;
+  /// The report of optimizer phase `window` (applied + skipped so far) over `micro_batches`
+  /// micro-batches of `items` items (0 without item counts).
+  StepReport(Device device, std::int64_t window, std::int64_t micro_batches, std::int64_t items)
+      : values_(std::make_shared<Values>()), window_(window), micro_batches_(micro_batches), items_(items) {
+    values_->device = {std::move(device.loss),      std::move(device.grad_norm), std::move(device.loss_scale),
+                       std::move(device.lr),        std::move(device.found_inf), std::move(device.skipped),
+                       std::move(device.applied)};
+  }
 
   bool applied() const { return value(kFoundInf) == 0.0; }
   bool skipped() const { return !applied(); }
@@ -53,8 +63,6 @@ class StepReport {
   bool empty() const { return values_ == nullptr; }
 
  private:
-  template <class, class, class>
-  friend class Trainer;
   enum Field { kLoss, kNorm, kScale, kLr, kFoundInf, kSkipped, kApplied, kFields };
   struct Values {
     std::array<torch::Tensor, kFields> device;

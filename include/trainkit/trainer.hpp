@@ -665,24 +665,19 @@ class Trainer final : public detail::TrainerCore {
 
   // The closed window's report: device values, read on the host only when asked for.
   StepReport window_report(torch::Tensor scale, const Unscaled& norm, const torch::Tensor& lr) {
-    StepReport report;
-    report.values_ = std::make_shared<StepReport::Values>();
-    auto& v = report.values_->device;
-    v[StepReport::kScale] = std::move(scale);
+    StepReport::Device v;
+    v.loss_scale = std::move(scale);
     // The window's mean loss; loss terms: this rank's terms, each the mean over this rank's items.
     const double rescale = accumulation_.rescale();
-    v[StepReport::kLoss] = terms_.active() ? (window_loss_ * terms_.local_weights).sum()
-                           : rescale == 1.0 ? window_loss_
-                                            : window_loss_ * rescale;
-    v[StepReport::kNorm] = norm.true_norm;
-    v[StepReport::kLr] = lr;
-    v[StepReport::kFoundInf] = norm.found_inf;
-    v[StepReport::kSkipped] = skipped_;
-    v[StepReport::kApplied] = applied_;
-    report.window_ = windows_;
-    report.micro_batches_ = accumulation_.position();
-    report.items_ = accumulation_.items();
-    return report;
+    v.loss = terms_.active() ? (window_loss_ * terms_.local_weights).sum()
+             : rescale == 1.0 ? window_loss_
+                              : window_loss_ * rescale;
+    v.grad_norm = norm.true_norm;
+    v.lr = lr;
+    v.found_inf = norm.found_inf;
+    v.skipped = skipped_;
+    v.applied = applied_;
+    return StepReport(std::move(v), windows_, accumulation_.position(), accumulation_.items());
   }
 
   // What phase 5 (and a sharded reduction inside the window) weights each rank's gradient by:
