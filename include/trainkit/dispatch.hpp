@@ -59,26 +59,7 @@ decltype(auto) dispatch(const RunPlan& plan, Visitor&& visitor) {
   return dispatch(plan.trainer, std::forward<Visitor>(visitor));
 }
 
-/// Calls `f` with the optimizer of `settings`: tk::SGD{lr, momentum, wd}, tk::Adam{lr, wd}, or
-/// tk::AdamW{lr, wd} with VL-BERT's betas and eps. Every call of `f` must return the same type.
-template <class F>
-decltype(auto) with_optimizer(const OptimizerSettings& settings, F&& f) {
-  if (settings.name == "AdamW")
-    return f(AdamW{settings.lr, settings.weight_decay}.betas(settings.beta1, settings.beta2).eps(settings.eps));
-  if (settings.name == "Adam")
-    return f(Adam{settings.lr, settings.weight_decay}.betas(settings.beta1, settings.beta2).eps(settings.eps));
-  if (settings.name != "SGD")
-    throw ConfigError("TRAIN.OPTIMIZER", "expected one of SGD, Adam, AdamW, got \"" + settings.name + "\"");
-  return f(SGD{settings.lr, settings.momentum, settings.weight_decay});
-}
-
-// Explicit instantiations of the registry, generated from its list: the shards of
-// trainkit::registry define them; TRAINKIT_EXTERN_TRAINERS declares them in a program.
-#define TRAINKIT_REGISTRY_INSTANTIATE_(P, C) \
-  template class Trainer<PrecisionPolicy<P>, AccumulationPolicy<Dynamic>, ClipPolicy<C>>;
-#define TRAINKIT_REGISTRY_EXTERN_(P, C) \
-  extern template class Trainer<PrecisionPolicy<P>, AccumulationPolicy<Dynamic>, ClipPolicy<C>>;
-#define TRAINKIT_REGISTRY_EXTERN_OF_(P) TRAINKIT_REGISTRY_CLIPS(TRAINKIT_REGISTRY_EXTERN_, P)
+// (with_optimizer, and the registry's instantiation macros: registry.hpp.)
 #if defined(TRAINKIT_EXTERN_TRAINERS)
 TRAINKIT_REGISTRY_PRECISIONS(TRAINKIT_REGISTRY_EXTERN_OF_)
 #endif

@@ -6,7 +6,6 @@
 ///   TRAINKIT_REGISTRY_SHARD(FP16Dynamic)
 /// for some of the precisions: every registered Trainer type is compiled in exactly one
 /// translation unit.
-#include <trainkit/dispatch.hpp>
 #include <trainkit/registry.hpp>
 #include <trainkit/trainer.hpp>
 

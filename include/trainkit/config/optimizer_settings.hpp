@@ -5,7 +5,7 @@
 namespace trainkit {
 
 /// VL-BERT's settings (AdamW: betas (0.9, 0.999), eps 1e-6, decay on every parameter; Adam:
-/// torch.optim.Adam's defaults; SGD: dampening 0). tk::with_optimizer (dispatch.hpp) makes the
+/// torch.optim.Adam's defaults; SGD: dampening 0). tk::with_optimizer (registry.hpp) makes the
 /// optimizer they describe.
 struct OptimizerSettings {
   std::string name = "SGD";  ///< "SGD", "Adam" or "AdamW"
