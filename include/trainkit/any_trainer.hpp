@@ -96,6 +96,9 @@ class AnyTrainer {
   virtual std::string type_name() const = 0;
   /// Whether the loss is multiplied by a loss scale (FP16 modes).
   virtual bool uses_loss_scale() const = 0;
+  /// Whether the loss scale backs off after an overflow (FP16Dynamic); a static one (FP16Static)
+  /// overflows alike every time, so its skips stop a run as FP32's do (TRAIN.NONFINITE_PATIENCE).
+  virtual bool dynamic_loss_scale() const = 0;
   /// The optimizer's LR before the schedule's factor (a group's is this times its LR_MULT).
   virtual double base_lr() const = 0;
   /// Micro-batches per window.

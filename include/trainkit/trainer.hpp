@@ -381,6 +381,7 @@ class Trainer final : public detail::TrainerCore {
   // --- AnyTrainer: what the loop asks of any configuration --------------------------------
   std::string type_name() const override { return name(); }
   bool uses_loss_scale() const override { return Precision::scales_loss; }
+  bool dynamic_loss_scale() const override { return std::is_same_v<scaling_mode_t<precision_mode>, FP16Dynamic>; }
   std::int64_t window_length() const override { return accumulation_.window(); }
   std::optional<at::ScalarType> autocast_dtype() const override {
     return detail::autocast_dtype_of<precision_mode>();

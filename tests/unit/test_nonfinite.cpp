@@ -6,6 +6,7 @@
 #include <trainkit/fit.hpp>
 #include <trainkit/trainer.hpp>
 
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -78,6 +79,39 @@ TEST_CASE("FP32: one transient skip warns once and the run goes on") {
   INFO(said);
   CHECK(said.find("trainkit: warning: epoch 0, micro-batch 4 of 8, optimizer step 5") != std::string::npos);
   CHECK(said.find("warning", said.find("warning") + 1) == std::string::npos);  // once
+}
+
+TEST_CASE("FP16 with a static loss scale that overflows every window stops after NONFINITE_PATIENCE, naming the key") {
+  // A scale of 2^100: every gradient overflows float16 (or its fp32 norm), every window is
+  // skipped, and a static scale never backs off: a run that trains nothing, stopped as FP32's.
+  testing::TempDir dir;
+  auto model = testing::make_mlp(4);
+  tk::Trainer<tk::PrecisionPolicy<tk::FP16Static>> trainer{
+      model, tk::SGD{0.05}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions().static_scale(std::pow(2.0, 100)))};
+  const auto data = testing::regression(64);
+  tk::Task<std::int64_t> task;
+  task.batches_per_epoch = [](std::int64_t) { return std::int64_t{8}; };
+  task.batch = [](std::int64_t, std::int64_t index) { return index; };
+  task.loss = [&](const std::int64_t& i, tk::Metrics&) {
+    return torch::mse_loss(model(data.x.narrow(0, 8 * i, 8)), data.y.narrow(0, 8 * i, 8));
+  };
+  CaptureStderr err;
+  std::string stopped;
+  try {
+    tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(2).log_frequent(1).progress(false)
+                               .handle_signals(false).nonfinite_patience(4));
+  } catch (const tk::NonFiniteGradient& e) {
+    stopped = e.what();
+  }
+  INFO(stopped);
+  CHECK(stopped.find("4 skipped with no clean log interval between them (TRAIN.NONFINITE_PATIENCE 4): stopping") !=
+        std::string::npos);
+  CHECK(stopped.find("the static loss scale 1.26765e+30 overflows the gradient: set TRAIN.FP16_LOSS_SCALE") !=
+        std::string::npos);
+  CHECK(stopped.find("'dynamic'") != std::string::npos);
+  CHECK(trainer.skipped_steps().item<std::int64_t>() == 4);
+  CHECK(trainer.applied_steps().item<std::int64_t>() == 0);
+  CHECK(err.text.str().find("the static loss scale") != std::string::npos);  // the first skip's warning
 }
 
 }  // namespace test_nonfinite

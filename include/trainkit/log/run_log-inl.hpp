@@ -178,17 +178,25 @@ TRAINKIT_INLINE void RunLog::check_skipped(const StepReport& report, LogPosition
   const std::string what = std::to_string(skipped) + " of the last " + std::to_string(windows) +
                            " optimizer steps were skipped (non-finite gradients; training loss " +
                            detail::short_number(loss) + ")";
-  if (!trainer_.uses_loss_scale()) {
+  // FP32, BF16 and a static loss scale: nothing backs off, so skips in a row mean a run that
+  // trains nothing. (A dynamic scale's skips are its search for a scale: warned about below.)
+  if (!trainer_.uses_loss_scale() || !trainer_.dynamic_loss_scale()) {
     skipped_unhealthy_ += skipped;
     const std::string patience = "TRAIN.NONFINITE_PATIENCE " + std::to_string(options_.nonfinite_patience());
+    const std::string remedy =
+        trainer_.uses_loss_scale()
+            ? "the static loss scale " + detail::short_number(report.loss_scale()) +
+                  " overflows the gradient: set TRAIN.FP16_LOSS_SCALE to a smaller one (a power of 2), or to 'dynamic', "
+                  "whose scale backs off after an overflow"
+            : "lower TRAIN.LR or check the data";
     if (skipped_unhealthy_ >= options_.nonfinite_patience())
       throw NonFiniteGradient(where + ": " + what + "; " + std::to_string(skipped_unhealthy_) +
-                              " skipped with no clean log interval between them (" + patience +
-                              "): stopping. Lower TRAIN.LR or check the data; the checkpoints written so far are intact");
+                              " skipped with no clean log interval between them (" + patience + "): stopping. " +
+                              remedy + "; the checkpoints written so far are intact");
     if (!skip_warned_) {
       skip_warned_ = true;
       say("trainkit: warning: " + where + ": " + what + ". " + trainer_.type_name() +
-          " skips a step only when its gradient is not finite: lower TRAIN.LR or check the data (" + patience +
+          " skips a step only when its gradient is not finite: " + remedy + " (" + patience +
           " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)");
     }
     return;
