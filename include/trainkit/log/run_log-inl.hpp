@@ -191,7 +191,7 @@ TRAINKIT_INLINE void RunLog::check_skipped(const StepReport& report, LogPosition
             : "lower TRAIN.LR or check the data";
     if (skipped_unhealthy_ >= options_.nonfinite_patience())
       throw NonFiniteGradient(where + ": " + what + "; " + std::to_string(skipped_unhealthy_) +
-                              " skipped with no clean log interval between them (" + patience + "): stopping. " +
+                              " skipped with no clean log interval between them (" + patience + "): stopping; " +
                               remedy + "; the checkpoints written so far are intact");
     if (!skip_warned_) {
       skip_warned_ = true;
