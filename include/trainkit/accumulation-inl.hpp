@@ -12,7 +12,6 @@ TRAINKIT_INLINE void save_window_state(torch::serialize::OutputArchive& archive,
   write_value(archive, "window.counted", state.counted);
   write_value(archive, "window.seen_items", state.seen_items);
   write_value(archive, "window.seen_batches", state.seen_batches);
-  write_value(archive, "window.terms", state.terms);
 }
 
 TRAINKIT_INLINE WindowState load_window_state(torch::serialize::InputArchive& archive) {
@@ -24,7 +23,6 @@ TRAINKIT_INLINE WindowState load_window_state(torch::serialize::InputArchive& ar
   c10::IValue seen;  // (absent from older checkpoints: the running mean starts again)
   if (archive.try_read("window.seen_items", seen)) s.seen_items = seen.toInt();
   if (archive.try_read("window.seen_batches", seen)) s.seen_batches = seen.toInt();
-  if (archive.try_read("window.terms", seen)) s.terms = seen.toBool();  // (older: no terms)
   return s;
 }
 

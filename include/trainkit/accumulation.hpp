@@ -5,9 +5,6 @@
 ///   AccumulationPolicy<N>(const TrainerOptions&)    once, at construction
 ///   weight(items)     micro-step phase 2, before backward: the host factor the loss is
 ///                     multiplied by. items < 0: no item count (plain 1/N weighting)
-///   weight_terms()    phase 2 of a window whose loss is terms (Trainer::begin_window): the
-///                     terms carry their own weights (1 / their window's items over every
-///                     rank), so the host factor is 1
 ///   closes()          after the micro-step: true when this micro-step ends the window
 ///   rescale()         optimizer phase: the host factor R that turns the accumulated gradient
 ///                     into the mean over the window's micro-batches (or items); 1 for a full
@@ -16,8 +13,7 @@
 ///   discard()         Trainer::discard_window(): the open window forgotten
 ///   save / load       the window's counts and the running mean, for checkpoints
 /// Guarantees: with item counts, the window's gradient is the gradient of the mean over all
-/// its items, exactly, whatever the counts; with terms rescale() is 1 (each term is already
-/// the exact mean over its window's items); every factor is a host double (no device work).
+/// its items, exactly, whatever the counts; every factor is a host double (no device work).
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/options.hpp>
@@ -40,7 +36,6 @@ struct WindowState {
   double reference;
   bool counted;
   std::int64_t seen_items = 0, seen_batches = 0;  // the closed windows' counts (reference)
-  bool terms = false;  // the open window's loss is terms (Trainer::begin_window)
 };
 /// The window.* records of a checkpoint.
 void save_window_state(torch::serialize::OutputArchive& archive, const WindowState& state);
@@ -84,10 +79,6 @@ class AccumulationPolicy {
   /// Phase 2: the factor for this micro-step's loss; advances the position.
   double weight(std::int64_t items) {
     const bool counted = items >= 0;
-    if (terms_)
-      throw std::invalid_argument("micro_step: the window's loss is terms (begin_window); an item count (" +
-                                  std::to_string(items) + ") cannot be given for micro-batch " +
-                                  std::to_string(position_ + 1) + ": the terms' counts were given to begin_window");
     if (position_ == 0) {
       counted_ = counted;
       // Any constant works for exactness (rescale() divides it back out). This one keeps the
@@ -110,27 +101,11 @@ class AccumulationPolicy {
     return static_cast<double>(items) / reference_;
   }
 
-  /// Phase 2 of a window whose loss is terms (Trainer::begin_window): their weights are the
-  /// trainer's device tensor, so the host factor is 1. Advances the position.
-  double weight_terms() {
-    if (position_ == 0) {
-      terms_ = true;
-      counted_ = false;
-    } else if (!terms_) {
-      throw std::invalid_argument("micro_step: micro-batch " + std::to_string(position_ + 1) +
-                                  " of the window is in a window of loss terms, the first ones were not; call "
-                                  "begin_window before a window's first micro-batch");
-    }
-    ++position_;
-    return 1.0;
-  }
-
   /// True when the micro-step just weighted ends the window.
   bool closes() const { return position_ >= window(); }
 
   /// Optimizer phase: turns the accumulated sum into the window's mean.
   double rescale() const {
-    if (terms_) return 1.0;
     if (counted_) {
       if (items_ <= 0)
         throw std::invalid_argument("optimizer step: the window's item counts sum to 0; "
@@ -148,7 +123,6 @@ class AccumulationPolicy {
     }
     position_ = 0;
     items_ = 0;
-    terms_ = false;
   }
 
   /// The open window dropped unused (Trainer::discard_window): as after reset(), but its
@@ -156,12 +130,11 @@ class AccumulationPolicy {
   void discard() {
     position_ = 0;
     items_ = 0;
-    terms_ = false;
   }
 
   /// For checkpoints taken inside a window (PartialWindow::span).
   using State = detail::WindowState;
-  State state() const { return {position_, items_, reference_, counted_, seen_items_, seen_batches_, terms_}; }
+  State state() const { return {position_, items_, reference_, counted_, seen_items_, seen_batches_}; }
   void load_state(const State& s) {
     position_ = s.position;
     items_ = s.items;
@@ -169,12 +142,9 @@ class AccumulationPolicy {
     counted_ = s.counted;
     seen_items_ = s.seen_items;
     seen_batches_ = s.seen_batches;
-    terms_ = s.terms;
   }
   /// Whether the open window's micro-batches gave item counts.
   bool counted() const { return counted_; }
-  /// Whether the open window's loss is terms with their own counts (Trainer::begin_window).
-  bool terms() const { return terms_; }
 
   void save(torch::serialize::OutputArchive& archive) const { detail::save_window_state(archive, state()); }
   void load(torch::serialize::InputArchive& archive) { load_state(detail::load_window_state(archive)); }
@@ -186,7 +156,6 @@ class AccumulationPolicy {
   double reference_ = 1.0;
   bool counted_ = false;
   std::int64_t seen_items_ = 0, seen_batches_ = 0;
-  bool terms_ = false;
 };
 
 template <class T>

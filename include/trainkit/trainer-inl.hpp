@@ -103,7 +103,9 @@ TRAINKIT_INLINE void TrainerCore::write_terms(torch::serialize::OutputArchive& a
 TRAINKIT_INLINE void TrainerCore::read_terms(torch::serialize::InputArchive& archive) {
   // The weights as the window began them (its counts over the ranks that ran it); the items
   // are the main rank's, which only this rank's reported loss reads.
-  const auto items = read_tensor(archive, "window.term_items").to(torch::kLong).contiguous();
+  torch::Tensor saved;
+  if (!archive.try_read("window.term_items", saved, /*is_buffer=*/true)) return;
+  const auto items = saved.to(torch::kLong).contiguous();
   terms_.items.assign(items.data_ptr<std::int64_t>(), items.data_ptr<std::int64_t>() + items.numel());
   terms_.weights = read_tensor(archive, "window.term_weights").to(device_, torch::kFloat);
   terms_.micro_batches = read_value(archive, "window.term_micro_batches").toInt();

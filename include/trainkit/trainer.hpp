@@ -140,7 +140,8 @@ class TrainerCore : public AnyTrainer {
   /// begin_window's work that no policy changes: the terms' counts summed over the ranks and
   /// turned into their weights (terms_).
   void count_terms(const std::vector<std::int64_t>& items);
-  /// The records of an open window of loss terms (a checkpoint inside a window), and back.
+  /// The records of an open window of loss terms (a checkpoint inside a window), and back
+  /// (read_terms leaves terms_ empty where the archive has none: a window of one loss value).
   void write_terms(torch::serialize::OutputArchive& archive) const;
   void read_terms(torch::serialize::InputArchive& archive);
   /// The phase's divisor without loss scaling, a device scalar remade only when its value
@@ -467,7 +468,7 @@ class Trainer final : public detail::TrainerCore {
     if (accumulation_.position() > 0) {
       storage_.load_window(archive, snapshot);
       read_window_loss(archive);
-      if (accumulation_.terms()) read_terms(archive);
+      read_terms(archive);  // (when the window's loss was terms)
     } else {
       storage_.zero();
     }
@@ -554,7 +555,8 @@ class Trainer final : public detail::TrainerCore {
     TORCH_CHECK(accumulation_.position() < terms_.micro_batches, "micro_step: the window's loss terms were counted "
                 "over ", terms_.micro_batches, " micro-batches (begin_window), and this is micro-batch ",
                 accumulation_.position() + 1, " of the window: its items are not in the counts");
-    return accumulation_.weight_terms();
+    accumulation_.weight(-1);  // (the position; the terms carry their own weights: the factor is 1)
+    return 1.0;
   }
 
   // 2-3. The loss times its weight, added to the window's loss; FP16: times the loss scale.

@@ -223,4 +223,106 @@ TEST_CASE("loss terms: a window runs only the micro-batches it counted; one with
   CHECK(torch::equal(flat(*other), before));
 }
 
+namespace {
+
+// tk::fit over 8 micro-batches of uneven sizes in windows of 4, the loss as the two terms;
+// `oom_at`: the micro-batch whose first forward runs out of memory (-1: none).
+struct TermsFit {
+  testing::TempDir dir;
+  testing::Regression data = testing::regression(128);
+  testing::TinyMlp model = make_mlp(11);
+  tk::Task<Rows> task;
+  std::int64_t oom_at;
+  bool thrown = false;
+  explicit TermsFit(std::int64_t oom = -1) : oom_at(oom) {
+    task.batches_per_epoch = [](std::int64_t) { return std::int64_t{8}; };
+    task.batch = [this](std::int64_t, std::int64_t i) { return rows(data, 12 * i, 4 + 2 * (i % 4)); };
+    task.terms = {"A", "B"};
+    task.term_items = [](const Rows& r) { return r.items(); };
+    task.items = [](const Rows& r) { return r.size; };
+    task.split = [this](const Rows& r, std::int64_t parts) {
+      std::vector<Rows> pieces;
+      for (std::int64_t k = 0, at = r.begin; k < parts; ++k) {
+        const std::int64_t n = r.size / parts + (k < r.size % parts ? 1 : 0);
+        pieces.push_back(rows(data, at, n));
+        at += n;
+      }
+      return pieces;
+    };
+    task.loss = [this](const Rows& r, tk::Metrics&) {
+      if (r.begin == 12 * oom_at && r.size == 4 + 2 * (oom_at % 4) && !thrown) {  // the whole micro-batch, once
+        thrown = true;
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (injected)");
+      }
+      return sums(model, r);
+    };
+  }
+  template <class Trainer>
+  tk::FitResult run(Trainer& trainer) {
+    return tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(1).log_frequent(1).progress(false)
+                                      .handle_signals(false).write_files(false));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("loss terms in tk::fit: an out-of-memory replay in pieces ends where the straight run does") {
+  TermsFit straight, replayed(/*oom=*/1);
+  Acc4 a(straight.model, tk::SGD{0.1, 0.9}), b(replayed.model, tk::SGD{0.1, 0.9});
+  const auto before = flat(*straight.model);
+  const auto r = straight.run(a);
+  const auto s = replayed.run(b);
+  CHECK(r.replays == 0);
+  REQUIRE(s.replays == 1);  // the window replayed from its first micro-batch, its counts kept
+  CHECK(s.piece_items > 0);
+  CHECK(relative_error(before, flat(*straight.model)) > 1e-2);
+  CHECK(relative_error(flat(*replayed.model), flat(*straight.model)) <= 1e-6);
+  CHECK(s.train.at("A") == doctest::Approx(r.train.at("A")).epsilon(1e-6));  // the logged means too
+  CHECK(s.train.at("Loss") == doctest::Approx(r.train.at("A") + r.train.at("B")).epsilon(1e-6));
+}
+
+TEST_CASE("loss terms with master weights: N micro-batches equal one holding the window, in the same precision") {
+  // MasterWeights<FP16Dynamic>: the half model's rounding differs with the micro-batch's rows, so
+  // the comparison is against the same precision's one micro-batch, to fp16's resolution.
+  using Master = tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>;
+  const auto data = testing::regression(128);
+  auto whole_model = make_mlp(12), split_model = make_mlp(12);
+  tk::Trainer<Master> whole(whole_model, tk::SGD{0.1});
+  tk::Trainer<Master, tk::AccumulationPolicy<4>> split(split_model, tk::SGD{0.1});
+  const auto before = flat(*whole_model);
+  std::int64_t at = 0;
+  for (const auto& window : kWindows) {
+    std::int64_t n = 0;
+    for (auto size : window) n += size;
+    const auto all = rows(data, at, n);
+    whole.begin_window(all.items());
+    CHECK(whole.micro_step([&] { return sums(whole_model, all); }).window_closed);
+    split.begin_window(all.items());
+    for (auto size : window) {
+      const auto r = rows(data, at, size);
+      split.micro_step([&] { return sums(split_model, r); });
+      at += size;
+    }
+  }
+  CHECK(split.windows() == 4);
+  CHECK(relative_error(before, flat(*whole_model)) > 1e-2);
+  // The old weighting (each micro-batch's own means, weighted by samples) in the same precision:
+  // a distance the check tells apart from fp16's.
+  auto old_model = make_mlp(12);
+  tk::Trainer<Master, tk::AccumulationPolicy<4>> old(old_model, tk::SGD{0.1});
+  at = 0;
+  for (const auto& window : kWindows)
+    for (auto size : window) {
+      const auto r = rows(data, at, size);
+      old.micro_step([&] { const auto t = sums(old_model, r); return t[0] / r.tokens.sum() + t[1] / r.labelled.sum().clamp_min(1); },
+                     size);
+      at += size;
+    }
+  const double right = relative_error(flat(*split_model), flat(*whole_model));
+  const double wrong = relative_error(flat(*old_model), flat(*whole_model));
+  MESSAGE("master weights, against one micro-batch: terms " << right << ", per-micro-batch means " << wrong);
+  CHECK(right <= 1e-3);
+  CHECK(wrong > 5 * right);
+}
+
 }  // namespace test_loss_terms
