@@ -292,35 +292,30 @@ class PieceRunner {
     if (!task_.split)
       throw std::runtime_error(where + "Give the task a split function (tk::Task::split, with items) so that trainkit "
                                "replays the window in smaller pieces, or plan them with TRAIN.MEMORY_BUDGET" + intact);
-    if (trainer_.reduces_each_micro_batch()) {
-      if (last_piece_items_ <= 1)
-        throw std::runtime_error(where + "Pieces of one item do not fit: recompute activations (tk::recompute), train "
-                                 "in half precision, or use a smaller model" + intact);
-      trainer_.discard_micro_batch();  // (throws where its backward had sent buckets)
-      if (!trainer_.device().is_cpu()) c10::getDeviceAllocator(trainer_.device().type())->emptyCache();
-      piece_items_ = std::max<std::int64_t>(1, last_piece_items_ / 2);
-      ++replays_;
-      say_local_("trainkit: " + where + "The micro-batch is replayed alone in pieces of at most " + items_text(piece_items_) +
-           " (the window's earlier micro-batches are summed on every rank already: TRAIN.ZERO_STAGE 2); the run goes "
-           "on at that size, and the optimizer step is the window's as before");
-      return index;
-    }
-    if (!window_.open || window_.epoch != epoch)
+    const bool alone = trainer_.reduces_each_micro_batch();  // the failed micro-batch only
+    if (!alone && (!window_.open || window_.epoch != epoch))
       throw std::runtime_error(where + "The window began " +
                                (window_.open ? "in epoch " + std::to_string(window_.epoch) : std::string("before this run resumed")) +
                                ", so it cannot be replayed; resume with a smaller micro-batch or TRAIN.MEMORY_BUDGET" + intact);
     if (last_piece_items_ <= 1)
       throw std::runtime_error(where + "Pieces of one item do not fit: recompute activations (tk::recompute), train "
                                "in half precision, or use a smaller model" + intact);
-    trainer_.discard_window();
-    window_.generators.restore();
+    if (alone) {
+      trainer_.discard_micro_batch();  // (throws where its backward had sent buckets)
+    } else {
+      trainer_.discard_window();
+      window_.generators.restore();
+    }
     if (!trainer_.device().is_cpu()) c10::getDeviceAllocator(trainer_.device().type())->emptyCache();
     piece_items_ = std::max<std::int64_t>(1, last_piece_items_ / 2);
     ++replays_;
-    say_local_("trainkit: " + where + "The window's partial gradient is dropped and the window replayed from micro-batch " +
-         std::to_string(window_.index) + " in pieces of at most " + items_text(piece_items_) +
-         "; the run goes on at that size, and the optimizer step is the window's as before");
-    return window_.index;
+    const std::string replayed =
+        alone ? "The micro-batch is replayed alone (the window's earlier micro-batches are summed on every rank already: "
+                "TRAIN.ZERO_STAGE 2)"
+              : "The window's partial gradient is dropped and the window replayed from micro-batch " + std::to_string(window_.index);
+    say_local_("trainkit: " + where + replayed + " in pieces of at most " + items_text(piece_items_) +
+               "; the run goes on at that size, and the optimizer step is the window's as before");
+    return alone ? index : window_.index;
   }
 
  private:

@@ -36,7 +36,6 @@ TRAINKIT_INLINE Readiness::Readiness(const std::vector<Range>& parameters, const
 TRAINKIT_INLINE void Readiness::arm(Reduction& reduction) {
   waiting_ = initial_;
   fired_.assign(spans_.size(), false);
-  pending_ = static_cast<std::int64_t>(spans_.size());
   pending_elements_ = total_elements_;
   next_ = 0;
   reduction_ = &reduction;
@@ -65,12 +64,11 @@ TRAINKIT_INLINE void Readiness::ready(size_t i) {
     return;
   }
   fired_[i] = true;
-  --pending_;
   pending_elements_ -= elements_[i];
   for (auto b = first; b <= last; ++b) --waiting_[static_cast<size_t>(b)];
   while (next_ < static_cast<std::int64_t>(order_.size()) && waiting_[static_cast<size_t>(order_[static_cast<size_t>(next_)])] == 0) {
     reduction_->launch(order_[static_cast<size_t>(next_++)]);
-    if (pending_ > 0) ++overlapped_;  // (launched by the last gradient: nothing left to overlap)
+    if (pending_elements_ > 0) ++overlapped_;  // (launched by the last gradient: nothing left to overlap)
     ++launches_;
     left_sum_ += total_elements_ > 0 ? static_cast<double>(pending_elements_) / static_cast<double>(total_elements_) : 0.0;
   }

@@ -137,9 +137,8 @@ class Readiness {
   std::vector<std::int64_t> order_;  // the buckets in launch order
   std::vector<bool> fired_;
   std::int64_t next_ = 0, overlapped_ = 0;  // next_: the place in order_ of the next launch
-  std::int64_t pending_ = 0;                 // parameters whose gradient has not come in this backward
   std::vector<std::int64_t> elements_;       // each parameter's elements
-  std::int64_t total_elements_ = 0, pending_elements_ = 0;
+  std::int64_t total_elements_ = 0, pending_elements_ = 0;  // pending: still to come in this backward
   std::int64_t launches_ = 0;
   double left_sum_ = 0;  // backward_left()'s sum
   Reduction* reduction_ = nullptr;
