@@ -95,13 +95,13 @@ int main() {
   }
 }
 EOF
-# The same two programs including the one header they need (<trainkit/trainer.hpp>,
-# <trainkit/registry.hpp>) instead of the umbrella, and the README's example in the compiled mode
+# The same two programs including the one header they need (<trainkit/trainer/trainer.hpp>,
+# <trainkit/run/registry.hpp>) instead of the umbrella, and the README's example in the compiled mode
 # (trainkit::compiled: TRAINKIT_COMPILED_LIB, the non-template definitions in a library). The
 # registry's users are in the compiled mode whatever they include (trainkit::registry links it).
 cp "$WORK/user/src/readme_example.cpp" "$WORK/user/src/readme_compiled.cpp"
-sed 's|<trainkit/trainkit.hpp>|<trainkit/trainer.hpp>|' "$WORK/user/src/readme_example.cpp" >"$WORK/user/src/trainer_hpp_compiled.cpp"
-sed 's|<trainkit/trainkit.hpp>|<trainkit/registry.hpp>|' "$WORK/user/src/registry_user.cpp" >"$WORK/user/src/registry_hpp_user.cpp"
+sed 's|<trainkit/trainkit.hpp>|<trainkit/trainer/trainer.hpp>|' "$WORK/user/src/readme_example.cpp" >"$WORK/user/src/trainer_hpp_compiled.cpp"
+sed 's|<trainkit/trainkit.hpp>|<trainkit/run/registry.hpp>|' "$WORK/user/src/registry_user.cpp" >"$WORK/user/src/registry_hpp_user.cpp"
 cat >"$WORK/user/CMakeLists.txt" <<EOF
 cmake_minimum_required(VERSION 3.18)
 project(user LANGUAGES CXX)

@@ -8,8 +8,8 @@
 // 0's table. Both modes give the same parameters (the eager mode averages each partial sum;
 // averaging is linear), the table shows the largest difference. Each rank uses one intra-op
 // thread. Timings on a shared machine are noisy: the median over repeats is printed.
-#include <trainkit/distributed.hpp>
-#include <trainkit/trainer.hpp>
+#include <trainkit/parallel/data_parallel.hpp>
+#include <trainkit/trainer/trainer.hpp>
 
 #include "../tests/support/counting_backend.hpp"
 

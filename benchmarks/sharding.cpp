@@ -29,8 +29,8 @@
 // 1 MiB, so that glibc gives freed blocks back rather than keeping its high-water mark). "window" is the
 // median time of an optimizer step's window after the first, in ms, and its ratio to the
 // replicated run of the same world size and precision. The median over --repeat launches.
-#include <trainkit/distributed.hpp>
-#include <trainkit/trainer.hpp>
+#include <trainkit/parallel/data_parallel.hpp>
+#include <trainkit/trainer/trainer.hpp>
 
 #include <torch/torch.h>
 

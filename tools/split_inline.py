@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Moves the non-template function definitions of a trainkit header into its -inl.hpp file.
 
-    tools/split_inline.py include/trainkit/storage.hpp [--min-lines N]
+    tools/split_inline.py include/trainkit/storage/storage.hpp [--min-lines N]
 
 For the compiled mode (TRAINKIT_COMPILED_LIB, docs/design/compiled-mode.md): every member
 function defined inside a non-template class, and every namespace-level `inline` function, whose

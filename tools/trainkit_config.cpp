@@ -14,10 +14,10 @@
 //       The usage and the options, on stdout; exit 0.
 //
 // Needs no torch: the trainer type's name comes from the key, as tk::dispatch would choose it.
-#include <trainkit/config.hpp>
-#include <trainkit/plan.hpp>
+#include <trainkit/config/config.hpp>
+#include <trainkit/run/plan.hpp>
 #if defined(TRAINKIT_WITH_YAML)
-#include <trainkit/config_yaml.hpp>
+#include <trainkit/config/yaml.hpp>
 #endif
 
 #include <cstdlib>

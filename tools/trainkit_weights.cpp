@@ -1,5 +1,5 @@
 // trainkit-weights: a model's weights between trainkit checkpoints, safetensors files and
-// PyTorch state_dict files (include/trainkit/weights.hpp).
+// PyTorch state_dict files (include/trainkit/io/weights.hpp).
 //
 //   trainkit-weights inspect FILE
 //       the format, then one line per tensor: name, dtype, shape; then the totals
@@ -7,7 +7,7 @@
 //       IN in any format; OUT's name says what to write: .safetensors, or .pt/.pth/.bin (a
 //       state_dict that torch.load(OUT, weights_only=True) opens)
 // Exit status: 0 done, 1 a file could not be read or written, 2 a wrong command line.
-#include <trainkit/weights.hpp>
+#include <trainkit/io/weights.hpp>
 
 #include <cstdio>
 #include <iostream>

@@ -5,8 +5,8 @@
 // the applied-step count, counters, the report's scalars), but precision, accumulation count and
 // clipping are run-time values tested with if/switch inside the step. Comparing it with the
 // compiled Trainer measures what compiling the configuration buys in the step itself.
-#include <trainkit/optim.hpp>
-#include <trainkit/precision.hpp>
+#include <trainkit/step/optim.hpp>
+#include <trainkit/step/precision.hpp>
 
 #include <torch/torch.h>
 

@@ -93,7 +93,7 @@ inline MemoryFit fit_for_memory(torch::Device device, int64_t rows, int64_t seq,
   f.peak_bytes = peak.bytes();  // since the plan's last measurement, or the start
   // POSIX, not std::filesystem::remove_all: libtorch.so exports its own std::filesystem
   // symbols, a program linked against it can bind to them, and that remove_all crashes (as
-  // tests/unit/helpers.hpp's TempDir says).
+  // tests/support/helpers.hpp's TempDir says).
   ::nftw(dir, [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
          FTW_DEPTH | FTW_PHYS);
   std::vector<torch::Tensor> flat;

@@ -1,5 +1,5 @@
 // nccl_startup: trainkit's data parallel on NCCL at world size 1 (the in-memory store), run by
-// benchmarks/gpu/run.sh. Built only where include/trainkit/distributed.hpp exists
+// benchmarks/gpu/run.sh. Built only where include/trainkit/parallel/data_parallel.hpp exists
 // (benchmarks/gpu/CMakeLists.txt).
 //   1. how long the process group takes to form, and its first and second all-reduce (the
 //      start-up and the first all-reduce within 10 s, asserted);
@@ -20,7 +20,7 @@
 #include "resume_check.hpp"
 #include "../../tests/support/counting_backend.hpp"
 
-#include <trainkit/distributed.hpp>
+#include <trainkit/parallel/data_parallel.hpp>
 #include <trainkit/trainkit.hpp>
 
 #include <cstdio>

@@ -103,7 +103,7 @@ say ""
 
 # --- 1. build ----------------------------------------------------------------------------------
 TARGETS=(benchmark_gpu_check)
-[[ -f "$ROOT/include/trainkit/distributed.hpp" ]] && TARGETS+=(benchmark_gpu_nccl_startup)
+[[ -f "$ROOT/include/trainkit/parallel/data_parallel.hpp" ]] && TARGETS+=(benchmark_gpu_nccl_startup)
 if [[ "$MODE" == "--dry-run" ]]; then
   bash -n "${BASH_SOURCE[0]}" && say "- bash -n: ok"
   step build 900 env TRAINKIT_JOBS="${TRAINKIT_JOBS:-2}" TRAINKIT_BUILD_DIR="$B" \
@@ -130,7 +130,7 @@ else
     prefix="$TORCH_PREFIX;$DEPS"
     cxxflags="-isystem $DEPS/include"
   fi
-  # The wheel ships nccl.h (nvidia-nccl) outside LibTorch's include path; distributed.hpp uses
+  # The wheel ships nccl.h (nvidia-nccl) outside LibTorch's include path; data_parallel.hpp uses
   # NCCL only where it finds that header.
   NCCL_INC="$($PY -c 'import nvidia.nccl as n, os; print(os.path.join(list(n.__path__)[0], "include"))' 2>/dev/null || true)"
   if [[ -n "$NCCL_INC" && -f "$NCCL_INC/nccl.h" ]]; then
@@ -215,8 +215,8 @@ fi
 say ""
 say "### NCCL at world size 1: process-group start-up, DataParallel through a trainer, resume, the sharded collectives"
 say ""
-if [[ ! -f "$ROOT/include/trainkit/distributed.hpp" ]]; then
-  say "- trainkit: SKIPPED, include/trainkit/distributed.hpp is not in this tree"
+if [[ ! -f "$ROOT/include/trainkit/parallel/data_parallel.hpp" ]]; then
+  say "- trainkit: SKIPPED, include/trainkit/parallel/data_parallel.hpp is not in this tree"
 else
   nccl_args=()
   [[ "$MODE" == "--dry-run" ]] && nccl_args=(--dry-run)

@@ -15,7 +15,7 @@
 #include "model.hpp"
 #include "tokenizer.hpp"
 
-#include <trainkit/weights.hpp>
+#include <trainkit/io/weights.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -5,7 +5,7 @@
 //   torchrun --no-python --nproc-per-node N vlbert pretrain --cfg ...   N data-parallel processes
 //   vlbert encode --bert DIR SENTENCE...   BERT's token ids and the text stream's hidden states (JSON)
 //
-// The device comes from GPUS and the launch (tk::Launch, trainkit/launch.hpp): the CPU without
+// The device comes from GPUS and the launch (tk::Launch, trainkit/run/launch.hpp): the CPU without
 // CUDA, else the local rank's GPU; under torchrun every rank trains its shard of each epoch and
 // the main rank (0) writes checkpoints, logs and the RESULT line.
 //
@@ -14,7 +14,7 @@
 #include "vlbert.hpp"
 
 #if defined(TRAINKIT_WITH_YAML) && TRAINKIT_WITH_YAML
-#include <trainkit/config_yaml.hpp>
+#include <trainkit/config/yaml.hpp>
 #endif
 
 #include <cstdio>

@@ -16,7 +16,7 @@
 /// final_mlp.1.weight), so that partial loading (NETWORK.PARTIAL_PRETRAIN) matches by name.
 #include "scenes.hpp"
 
-#include <trainkit/recompute.hpp>
+#include <trainkit/trainer/recompute.hpp>
 
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>

@@ -7,14 +7,14 @@
 #include "model.hpp"
 #include "scenes.hpp"
 
-#include <trainkit/config.hpp>
-#include <trainkit/evaluate.hpp>
-#include <trainkit/fit.hpp>
-#include <trainkit/launch.hpp>
-#include <trainkit/loss_loggers.hpp>
-#include <trainkit/registry.hpp>
-#include <trainkit/sampler.hpp>
-#include <trainkit/weights.hpp>
+#include <trainkit/config/config.hpp>
+#include <trainkit/fit/evaluate.hpp>
+#include <trainkit/fit/fit.hpp>
+#include <trainkit/run/launch.hpp>
+#include <trainkit/fit/loss_loggers.hpp>
+#include <trainkit/run/registry.hpp>
+#include <trainkit/parallel/sampler.hpp>
+#include <trainkit/io/weights.hpp>
 
 #include <chrono>
 #include <cstdio>

@@ -6,8 +6,8 @@
 ///   TRAINKIT_REGISTRY_SHARD(FP16Dynamic)
 /// for some of the precisions: every registered Trainer type is compiled in exactly one
 /// translation unit.
-#include <trainkit/registry.hpp>
-#include <trainkit/trainer.hpp>
+#include <trainkit/run/registry.hpp>
+#include <trainkit/trainer/trainer.hpp>
 
 #include <memory>
 #include <utility>

@@ -34,10 +34,10 @@
 //                                                  dominate the memory (--model wide)
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
-#include <trainkit/distributed.hpp>
-#include <trainkit/fit.hpp>
-#include <trainkit/sampler.hpp>
-#include <trainkit/trainer.hpp>
+#include <trainkit/parallel/data_parallel.hpp>
+#include <trainkit/fit/fit.hpp>
+#include <trainkit/parallel/sampler.hpp>
+#include <trainkit/trainer/trainer.hpp>
 
 #include "../support/counting_backend.hpp"
 

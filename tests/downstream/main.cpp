@@ -7,7 +7,7 @@
 #include <torch/torch.h>
 
 #if defined(TRAINKIT_WITH_YAML)
-#include <trainkit/config_yaml.hpp>
+#include <trainkit/config/yaml.hpp>
 #endif
 
 #include <iostream>

@@ -5,8 +5,8 @@
 //   clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -Iinclude
 //       tests/fuzz/fuzz_config.cpp -lyaml -o fuzz_config           (one command line; scripts/fuzz does it all)
 //   ./fuzz_config -max_total_time=300 -max_len=4096 tests/fuzz/corpus
-#include <trainkit/config_yaml.hpp>
-#include <trainkit/plan.hpp>
+#include <trainkit/config/yaml.hpp>
+#include <trainkit/run/plan.hpp>
 
 #include <cstddef>
 #include <cstdint>

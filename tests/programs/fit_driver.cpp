@@ -9,8 +9,8 @@
 // seeded by (RNG_SEED, epoch). On completion prints "final-hash <hex>": an FNV-1a hash of the
 // parameters, the optimizer's moments, the loss scale and the step counters. Exit status 0 when
 // it finished or stopped on a signal, 1 on an error (message on stderr).
-#include <trainkit/dispatch.hpp>
-#include <trainkit/fit.hpp>
+#include <trainkit/run/dispatch.hpp>
+#include <trainkit/fit/fit.hpp>
 
 #include <torch/torch.h>
 

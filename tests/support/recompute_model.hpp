@@ -2,8 +2,8 @@
 // The model and the run of tk::recompute's tests (tests/unit/test_recompute.cpp), shared with
 // benchmarks/gpu/gpu_check.cpp, which runs the CUDA case on a GPU: two blocks, each called
 // directly or through tk::recompute, and one forward and backward of it.
-#include <trainkit/precision.hpp>
-#include <trainkit/recompute.hpp>
+#include <trainkit/step/precision.hpp>
+#include <trainkit/trainer/recompute.hpp>
 
 #include <torch/torch.h>
 

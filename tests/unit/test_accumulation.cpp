@@ -1,6 +1,6 @@
 // Accumulation equals the big batch; item weighting is exact with uneven counts; partial
 // windows follow PartialWindow (flush / span / drop).
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 namespace test_accumulation {  // this file's names, apart from those of the files it shares a unity batch with
 

@@ -2,10 +2,10 @@
 // AUTO_RESUME (a damaged newest one reported and skipped), refusal of another trainer or shape
 // naming the file, and a full or read-only output directory: a clear error, the old
 // checkpoints byte-identical.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
-#include <trainkit/fit.hpp>
-#include <trainkit/weights.hpp>
+#include <trainkit/fit/fit.hpp>
+#include <trainkit/io/weights.hpp>
 
 #include <csignal>
 #include <fstream>

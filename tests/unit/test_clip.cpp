@@ -1,6 +1,6 @@
 // Clipping acts on unscaled gradients and matches torch::nn::utils::clip_grad_norm_; the
 // reported norm is the one before clipping.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 namespace test_clip {  // this file's names, apart from those of the files it shares a unity batch with
 

@@ -1,7 +1,7 @@
 // trainkit::Config with JSON files: defaults, the corpus of broken configurations with their
 // messages, --set overrides, isolation, application schemas, derived values, trainer keys.
-#include <trainkit/config.hpp>
-#include <trainkit/plan.hpp>
+#include <trainkit/config/config.hpp>
+#include <trainkit/run/plan.hpp>
 
 #include <doctest/doctest.h>
 

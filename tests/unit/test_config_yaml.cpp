@@ -6,8 +6,8 @@
 #if defined(TRAINKIT_WITH_YAML)
 #include "../support/source_dir.hpp"
 
-#include <trainkit/config_yaml.hpp>
-#include <trainkit/plan.hpp>
+#include <trainkit/config/yaml.hpp>
+#include <trainkit/run/plan.hpp>
 
 #include <chrono>
 #include <filesystem>
@@ -219,13 +219,13 @@ TEST_CASE("--set takes YAML flow values once YAML is built in") {
 }
 
 TEST_CASE("without the YAML parser, a YAML file says how to enable it") {
-  struct Unregister {  // as in a program that does not include <trainkit/config_yaml.hpp>
+  struct Unregister {  // as in a program that does not include <trainkit/config/yaml.hpp>
     tk::detail::YamlParser saved = tk::detail::yaml_parser();
     Unregister() { tk::detail::yaml_parser() = nullptr; }
     ~Unregister() { tk::detail::yaml_parser() = saved; }
   } unregister;
   CHECK(error_of("TRAIN: {}\n") ==
-        "test.yaml: YAML support is not built in; #include <trainkit/config_yaml.hpp> and link libyaml (CMake: "
+        "test.yaml: YAML support is not built in; #include <trainkit/config/yaml.hpp> and link libyaml (CMake: "
         "target_link_libraries(<target> PRIVATE trainkit::yaml)), or use the JSON form of this file");
 }
 

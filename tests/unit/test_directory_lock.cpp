@@ -1,10 +1,10 @@
 // One job per output directory: DirectoryLock refuses a second holder, naming the directory and
 // the holder's pid, and is released when its holder goes; tk::fit takes it; the temporary files
 // of a live process are never deleted, those of a dead one are.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
-#include <trainkit/checkpoint.hpp>
-#include <trainkit/fit.hpp>
+#include <trainkit/fit/checkpoint.hpp>
+#include <trainkit/fit/fit.hpp>
 
 #include <fstream>
 #include <string>

@@ -1,9 +1,9 @@
 // tk::dispatch: every trainer key reaches its registered type (Accumulate<Dynamic>); the
 // options and optimizer a config maps to; a config-driven run whose LR follows the schedule
 // and does not advance on skipped steps.
-#include <trainkit/dispatch.hpp>
+#include <trainkit/run/dispatch.hpp>
 
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <limits>
 #include <sstream>

@@ -3,10 +3,10 @@
 // that no LibTorch thread pool is ever forked.
 #if __has_include(<gloo/algorithm.h>)
 
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 #include "../support/dist_driver.hpp"
 
-#include <trainkit/detail/heartbeat.hpp>
+#include <trainkit/parallel/heartbeat.hpp>
 
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>

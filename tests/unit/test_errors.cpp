@@ -1,5 +1,5 @@
 // Bad input gets an exception that names the problem.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 namespace test_errors {  // this file's names, apart from those of the files it shares a unity batch with
 

@@ -1,11 +1,11 @@
 // The fit loop in one process: resume equals never stopping (parameters, optimizer state, loss
 // scale, logged losses), also from a stop inside an epoch; metrics weighted by items; validation,
 // callbacks, best checkpoint; non-finite diagnostics; fit_options from a Config.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 #include "../support/host_reads.hpp"
 
-#include <trainkit/callbacks.hpp>
-#include <trainkit/fit.hpp>
+#include <trainkit/fit/callbacks.hpp>
+#include <trainkit/fit/fit.hpp>
 
 #include <algorithm>
 #include <atomic>

@@ -1,9 +1,9 @@
 // The fit loop as a process (tests/programs/fit_driver): SIGKILL at random instants never leaves
 // a partial checkpoint and every run resumes to the uninterrupted run's final state; SIGTERM
 // writes a checkpoint and exits 0 saying how to resume; a second signal exits at once.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
-#include <trainkit/checkpoint.hpp>
+#include <trainkit/fit/checkpoint.hpp>
 
 #include <chrono>
 #include <csignal>

@@ -1,10 +1,10 @@
-// Where a configured run trains (trainkit/launch.hpp): GPUS against the launch and the
+// Where a configured run trains (trainkit/run/launch.hpp): GPUS against the launch and the
 // machine, as a pure function of the device count (no GPU needed), and the one-process launch.
 #if __has_include(<gloo/algorithm.h>)
 
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
-#include <trainkit/launch.hpp>
+#include <trainkit/run/launch.hpp>
 
 #include <atomic>
 #include <chrono>

@@ -1,6 +1,6 @@
 // FP16 loss scaling: GradScaler's trajectory step by step over scripted overflows, the extras
 // (hysteresis, clamps, collapse error), and FP16Static's skip.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <limits>
 

@@ -2,7 +2,7 @@
 // (Trainer::begin_window): the window's gradient equals the big batch's, however the batch is
 // split into micro-batches or pieces, and however uneven the counts (a term with no item in a
 // micro-batch included); the old weighting, per-micro-batch means weighted by samples, does not.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 namespace test_loss_terms {  // this file's names, apart from those of the files it shares a unity batch with
 

@@ -3,7 +3,7 @@
 // combinations that covers every value of each: the model trains to FP32's and autocast's
 // accuracy; its parameters take half the bytes; pure half weights stall where the masters
 // learn; a skipped step changes nothing; resume is exact.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <limits>
 

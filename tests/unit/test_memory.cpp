@@ -2,11 +2,11 @@
 // window leaves nothing behind; an out-of-memory error inside a window is replayed at half the
 // piece size and ends where an uninterrupted run ends; TRAIN.MEMORY_BUDGET measures and plans
 // (plan_pieces's arithmetic, the config keys, a plan on this machine's real peak memory).
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
-#include <trainkit/fit.hpp>
-#include <trainkit/memory.hpp>
-#include <trainkit/plan.hpp>
+#include <trainkit/fit/fit.hpp>
+#include <trainkit/fit/memory.hpp>
+#include <trainkit/run/plan.hpp>
 
 #include <algorithm>
 #include <fstream>

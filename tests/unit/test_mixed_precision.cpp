@@ -1,7 +1,7 @@
 // Real FP16 and BF16 autocast on the CPU: the region is active exactly around the forward,
 // both train a small classifier to FP32's accuracy, and an absurd initial scale backs off and
 // recovers.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 namespace test_mixed_precision {  // this file's names, apart from those of the files it shares a unity batch with
 

@@ -1,10 +1,10 @@
 // Skipped optimizer steps are never silent: in FP32 the first skip is a
 // warning naming the position, and TRAIN.NONFINITE_PATIENCE skips with no clean log interval
 // between them stop the run with NonFiniteGradient; one transient skip only warns.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
-#include <trainkit/fit.hpp>
-#include <trainkit/trainer.hpp>
+#include <trainkit/fit/fit.hpp>
+#include <trainkit/trainer/trainer.hpp>
 
 #include <cmath>
 #include <limits>

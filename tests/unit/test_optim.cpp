@@ -1,6 +1,6 @@
 // The fused optimizers match torch::optim on the same gradients over 20 steps; any
 // torch::optim::Optimizer can be given instead (the unfused path).
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 namespace test_optim {  // this file's names, apart from those of the files it shares a unity batch with
 

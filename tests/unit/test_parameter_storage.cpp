@@ -3,10 +3,10 @@
 // model reads the loaded one (before: 50 windows, no change, no error). The next optimizer
 // phase refuses, naming the parameter and what to do; copying loads (tk::load_weights,
 // Trainer::load) keep working.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
-#include <trainkit/trainer.hpp>
-#include <trainkit/weights.hpp>
+#include <trainkit/trainer/trainer.hpp>
+#include <trainkit/io/weights.hpp>
 
 #include <torch/serialize.h>
 

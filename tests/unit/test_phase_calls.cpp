@@ -2,10 +2,10 @@
 // overhead, a few microseconds each: these are upper bounds on the count, so that a change
 // that adds calls to every window is seen. (Counted with RecordFunction, top-level calls
 // only, from the end of the window's last backward to the end of micro_step.)
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 #include "../support/host_reads.hpp"
 
-#include <trainkit/trainer.hpp>
+#include <trainkit/trainer/trainer.hpp>
 
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/engine.h>

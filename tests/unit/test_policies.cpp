@@ -1,5 +1,5 @@
 // Every policy combination compiles, names itself, re-exports its policies, and trains.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <tuple>
 

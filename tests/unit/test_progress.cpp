@@ -1,7 +1,7 @@
 // The progress line: h:mm:ss, the plain periodic lines of a log file, the redrawn line of a
 // terminal (throttled, cut to its width), rate smoothing, messages and epoch changes. The
 // clock, the stream and the terminal flag are injected.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <trainkit/log/progress.hpp>
 

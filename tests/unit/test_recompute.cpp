@@ -2,9 +2,9 @@
 // bit (dropout and BF16 autocast included), adds into existing .grad in place, reaches the
 // parameters when no input requires grad, leaves the generators and autocast as they were,
 // refuses grad() and create_graph, and lowers the peak memory of a stack of layers.
-#include <trainkit/precision.hpp>
-#include <trainkit/recompute.hpp>
-#include <trainkit/trainer.hpp>
+#include <trainkit/step/precision.hpp>
+#include <trainkit/trainer/recompute.hpp>
+#include <trainkit/trainer/trainer.hpp>
 
 #include "../support/recompute_model.hpp"
 

@@ -2,10 +2,10 @@
 // AnyTrainer equals the concrete Trainer's bit for bit (and a fixed accumulation count equals
 // the registry's Dynamic one); the configuration's optimizer and LR; the precision region;
 // tk::fit and resume through AnyTrainer; errors that name the key.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
-#include <trainkit/fit.hpp>
-#include <trainkit/registry.hpp>
+#include <trainkit/fit/fit.hpp>
+#include <trainkit/run/registry.hpp>
 
 #include <ATen/autocast_mode.h>
 

@@ -2,11 +2,11 @@
 // the training trajectory: the message lists every difference; END_EPOCH and
 // logging keys change freely; TRAIN.RESUME_CHANGES: allow continues and says what changed. A
 // checkpoint of another optimizer is refused by Trainer::load, naming both, and changes nothing.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <trainkit/config/resume_changes.hpp>
-#include <trainkit/fit.hpp>
-#include <trainkit/trainer.hpp>
+#include <trainkit/fit/fit.hpp>
+#include <trainkit/trainer/trainer.hpp>
 
 #include <sstream>
 #include <string>

@@ -1,5 +1,5 @@
 // DistributedSampler: shards per rank, reshuffled per epoch, the same batches on every rank.
-#include <trainkit/sampler.hpp>
+#include <trainkit/parallel/sampler.hpp>
 
 #include <doctest/doctest.h>
 

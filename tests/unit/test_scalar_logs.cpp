@@ -1,6 +1,6 @@
 // Scalar logs: the CSV and JSON-lines files, appending, buffering, the fan-out, and the errors
 // of an unwritable path or a full disk (/dev/full).
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <trainkit/log/scalars.hpp>
 

@@ -3,8 +3,8 @@
 // WarmupCosineSchedule, driven as VL-BERT's common/trainer.py drives them (scheduler.step()
 // before optimizer.step(), so update k runs at position k + 1), and from
 // torch.optim.lr_scheduler.ReduceLROnPlateau with VL-BERT's arguments.
-#include <trainkit/config.hpp>
-#include <trainkit/plan.hpp>
+#include <trainkit/config/config.hpp>
+#include <trainkit/run/plan.hpp>
 
 #include <doctest/doctest.h>
 

@@ -4,10 +4,10 @@
 // state by name, and any world size resumes them.
 #if __has_include(<gloo/algorithm.h>)
 
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 #include "../support/dist_driver.hpp"
 
-#include <trainkit/plan.hpp>
+#include <trainkit/run/plan.hpp>
 
 #include <chrono>
 #include <map>

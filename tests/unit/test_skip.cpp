@@ -1,6 +1,6 @@
 // A skipped step changes nothing: parameters, optimizer state and the LR schedule's position
 // stay bit-for-bit as they were.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <limits>
 

@@ -1,7 +1,7 @@
 // TensorBoard event files: CRC-32C, the protobuf and TFRecord bytes of one event against a
 // hand-computed expectation, the writer's file, and its errors. (TensorBoard's own reader reads
 // the files back in the ctest tensorboard.read_back.)
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <trainkit/log/tensorboard.hpp>
 

@@ -1,6 +1,6 @@
 // Trainer::save / load: resume equals never stopping (bit for bit, dropout's RNG included);
 // the file is written atomically; a mismatching checkpoint is refused, changing nothing.
-#include "helpers.hpp"
+#include "../support/helpers.hpp"
 
 #include <dirent.h>
 #include <unistd.h>

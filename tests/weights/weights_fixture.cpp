@@ -4,8 +4,8 @@
 //                                    and DIR/expected.safetensors (the weights it holds)
 //   weights_fixture load FILE OUT    a fresh model loads FILE strictly (any format; the report
 //                                    on stdout), then writes its weights to OUT
-#include <trainkit/trainer.hpp>
-#include <trainkit/weights.hpp>
+#include <trainkit/trainer/trainer.hpp>
+#include <trainkit/io/weights.hpp>
 
 #include <iostream>
 

@@ -1,6 +1,5 @@
 #pragma once
 /// ConfigError: what every configuration error is, with the key path it names.
-#include <trainkit/detail/inline.hpp>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -37,8 +36,30 @@ class ConfigError : public std::runtime_error {
   std::int64_t column_ = 0;
 };
 
-}  // namespace trainkit
+inline ConfigError ConfigError::at(const std::string& file, std::int64_t line, std::int64_t column,
+                                   const std::string& message) {
+  ConfigError e("", file + ":" + std::to_string(line) + ":" + std::to_string(column) + ": " +
+                        message);
+  e.line_ = line;
+  e.column_ = column;
+  return e;
+}
 
-#ifndef TRAINKIT_COMPILED_LIB
-#include <trainkit/config/error-inl.hpp>
-#endif
+inline std::string ConfigError::printable(const std::string& text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if ((u < 0x20 && c != '\n' && c != '\t') || u == 0x7f) {
+      static const char hex[] = "0123456789abcdef";
+      out += "\\u00";
+      out += hex[u >> 4];
+      out += hex[u & 15];
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace trainkit

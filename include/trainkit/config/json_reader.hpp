@@ -1,7 +1,7 @@
 #pragma once
 /// Configuration text to a JSON tree: JSON through a SAX builder (duplicate keys are errors with
 /// their path, syntax errors carry line and column), and the hook through which
-/// <trainkit/config_yaml.hpp> registers its YAML parser.
+/// <trainkit/config/yaml.hpp> registers its YAML parser.
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/config/error.hpp>
 #include <trainkit/config/text.hpp>
@@ -16,7 +16,7 @@
 namespace trainkit {
 namespace detail {
 
-/// Parses YAML text into JSON; registered by <trainkit/config_yaml.hpp>. A plain function
+/// Parses YAML text into JSON; registered by <trainkit/config/yaml.hpp>. A plain function
 /// pointer in a function-local static: a capability of the program (is libyaml linked?), not
 /// state of any Config.
 using YamlParser = nlohmann::json (*)(const std::string& text, const std::string& name);

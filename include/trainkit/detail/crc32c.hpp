@@ -1,7 +1,6 @@
 #pragma once
 /// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), table-driven, and TFRecord's masked
 /// form of it. Used by the TensorBoard event writer; no LibTorch, no other dependency.
-#include <trainkit/detail/inline.hpp>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -32,6 +31,19 @@ std::uint32_t masked_crc32c(std::string_view bytes) noexcept;
 
 }  // namespace trainkit::detail
 
-#ifndef TRAINKIT_COMPILED_LIB
-#include <trainkit/detail/crc32c-inl.hpp>
-#endif
+namespace trainkit::detail {
+
+inline std::uint32_t crc32c_extend(std::uint32_t crc, std::string_view bytes) noexcept {
+  crc = ~crc;
+  for (const char c : bytes) {
+    crc = crc32c_table[(crc ^ static_cast<unsigned char>(c)) & 0xFFu] ^ (crc >> 8);
+  }
+  return ~crc;
+}
+
+inline std::uint32_t masked_crc32c(std::string_view bytes) noexcept {
+  const std::uint32_t crc = crc32c(bytes);
+  return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+}  // namespace trainkit::detail

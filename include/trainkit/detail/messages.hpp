@@ -1,6 +1,5 @@
 #pragma once
 /// Pieces of the fit loop's messages, written the same way everywhere.
-#include <trainkit/detail/inline.hpp>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -16,6 +15,17 @@ std::string short_number(double v);
 
 }  // namespace trainkit::detail
 
-#ifndef TRAINKIT_COMPILED_LIB
-#include <trainkit/detail/messages-inl.hpp>
-#endif
+namespace trainkit::detail {
+
+inline std::string position_text(std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+  return "epoch " + std::to_string(epoch) + ", micro-batch " + std::to_string(index) + " of " + std::to_string(batches);
+}
+
+inline std::string short_number(double v) {
+  if (std::isnan(v)) return "nan";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+}  // namespace trainkit::detail

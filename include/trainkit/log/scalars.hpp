@@ -23,7 +23,7 @@
 ///          literal for them, and a NaN loss is what a log must show)
 /// Values are written with 17 significant digits: the double read back is the one written.
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/log_file.hpp>
+#include <trainkit/log/log_file.hpp>
 
 #include <charconv>
 #include <cmath>

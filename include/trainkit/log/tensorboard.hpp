@@ -12,12 +12,12 @@
 ///   add_scalar(tag, value, step[, wall_time])  one Event{wall_time, step, Summary{Value{tag,
 ///       simple_value}}} record; the value is stored as float32 (TensorBoard's simple_value).
 ///   flush() / close() / destructor          as every ScalarSink: buffered per FlushPolicy.
-/// The format (detail/event_encoding.hpp) is TFRecord framing around Event protobufs. It is
+/// The format (log/event_encoding.hpp) is TFRecord framing around Event protobufs. It is
 /// hand-encoded because it is small (five field kinds) and no Debian package offers a C++ writer
 /// without protobuf or TensorFlow. This header does not include LibTorch.
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/event_encoding.hpp>
-#include <trainkit/detail/log_file.hpp>
+#include <trainkit/log/event_encoding.hpp>
+#include <trainkit/log/log_file.hpp>
 #include <trainkit/log/scalars.hpp>
 
 #include <cerrno>

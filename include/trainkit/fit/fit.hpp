@@ -1,0 +1,778 @@
+#pragma once
+/// The fit loop: epochs over a Task (task.hpp), with validation, checkpoints, resume, logs and
+/// graceful stops. The loop is only the loop: what it writes and says is the RunLog's
+/// (fit/run_log.hpp), micro-batches as pieces and the replay after out-of-memory are memory's
+/// (memory.hpp, detail::PieceRunner), the files are the CheckpointManager's (checkpoint.hpp).
+///
+///   tk::Task<Batch> task;
+///   task.batches_per_epoch = [&](std::int64_t epoch) { return loader_length; };
+///   task.batch = [&](std::int64_t epoch, std::int64_t index) { return make_batch(seed, epoch, index); };
+///   task.loss = [&](const Batch& b, tk::Metrics& metrics) { return loss_of(model, b); };
+///   auto options = tk::RunPlan::from(config).fit;  // OUTPUT_PATH, LOG_FREQUENT, END_EPOCH...
+///   tk::FitResult r = tk::fit(trainer, task, options);
+///   return 0;                                      // also after a SIGTERM: r.stopped
+///
+/// What one call does, in order:
+///   1. Resume: TRAIN.RESUME loads <prefix>-<BEGIN_EPOCH-1>.ckpt (with BEGIN_EPOCH 0: the newest
+///      checkpoint), and it is an error when there is none; TRAIN.AUTO_RESUME loads the newest
+///      complete checkpoint if there is one (a damaged newest one is reported, the previous one
+///      used). Training continues at the exact micro-batch the checkpoint was written before.
+///   2. Epochs [BEGIN_EPOCH or the resumed one, END_EPOCH): micro-batch `index` of epoch `e` is
+///      task.batch(e, index): the data sampler's state is (e, index), so resuming is exact. Each
+///      goes through trainer.micro_step (with task.items when given); trainer.flush() at the end
+///      of the epoch. The loss and the task's metrics are averaged over the epoch, weighted by
+///      items (or micro-batches), on the device.
+///   3. Every LOG_FREQUENT optimizer windows: read that window's StepReport (the only host sync
+///      of the loop besides the epoch end) and log Train-Loss (the mean since the last log),
+///      Train-<metric>, LR/Group_<i>, grad-para/Total-Norm, loss-scale, skipped-steps,
+///      samples-per-second (log/scalars.hpp's tags; step = optimizer windows, applied + skipped)
+///      to <OUTPUT_PATH>/tensorboard/ (TensorBoard events) and <OUTPUT_PATH>/<prefix>-scalars.jsonl,
+///      and Initial-LR/Group_<i>, and write a line to the run's text log (<OUTPUT_PATH>/<prefix>-log.txt,
+///      log/text_log.hpp, which also has the run's start, resume, validations, checkpoints,
+///      warnings and end). The progress line (log/progress.hpp) on stderr follows every window
+///      on a terminal (bar, elapsed, the whole run's ETA), else prints at log windows. A run that resumes at
+///      optimizer step S drops the JSON lines past S (what the stopped run logged after its
+///      checkpoint; said once) and opens its TensorBoard file with a session start at S + 1, which
+///      hides those points in TensorBoard: each (step, tag) is in the logs once.
+///   4. End of an epoch: validation every VAL_FREQUENT epochs (and after the last; task.validate
+///      runs with the model in eval mode and no graph, its mode restored after), Val-<metric>
+///      logged, the plateau schedule told, the epoch_end callback, a checkpoint every
+///      CHECKPOINT_FREQUENT epochs (and after the last, at a new best, on request). A callback
+///      that finishes the run (EpochEnd::request_finish, e.g. EarlyStopping in callbacks.hpp)
+///      gets a checkpoint marked finished: fit returns with FitResult::finished, and a run of the
+///      same command in that directory trains no further (it says why).
+///   Callbacks' own state (Callbacks::state) goes into every checkpoint and comes back on resume.
+///   With FitOptions::workers (NUM_WORKERS_PER_GPU) > 0, the next micro-batches of the epoch are
+///   made on that many threads while the step runs (task.batch must then be thread-safe and
+///   draw no numbers from torch's global generator: it is a pure function of its position).
+///   5. SIGINT/SIGTERM: the loop finishes the current window, writes a checkpoint and returns
+///      with FitResult::stopped, printing how to resume; a second signal exits at once.
+///
+/// Data parallel (trainer.set_replicas, data_parallel.hpp): every rank runs fit() on its shard
+/// (task.batch(epoch, index) gives this rank's micro-batch, e.g. from tk::DistributedSampler);
+/// only the main rank writes checkpoints, logs and messages; every rank resumes from the same
+/// file; logged and epoch means are over every rank's items, validation metrics the mean over
+/// ranks; a stop (a signal or a callback's request on any rank) is agreed at the next log window
+/// (every LOG_FREQUENT optimizer steps) or epoch end, inside the collective that logging does
+/// anyway: no window pays a collective or a host sync for it. With more than one rank, the RNG
+/// (CPU, and the trainer's GPU) is seeded before each micro-batch from (seed, rank, epoch, index): dropout masks and
+/// anything task.batch draws are a pure function of the position on every rank, so a resume is
+/// exact on every rank (a checkpoint holds one rank's generator state, the main rank's).
+///
+/// Memory (memory.hpp), for a task with split and items:
+///   - TRAIN.MEMORY_BUDGET (FitOptions::memory_budget): before training (and before resuming),
+///     one forward+backward of micro-batch 0 of BEGIN_EPOCH is measured whole and in pieces of
+///     1, 1/8, 1/4 and 1/2 of its items, smallest first, stopping before a size the last two
+///     measurements predict over the budget (and after one that is over it); the largest
+///     piece that fits with a 10% margin is planned (tk::plan_pieces), printed and logged, and
+///     every micro-batch with more items runs as pieces of at most that size
+///     (AnyTrainer::micro_step_pieces: the optimizer step is the whole micro-batch's, so the
+///     effective batch and the trajectory are those of the configuration, up to rounding). The
+///     measurement leaves the model, its buffers, the trainer and the generators as they were.
+///     A budget that cannot hold one item is a ConfigError naming the budget and the need.
+///   - Out of memory in a micro-batch's forward or backward (c10::OutOfMemoryError, the CPU
+///     allocator's error): the open window's partial gradient and its metrics are dropped, the
+///     piece size halved (FitResult::piece_items), and the window replayed from its first
+///     micro-batch; the window's optimizer step is then what it would have been. Said once per
+///     replay. The smaller size stays for the rest of the run and goes into checkpoints (a
+///     resume without a budget keeps it, said). Out of memory with pieces of one item, in a
+///     window begun in an earlier epoch or before a resume, or in the optimizer phase, stops the
+///     run with an error; the checkpoints written so far are intact. batch_end callbacks see the
+///     replayed micro-batches again. Data parallel: only the rank that ran out replays; the
+///     others wait for it at the window's all-reduce. With a gradient reduced at the end of
+///     every micro-batch (TRAIN.ZERO_STAGE 2, several ranks), the failed micro-batch alone is
+///     replayed: the window's earlier ones are summed on every rank already, and sending them
+///     again would pair collectives of different micro-batches across the ranks.
+///   Without task.split an out-of-memory error stops the run, naming the micro-batch.
+///
+/// Errors: a checkpoint that cannot be written (unwritable directory, full disk) throws
+/// CheckpointError naming the file and the step; the checkpoints already written stay intact.
+/// A non-finite gradient with NONFINITE abort throws NonFiniteGradient with the epoch, the
+/// micro-batch, the optimizer step and the loss value.
+#include <trainkit/trainer/any_trainer.hpp>
+#include <trainkit/fit/checkpoint.hpp>
+#include <trainkit/fit/fit_events.hpp>
+#include <trainkit/config/error.hpp>
+#include <trainkit/config/resume_changes.hpp>
+#include <trainkit/detail/messages.hpp>
+#include <trainkit/detail/rng_state.hpp>
+#include <trainkit/fit/stop_signals.hpp>
+#include <trainkit/fit/fit_options.hpp>
+#include <trainkit/fit/run_log.hpp>
+#include <trainkit/fit/memory.hpp>
+#include <trainkit/fit/metrics.hpp>
+#include <trainkit/step/replicas.hpp>
+#include <trainkit/fit/task.hpp>
+
+#include <torch/types.h>
+
+#include <cmath>
+#include <csignal>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainkit {
+
+/// What fit() did.
+struct FitResult {
+  FitPosition position;                        ///< where training would continue
+  std::int64_t windows = 0;                    ///< optimizer phases so far (applied + skipped)
+  std::int64_t applied_steps = 0, skipped_steps = 0;
+  std::map<std::string, double> train;         ///< the last completed epoch's means (or the resumed checkpoint's)
+  std::map<std::string, double> validation;    ///< the last validation (or the resumed checkpoint's)
+  std::vector<std::string> checkpoints;        ///< written by this call, in order
+  std::string resumed_from;                    ///< the checkpoint loaded ("" = none)
+  std::string best_checkpoint;                 ///< "" when no best metric
+  bool stopped = false;                        ///< by a signal or a callback, before END_EPOCH
+  bool finished = false;                       ///< a callback ended training (EpochEnd::request_finish), now or in the run resumed
+  int signal = 0;                              ///< the signal that stopped it (0: none)
+  std::string message;                         ///< the stop message (how to resume), or why nothing was trained
+  std::optional<MemoryPlan> plan;              ///< the memory plan (FitOptions::memory_budget)
+  std::int64_t piece_items = 0;                ///< the largest piece run at the end (0: whole micro-batches)
+  std::int64_t replays = 0;                    ///< windows replayed after running out of memory
+};
+
+namespace detail {
+
+/// Micro-batches made ahead on worker threads (FitOptions::workers): while the step runs, up to
+/// `workers` of the epoch's next positions are being made. next(epoch, index) returns that
+/// position's batch, made on this thread when it was not ahead (an epoch's first, a resume's);
+/// an exception of task.batch surfaces there, for its own position. Batches in flight when the
+/// loop ends are waited for and dropped.
+template <class Batch>
+class Prefetcher {
+ public:
+  using Make = std::function<Batch(std::int64_t, std::int64_t)>;
+  Prefetcher(const Make& make, std::int64_t workers) : make_(make), workers_(static_cast<std::size_t>(workers)) {}
+  Prefetcher(const Prefetcher&) = delete;
+  Prefetcher& operator=(const Prefetcher&) = delete;
+  ~Prefetcher() { drop(); }
+
+  Batch next(std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    if (workers_ == 0) return make_(epoch, index);
+    if (!ahead_.empty() && (ahead_.front().epoch != epoch || ahead_.front().index != index)) drop();
+    if (ahead_.empty()) {
+      top_up(epoch, index + 1, batches);
+      return make_(epoch, index);
+    }
+    std::future<Batch> batch = std::move(ahead_.front().batch);
+    ahead_.pop_front();
+    top_up(epoch, index + 1, batches);
+    return batch.get();
+  }
+
+ private:
+  struct Ahead {
+    std::int64_t epoch, index;
+    std::future<Batch> batch;
+  };
+  void top_up(std::int64_t epoch, std::int64_t from, std::int64_t batches) {
+    std::int64_t index = ahead_.empty() ? from : ahead_.back().index + 1;
+    for (; ahead_.size() < workers_ && index < batches; ++index)
+      ahead_.push_back({epoch, index, std::async(std::launch::async, [this, epoch, index] { return make_(epoch, index); })});
+  }
+  void drop() {
+    for (auto& a : ahead_) a.batch.wait();  // their errors are not this position's
+    ahead_.clear();
+  }
+  const Make& make_;
+  std::size_t workers_;
+  std::deque<Ahead> ahead_;
+};
+
+/// One run of the loop; fit() below builds it and calls run(). Compiled once per Batch type,
+/// whatever the trainer's configuration (it sees the trainer as AnyTrainer).
+template <class Batch>
+class FitLoop {
+ public:
+  FitLoop(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options, Callbacks callbacks)
+      : trainer_(trainer),
+        task_(task),
+        options_(options),
+        callbacks_(std::move(callbacks)),
+        checkpoints_(options.output_path(), options.prefix(), options.checkpoint_keep()),
+        pieces_(trainer, task, options.piece_items(), [this](const std::string& text) { say(text); },
+                [this](const std::string& text) {
+                  if (log_) log_->say_local(text);
+                }) {}
+
+  FitResult run() {
+    StopSignals signals(options_.handle_signals());
+    // 0. The output directory (locked: one job per directory), the run's log, and the memory
+    //    plan (before resuming: it changes no result; it allocates the optimizer's state).
+    if (writes()) {
+      checkpoints_.create_directory();
+      lock_ = std::make_unique<DirectoryLock>(options_.output_path());
+    }
+    log_.emplace(options_, trainer_, writes(), callbacks_.scalar);
+    if (options_.memory_budget() > 0) result_.plan = pieces_.plan(options_.memory_budget(), options_.begin_epoch());
+    state_.seed = options_.seed();
+    state_.best_metric = task_.best_metric;
+    state_.higher_is_better = task_.higher_is_better;
+    state_.config_json = options_.config_json();
+    log_->started();
+    // 1. Resume.
+    const FitPosition start = resume();
+    if (nothing_to_train(start)) return finish();
+    log_->open(!result_.resumed_from.empty(), windows_from(start));
+    Prefetcher<Batch> prefetch(task_.batch, options_.workers());
+
+    for (std::int64_t epoch = start.epoch; epoch < options_.end_epoch(); ++epoch) {
+      const std::int64_t batches = task_.batches_per_epoch(epoch);
+      TORCH_CHECK(batches >= 1, "fit: task.batches_per_epoch(", epoch, ") must be >= 1, got ", batches);
+      const std::int64_t first = epoch == start.epoch ? start.index : 0;
+      if (first == 0) {  // a resumed epoch keeps its running sums (they are in the checkpoint)
+        metrics_.reset();
+        logged_ = {};
+      }
+      log_->epoch_begins(epoch, first, batches);
+      trainer_.model().train();
+      Requests asked;  // this rank's: a signal, a callback's
+      for (std::int64_t index = first; index < batches; ++index) {
+        // 2. One micro-batch. Out of memory: the window again from its first micro-batch, in
+        //    smaller pieces (or an error saying why it cannot be). A loss of terms: the
+        //    window's counts first (its micro-batches made, counted and held).
+        if (trainer_.window_position() == 0) open_window(prefetch, epoch, index, batches);
+        seed_generators(epoch, index);
+        const Batch batch = next_batch(prefetch, epoch, index, batches);
+        if (task_.split && trainer_.reduces_each_micro_batch()) batch_sums_ = {metrics_, log_->counts()};
+        MicroStepResult r;
+        try {
+          r = micro_step(batch, epoch, index, batches);
+        } catch (const std::exception& e) {
+          if (!detail::is_out_of_memory(e)) throw;
+          index = replay_window(e, epoch, index, batches) - 1;
+          continue;
+        }
+        asked.stop |= signals.received() != 0;
+        if (r.window_closed) held_.clear();  // (a loss of terms: the window's micro-batches)
+        // 3. After a window: a log window logs, and the ranks agree there on stops and
+        //    checkpoints, in the collective that logging does anyway.
+        Requests agreed;
+        if (r.window_closed) agreed = window_closed(r.report, {epoch, index + 1, batches}, asked);
+        if (callbacks_.batch_end) {
+          BatchEnd info{epoch, index, batches, &r};
+          callbacks_.batch_end(info);
+          asked.checkpoint |= info.request_checkpoint;
+          asked.stop |= info.request_stop;
+        }
+        asked.stop |= signals.received() != 0;
+        // Checkpoints inside an epoch fall on window boundaries: the signal's "finish the
+        // current window" is this condition becoming true. One process acts on its own
+        // requests; ranks on what they agreed at the last log window (no sync of its own: a
+        // data-parallel stop or checkpoint waits for the next log window, where the
+        // checkpoint's running sums are every rank's: write_checkpoint).
+        const Requests now = single() ? asked : agreed;
+        if ((now.stop || now.checkpoint) && trainer_.window_position() == 0 && index + 1 < batches) {
+          state_.position = {epoch, index + 1};
+          write_checkpoint(/*epoch_end*/ false);
+          asked.checkpoint = false;
+          if (now.stop) return stop(signals.received());
+        }
+      }
+      // 4. End of the epoch: the partial window, then the epoch's sums over the ranks and their
+      //    stop requests in one collective.
+      if (auto report = flush(epoch, batches)) window_closed(*report, {epoch, batches, batches});
+      if (trainer_.window_position() == 0) held_.clear();
+      log_->epoch_ends({epoch, batches, batches});
+      asked.stop |= signals.received() != 0;
+      Metrics::Totals totals = metrics_.totals();
+      if (agree({asked.stop, false, false}, &totals).stop) {  // every micro-batch ran; the epoch's end runs after resuming
+        state_.position = {epoch, batches};
+        if (!single()) logged_ = totals;  // the sums over every rank (write_checkpoint)
+        write_checkpoint(/*epoch_end*/ false);
+        return stop(signals.received());
+      }
+      // Means, validation, the best checkpoint and the schedule, the callback, a checkpoint.
+      EpochEnd end;
+      end.epoch = epoch;
+      for (const auto& [name, sw] : totals.of) end.train[name] = totals.mean(name);
+      add_terms_loss(end.train);
+      result_.train = state_.train = end.train;
+      const bool last = epoch + 1 == options_.end_epoch();
+      bool new_best = false;
+      if (task_.validate && ((epoch + 1) % options_.val_frequent() == 0 || last)) {
+        end.validation = validate(epoch);
+        mean_over_ranks(end.validation);  // the schedule and the best must agree on every rank
+        result_.validation = state_.validation = end.validation;
+        log_->validation(epoch, end.validation);
+        new_best = observe_best(epoch, end.validation);
+      }
+      if (callbacks_.epoch_end) callbacks_.epoch_end(end);
+      const Requests agreed = agree({asked.stop || end.request_stop || signals.received() != 0, false, end.request_finish});
+      state_.position = {epoch + 1, 0};
+      if (agreed.finish) {  // data parallel: any rank's request, the main rank's reason
+        finished_ = end.finish_reason.empty() ? "a callback finished training" : end.finish_reason;
+        write_checkpoint(/*epoch_end*/ true);
+        result_.finished = true;
+        result_.message = "trainkit: finished after epoch " + std::to_string(epoch) + ": " + finished_ +
+                          "; the checkpoint is marked finished, so running this again trains no further";
+        say(result_.message);
+        return finish();
+      }
+      if ((epoch + 1) % options_.checkpoint_frequent() == 0 || last || new_best || end.request_checkpoint ||
+          asked.checkpoint || agreed.stop)
+        write_checkpoint(/*epoch_end*/ true);
+      if (agreed.stop && !last) return stop(signals.received());
+      log_->paused();
+    }
+    return finish();
+  }
+
+ private:
+  // Stop, checkpoint and finish requests: this rank's, or (agree()) any rank's.
+  struct Requests {
+    bool stop = false, checkpoint = false, finish = false;
+  };
+
+  // Checkpoints, logs and messages: on the main rank only (every rank trains and resumes).
+  bool writes() const { return options_.write_files() && trainer_.replicas().is_main(); }
+  bool single() const { return trainer_.replicas().world_size() == 1; }
+  void say(const std::string& text) {
+    if (log_) log_->say(text);
+  }
+
+  // Data parallel: what every rank must do alike is agreed in one small collective, called by
+  // every rank at the same point, which also combines the loop's `totals` when given: their
+  // sums and weights averaged alike, so that their ratio is the mean over every rank's items
+  // (every rank's task must add the same metric names). Returns the requests any rank made.
+  // One process: its own requests, the totals as they are.
+  Requests agree(Requests mine, Metrics::Totals* totals = nullptr) {
+    if (single()) return mine;
+    std::vector<double> v;
+    if (totals)
+      for (const auto& [name, sw] : totals->of) v.insert(v.end(), {sw.first, sw.second});
+    v.insert(v.end(), {mine.stop ? 1.0 : 0.0, mine.checkpoint ? 1.0 : 0.0, mine.finish ? 1.0 : 0.0});
+    trainer_.replicas().all_reduce(v, Reduce::mean);
+    std::size_t i = 0;
+    if (totals)
+      for (auto& [name, sw] : totals->of) sw = {v[i], v[i + 1]}, i += 2;
+    return {v[i] > 0, v[i + 1] > 0, v[i + 2] > 0};
+  }
+  // Validation metrics: the mean over the ranks.
+  void mean_over_ranks(std::map<std::string, double>& values) {
+    if (single()) return;
+    std::vector<double> v;
+    for (const auto& [name, x] : values) v.push_back(x);
+    trainer_.replicas().all_reduce(v, Reduce::mean);
+    std::size_t i = 0;
+    for (auto& [name, x] : values) x = v[i++];
+  }
+
+  // 1. Resume, by TRAIN.RESUME / AUTO_RESUME. Returns where training starts. The checkpoint's
+  // configuration is checked before anything is loaded.
+  FitPosition resume() {
+    const FitPosition begin{options_.begin_epoch(), 0};
+    if (!options_.resume() && !options_.auto_resume()) return begin;
+    std::optional<CheckpointManager::Opened> opened;
+    if (options_.resume() && options_.begin_epoch() > 0) {
+      opened = checkpoints_.open(checkpoints_.epoch_path(options_.begin_epoch() - 1));
+    } else {
+      opened = checkpoints_.open_newest();
+      if (!opened && options_.resume())
+        throw std::runtime_error("TRAIN.RESUME: no complete checkpoint '" + options_.prefix() + "-*.ckpt' in '" +
+                                 options_.output_path() + "' to resume from");
+    }
+    if (!opened) return begin;
+    const LoopState& saved = opened->state;
+    check_resume_changes(saved.config_json, opened->path);  // before anything changes
+    check_world_size(saved, opened->path);
+    for (const auto& name : checkpoints_.restore(*opened, trainer_, callbacks_.state))
+      say("trainkit: the checkpoint has no state for the callback '" + name + "' (written without it): it starts afresh");
+    if (terms() && trainer_.window_position() > 0 && !trainer_.window_has_terms())
+      throw std::runtime_error("fit: '" + opened->path + "' was written inside a window (PARTIAL_WINDOW: span) whose loss "
+                               "was one value, and this task's loss is terms (task.terms): the window's gradient cannot go "
+                               "on with them. Resume from a checkpoint at a window's boundary, or set TRAIN.PARTIAL_WINDOW: flush");
+    finished_ = saved.finished;
+    // The last epoch's means and validation, as the run that wrote it reported them (a run
+    // with nothing left to train reports these).
+    result_.train = state_.train = saved.train;
+    result_.validation = state_.validation = saved.validation;
+    pieces_.resume_with(saved.piece_items);
+    metrics_ = saved.metrics;
+    logged_ = saved.logged;
+    if (saved.seed != options_.seed())
+      std::cerr << "trainkit: warning: '" << opened->path << "' was written by a run with RNG_SEED " << saved.seed
+                << ", this run has " << options_.seed() << "; data drawn from the seed will differ from the "
+                << "interrupted run's (set RNG_SEED: " << saved.seed << " to continue it exactly)\n";
+    state_.position = saved.position;
+    if (saved.best_metric == state_.best_metric) {
+      state_.best_value = saved.best_value;
+      state_.best_path = saved.best_path;
+    }
+    result_.resumed_from = opened->path;
+    say("trainkit: resumed from '" + opened->path + "' at epoch " + std::to_string(saved.position.epoch) +
+        ", micro-batch " + std::to_string(saved.position.index) + " (optimizer step " +
+        std::to_string(trainer_.windows()) + ")");
+    return saved.position;
+  }
+
+  // A run a callback finished (early stopping) trains no further: true, said. A finished job run
+  // again (resumed at END_EPOCH) is said; its loop then runs no epoch.
+  bool nothing_to_train(FitPosition start) {
+    if (!finished_.empty()) {
+      result_.finished = true;
+      result_.message = "trainkit: nothing to train: the run in '" + options_.output_path() + "' finished at epoch " +
+                        std::to_string(start.epoch) + " (" + finished_ + "; '" + result_.resumed_from +
+                        "' is marked finished); start afresh in another directory (--model-dir)";
+      say(result_.message);
+      return true;
+    }
+    if (!result_.resumed_from.empty() && start.epoch >= options_.end_epoch()) {
+      result_.message = "trainkit: nothing to train: '" + result_.resumed_from + "' is at epoch " +
+                        std::to_string(start.epoch) + " and TRAIN.END_EPOCH is " + std::to_string(options_.end_epoch()) +
+                        "; raise TRAIN.END_EPOCH to train on, or start afresh in another directory (--model-dir)";
+      say(result_.message);
+    }
+    return false;
+  }
+
+  // The optimizer windows from `start` to the run's end (the progress line's ETA).
+  std::int64_t windows_from(FitPosition start) const {
+    const std::int64_t n = trainer_.window_length();
+    std::int64_t total = 0;
+    for (std::int64_t epoch = start.epoch; epoch < options_.end_epoch(); ++epoch)
+      total += (task_.batches_per_epoch(epoch) + n - 1) / n - (epoch == start.epoch ? start.index / n : 0);
+    return total;
+  }
+
+  // With more than one rank, the RNG (CPU, and the trainer's GPU) is seeded from the position:
+  // dropout masks and anything task.batch draws are a pure function of (seed, rank, epoch,
+  // index), so a resume is exact on every rank.
+  void seed_generators(std::int64_t epoch, std::int64_t index) {
+    if (single()) return;
+    detail::seed_rng_states(detail::mix_seed({static_cast<std::uint64_t>(options_.seed()),
+                                              static_cast<std::uint64_t>(trainer_.replicas().rank()),
+                                              static_cast<std::uint64_t>(epoch), static_cast<std::uint64_t>(index)}),
+                            trainer_.device());
+  }
+
+  // 2. One micro-batch through the trainer (whole or in pieces), its loss and metrics added to
+  // the epoch's means.
+  MicroStepResult micro_step(const Batch& batch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    const std::int64_t items = task_.items ? task_.items(batch) : -1;
+    log_->samples(items);  // (-1: no count, the micro-batch is the unit)
+    MicroStepResult r;
+    try {
+      r = pieces_.step(batch, items, [&](const Batch& b, double weight) { return counted_loss(b, weight); });
+    } catch (const NonFiniteGradient& e) {
+      throw NonFiniteGradient(detail::position_text(epoch, index, batches) + ": " + e.what());
+    }
+    // Loss terms: their sums were added with the pieces, their items once per micro-batch.
+    if (terms()) {
+      const auto counts = term_items(batch);
+      for (size_t t = 0; t < counts.size(); ++t) metrics_.add_items(task_.terms[t], static_cast<double>(counts[t]));
+    }
+    return r;
+  }
+
+  // task.loss of a micro-batch (or a piece of one), its value added to the epoch's "Loss"
+  // with `weight`; loss terms' sums each to their term (their items: micro_step).
+  torch::Tensor counted_loss(const Batch& batch, double weight) {
+    torch::Tensor loss = task_.loss(batch, metrics_);
+    if (terms()) {
+      TORCH_CHECK(loss.defined() && loss.dim() <= 1 && loss.numel() == static_cast<std::int64_t>(task_.terms.size()),
+                  "fit: task.loss must return the sums of the task's ", task_.terms.size(),
+                  " loss terms (task.terms), one value per term");
+      for (size_t t = 0; t < task_.terms.size(); ++t)
+        metrics_.add_sum(task_.terms[t], loss.reshape({-1}).select(0, static_cast<std::int64_t>(t)), 0.0);
+      return loss;
+    }
+    TORCH_CHECK(loss.defined() && loss.numel() == 1, "fit: task.loss must return a scalar tensor");
+    metrics_.add("Loss", loss, weight);
+    return loss;
+  }
+
+  bool terms() const { return !task_.terms.empty(); }
+  // task.term_items of a batch, checked.
+  std::vector<std::int64_t> term_items(const Batch& batch) const {
+    auto counts = task_.term_items(batch);
+    TORCH_CHECK(counts.size() == task_.terms.size(), "fit: task.term_items returned ", counts.size(),
+                " counts for the task's ", task_.terms.size(), " loss terms (task.terms)");
+    return counts;
+  }
+  // A loss of terms: "Loss" is the sum of the terms' means.
+  void add_terms_loss(std::map<std::string, double>& means) const {
+    if (!terms()) return;
+    double loss = 0;
+    for (const auto& name : task_.terms)
+      if (const auto it = means.find(name); it != means.end()) loss += it->second;
+    means["Loss"] = loss;
+  }
+
+  // A window opens at micro-batch `index` of `epoch`. A loss of terms: its micro-batches are
+  // made now and held, their items counted and given to the trainer, which sums them over the
+  // ranks (Trainer::begin_window; not again for a replay, whose counts it keeps). With a task
+  // that splits: where it began and the loop's sums before it, for a replay (a Metrics copy is
+  // a snapshot: metrics.hpp).
+  void open_window(Prefetcher<Batch>& prefetch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    if (terms() && !replaying_) {
+      held_.clear();
+      std::vector<std::int64_t> items(task_.terms.size(), 0);
+      const auto positions = window_positions(epoch, index, batches);
+      for (const FitPosition at : positions) {
+        seed_generators(at.epoch, at.index);  // (task.batch draws nothing from them; as if it ran there)
+        const std::int64_t n = at.epoch == epoch ? batches : task_.batches_per_epoch(at.epoch);
+        held_.push_back({at, prefetch.next(at.epoch, at.index, n)});
+        const auto counts = term_items(held_.back().batch);
+        for (size_t t = 0; t < counts.size(); ++t) items[t] += counts[t];
+      }
+      trainer_.begin_window(items, static_cast<std::int64_t>(positions.size()));
+    }
+    replaying_ = false;
+    if (!task_.split) return;
+    pieces_.window_opens(epoch, index);
+    window_sums_ = {metrics_, log_->counts()};
+  }
+  // The positions of the window that opens at (epoch, index): the window's length, or what is
+  // left of the epoch; with PARTIAL_WINDOW span, the rest from the next epochs' first ones, past
+  // END_EPOCH too (a window left open at the run's end goes on there when END_EPOCH is raised).
+  std::vector<FitPosition> window_positions(std::int64_t epoch, std::int64_t index, std::int64_t batches) const {
+    std::vector<FitPosition> at;
+    const auto n = static_cast<size_t>(trainer_.window_length());
+    for (std::int64_t i = index; i < batches && at.size() < n; ++i) at.push_back({epoch, i});
+    if (trainer_.options().partial_window() != PartialWindow::span) return at;
+    for (std::int64_t e = epoch + 1; at.size() < n; ++e) {
+      const std::int64_t m = task_.batches_per_epoch(e);
+      TORCH_CHECK(m >= 1, "fit: task.batches_per_epoch(", e, ") must be >= 1, got ", m);
+      for (std::int64_t i = 0; i < m && at.size() < n; ++i) at.push_back({e, i});
+    }
+    return at;
+  }
+  // The batch at (epoch, index): held by the open window, else made (or taken from the workers).
+  Batch next_batch(Prefetcher<Batch>& prefetch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    for (const auto& h : held_)
+      if (h.at.epoch == epoch && h.at.index == index) return h.batch;
+    return prefetch.next(epoch, index, batches);
+  }
+  // Out of memory in micro-batch `index`: the window begins again at its first micro-batch,
+  // which this returns, with the loop's sums as they were when it opened.
+  // (A gradient reduced at each micro-batch's end: that micro-batch again, alone, with the
+  // sums as they were before it.)
+  std::int64_t replay_window(const std::exception& e, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    const std::int64_t first = pieces_.replay(e, epoch, index, batches);  // throws when it cannot
+    const WindowSums& sums = first == index && trainer_.reduces_each_micro_batch() ? batch_sums_ : window_sums_;
+    metrics_ = sums.metrics;
+    log_->restore(sums.counts);
+    replaying_ = trainer_.window_position() == 0;  // the window opens again: its counts are the trainer's
+    return first;
+  }
+
+  std::optional<StepReport> flush(std::int64_t epoch, std::int64_t batches) {
+    try {
+      return trainer_.flush();
+    } catch (const NonFiniteGradient& e) {
+      throw NonFiniteGradient("epoch " + std::to_string(epoch) + ", end of epoch (partial window after micro-batch " +
+                              std::to_string(batches - 1) + "): " + e.what());
+    }
+  }
+
+  // 3. After a window: every LOG_FREQUENT windows, read its report and log the means since the
+  // last log window; the ranks' totals and their requests go through one collective there.
+  // Returns any rank's requests (none between log windows).
+  Requests window_closed(const StepReport& report, LogPosition at, Requests asked = {}) {
+    if (report.window() % options_.log_frequent() != 0) {
+      log_->window(report, at, nullptr);
+      return {};
+    }
+    Metrics::Totals totals = metrics_.totals();  // one sync with the report's (log_->window)
+    const Requests agreed = agree(asked, &totals);
+    std::map<std::string, double> interval;
+    for (const auto& [name, sw] : totals.of) {
+      const auto old = logged_.of.find(name);
+      const double sum = sw.first - (old == logged_.of.end() ? 0.0 : old->second.first);
+      const double weight = sw.second - (old == logged_.of.end() ? 0.0 : old->second.second);
+      if (weight > 0) interval[name] = sum / weight;
+    }
+    add_terms_loss(interval);
+    logged_ = totals;
+    log_->window(report, at, &interval);
+    return agreed;
+  }
+
+  // 4. task.validate in eval mode (dropout off, normalisation's running statistics) and without
+  // a graph, whatever the task does itself; the model's mode as it was afterwards, also when
+  // validate throws.
+  std::map<std::string, double> validate(std::int64_t epoch) {
+    struct Mode {
+      torch::nn::Module& model;
+      bool training;
+      ~Mode() { model.train(training); }
+    } restore{trainer_.model(), trainer_.model().is_training()};
+    trainer_.model().eval();
+    torch::NoGradGuard no_grad;
+    return task_.validate(epoch);
+  }
+
+  // 4. A better validation metric: the epoch's checkpoint becomes the best; the plateau
+  // schedule sees every value.
+  bool observe_best(std::int64_t epoch, const std::map<std::string, double>& validation) {
+    if (task_.best_metric.empty()) return false;
+    const auto it = validation.find(task_.best_metric);
+    if (it == validation.end())
+      throw std::runtime_error("fit: task.best_metric is '" + task_.best_metric +
+                               "', but task.validate returned no such metric");
+    const double v = it->second;
+    trainer_.on_epoch_end(epoch, v);
+    const double best = state_.best_value;
+    const bool better = std::isfinite(v) && (std::isnan(best) || (task_.higher_is_better ? v > best : v < best));
+    if (!better) return false;
+    state_.best_value = v;
+    state_.best_path = checkpoints_.epoch_path(epoch);
+    return true;
+  }
+
+  void write_checkpoint(bool epoch_end) {
+    if (!writes()) {
+      // A sharded update: every rank sends its slices to the main rank's archive.
+      if (options_.write_files() && trainer_.saves_collectively()) {
+        torch::serialize::OutputArchive discarded;
+        trainer_.save(discarded);
+      }
+      return;
+    }
+    // The loop's running sums, so that a resumed epoch's means and logs equal the straight
+    // run's. Data parallel, inside an epoch: the mean over the ranks of their running sums,
+    // which the log window this checkpoint follows has just computed (logged_). Every rank
+    // resumes with it, and every later mean over the ranks is then the uninterrupted run's.
+    state_.finished = finished_;
+    state_.piece_items = pieces_.piece_items();
+    state_.world_size = trainer_.replicas().world_size();
+    state_.total_batch = options_.total_batch();
+    state_.metrics = !single() && state_.position.index > 0 ? Metrics::from_totals(logged_) : metrics_;
+    state_.logged = logged_;
+    try {
+      const auto path = checkpoints_.save(trainer_, state_, epoch_end, callbacks_.state);
+      result_.checkpoints.push_back(path);
+      log_->report("checkpoint '" + path + "' written");
+    } catch (const CheckpointError& e) {
+      throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + ", micro-batch " +
+                            std::to_string(state_.position.index) + " (optimizer step " +
+                            std::to_string(trainer_.windows()) + "): " + e.what());
+    }
+  }
+
+  // The checkpoint's resolved configuration against this run's: a key that changes the
+  // trajectory is refused with every difference (TRAIN.RESUME_CHANGES: allow lets it through,
+  // said once); keys of length, rhythm, place and evaluation change freely.
+  void check_resume_changes(const std::string& saved_json, const std::string& path) {
+    if (saved_json.empty() || options_.config_json().empty()) return;  // not written from a configuration
+    const auto changes = resume_changes(saved_json, options_.config_json());
+    if (changes.empty()) return;
+    std::string listed;
+    for (const auto& c : changes) listed += "\n  " + c.key + ": " + c.before + " -> " + c.after;
+    if (!options_.allow_resume_changes())
+      throw ConfigError("TRAIN.RESUME_CHANGES", "the checkpoint '" + path + "' was written with another configuration, and these keys change "
+                                                    "the training trajectory (checkpoint -> this run):" + listed +
+                                                    "\nResume with the checkpoint's values, start in a new directory (--model-dir), or set "
+                                                    "TRAIN.RESUME_CHANGES: allow (--set TRAIN.RESUME_CHANGES=allow) to continue with this run's");
+    say("trainkit: resuming with a changed configuration (TRAIN.RESUME_CHANGES: allow), checkpoint -> this run:" + listed);
+  }
+
+  // A checkpoint of another world size resumes when the total batch is the same: the data
+  // sampler gives W ranks of batch B, micro-batch by micro-batch, the samples one process of
+  // batch W x B sees, so the position (epoch, micro-batch) means the same samples. Otherwise the
+  // schedule and the per-sample LR would change under the run: refused.
+  void check_world_size(const LoopState& saved, const std::string& path) {
+    const std::int64_t world = trainer_.replicas().world_size();
+    if (saved.world_size <= 0 || saved.world_size == world) return;
+    const std::string by = "'" + path + "' was written by " + std::to_string(saved.world_size) + " process" +
+                           (saved.world_size > 1 ? "es" : "") + ", this run has " + std::to_string(world);
+    if (saved.total_batch > 0 && options_.total_batch() > 0 && saved.total_batch != options_.total_batch())
+      throw ConfigError("TRAIN.TARGET_BATCH",
+                        by + ", and its total batch was " + std::to_string(saved.total_batch) + " samples per optimizer "
+                        "step where this run's is " + std::to_string(options_.total_batch()) + " (world size x "
+                        "BATCH_IMAGES x GRAD_ACCUMULATE_STEPS); set TRAIN.TARGET_BATCH: " + std::to_string(saved.total_batch) +
+                        " to keep it (the batch per process is then derived), or start a new run");
+    say("trainkit: " + by + "; the total batch of " + std::to_string(saved.total_batch) + " samples is kept, the data go "
+        "on at the checkpoint's micro-batch, and " + (world > 1 ? "each process draws its random numbers by position "
+        "as a run of " + std::to_string(world) + " processes does" : "the random generators continue from the "
+        "checkpoint's (the main rank's)"));
+  }
+
+  FitResult stop(int signal) {
+    FitResult r = finish();
+    r.stopped = true;
+    r.signal = signal;
+    std::ostringstream msg;
+    msg << "trainkit: stopped" << (signal == SIGINT ? " by SIGINT" : signal == SIGTERM ? " by SIGTERM" : "")
+        << " at epoch " << state_.position.epoch << ", micro-batch " << state_.position.index;
+    if (!r.checkpoints.empty()) msg << "; checkpoint '" << r.checkpoints.back() << "' written";
+    msg << ". To continue, run the same command again"
+        << (options_.auto_resume() ? " (TRAIN.AUTO_RESUME is on)" : " with --resume (or TRAIN.AUTO_RESUME: true)");
+    r.message = msg.str();
+    say(r.message);
+    return r;
+  }
+
+  FitResult finish() {
+    log_->finish(state_.position.epoch, state_.position.index);
+    FitResult r = result_;
+    r.position = state_.position;
+    r.windows = trainer_.windows();
+    r.applied_steps = trainer_.applied_steps().template item<std::int64_t>();
+    r.skipped_steps = trainer_.skipped_steps().template item<std::int64_t>();
+    r.best_checkpoint = state_.best_path;
+    r.piece_items = pieces_.piece_items();
+    r.replays = pieces_.replays();
+    return r;
+  }
+
+  AnyTrainer& trainer_;
+  Task<Batch>& task_;
+  const FitOptions& options_;
+  Callbacks callbacks_;
+  CheckpointManager checkpoints_;
+  std::unique_ptr<DirectoryLock> lock_;  // held while this run writes into output_path
+  std::optional<RunLog> log_;            // made once the directory exists
+  PieceRunner<Batch> pieces_;            // micro-batches as pieces; the replay after out-of-memory
+  std::string finished_;                 // why a callback finished training ("": it goes on); in checkpoints
+  LoopState state_;
+  FitResult result_;
+  Metrics metrics_;         // the epoch's running sums: "Loss" and the task's metrics
+  Metrics::Totals logged_;  // the sums at the last log (the next log's interval starts there)
+  struct WindowSums {       // the loop's sums when the open window began (a replay puts them back)
+    Metrics metrics;
+    RunLog::Counts counts;
+  } window_sums_, batch_sums_;  // (batch_sums_: before the current micro-batch, for replaying it alone)
+  struct Held {  // a loss of terms: the open window's micro-batches, made when it opened
+    FitPosition at;
+    Batch batch;
+  };
+  std::vector<Held> held_;
+  bool replaying_ = false;  // the window about to open again is a replay (its counts are the trainer's)
+};
+
+}  // namespace detail
+
+/// Trains `trainer` on `task` by `options` (see the file comment). Returns after END_EPOCH or
+/// after a graceful stop (FitResult::stopped); throws on errors (CheckpointError,
+/// NonFiniteGradient, the task's own). Any Trainer<P, A, C> is an AnyTrainer: the loop is
+/// compiled once, not once per configuration.
+template <class Batch>
+FitResult fit(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options, Callbacks callbacks = {}) {
+  options.validate();
+  if (!task.batches_per_epoch || !task.batch || !task.loss)
+    throw std::invalid_argument("fit: the task needs batches_per_epoch, batch and loss");
+  if (task.split && !task.items)
+    throw std::invalid_argument("fit: task.split needs task.items (pieces are weighted by their item counts)");
+  if (options.piece_items() > 0 && !task.split)
+    throw std::invalid_argument("fit: FitOptions::piece_items (TRAIN.PIECE_ITEMS) needs task.split (and task.items) to make pieces");
+  if (!task.terms.empty() && !task.term_items)
+    throw std::invalid_argument("fit: task.terms needs task.term_items (each term's item count in a batch)");
+  detail::FitLoop<Batch> loop(trainer, task, options, std::move(callbacks));
+  return loop.run();
+}
+
+}  // namespace trainkit

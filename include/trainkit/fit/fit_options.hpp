@@ -1,0 +1,89 @@
+#pragma once
+/// The fit loop's run-time settings (FitOptions), with fluent setters as TrainerOptions.
+/// tk::RunPlan (plan.hpp) fills them from a validated configuration.
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <iostream>
+#include <optional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainkit {
+
+/// Run-time settings of the loop; RunPlan::from(config).fit has them from a configuration.
+struct FitOptions {
+  TORCH_ARG(std::string, output_path) = "./output";    ///< checkpoints and logs (OUTPUT_PATH)
+  TORCH_ARG(std::string, prefix) = "model";            ///< checkpoint file prefix (MODEL_PREFIX)
+  TORCH_ARG(std::int64_t, begin_epoch) = 0;            ///< TRAIN.BEGIN_EPOCH
+  TORCH_ARG(std::int64_t, end_epoch) = 0;              ///< TRAIN.END_EPOCH (exclusive)
+  TORCH_ARG(std::int64_t, log_frequent) = 50;          ///< log every N optimizer windows
+  TORCH_ARG(std::int64_t, val_frequent) = 1;           ///< validate every N epochs
+  TORCH_ARG(std::int64_t, checkpoint_frequent) = 1;    ///< checkpoint every N epochs
+  TORCH_ARG(std::int64_t, checkpoint_keep) = 3;        ///< newest checkpoints kept, plus the best
+  TORCH_ARG(bool, resume) = false;                     ///< TRAIN.RESUME
+  TORCH_ARG(bool, auto_resume) = true;                 ///< TRAIN.AUTO_RESUME
+  TORCH_ARG(std::int64_t, seed) = -1;                  ///< the run's seed (recorded, checked on resume)
+  /// Samples per optimizer step over every process (RunPlan's total_batch; 0: not known).
+  /// Recorded in checkpoints: a resume at another world size must keep it (TRAIN.TARGET_BATCH).
+  TORCH_ARG(std::int64_t, total_batch) = 0;
+  /// The seed was drawn (RNG_SEED -1): the loop says which at start, so the run can be repeated.
+  TORCH_ARG(bool, seed_drawn) = false;
+  TORCH_ARG(std::string, config_json) = {};            ///< the resolved configuration, for checkpoints
+  /// FP32, BF16 and FP16 with a static loss scale: skipped (non-finite) optimizer steps, with no
+  /// clean log interval between them, that stop the run (TRAIN.NONFINITE_PATIENCE); the first
+  /// is a warning.
+  TORCH_ARG(std::int64_t, nonfinite_patience) = 20;
+  /// A resume from a checkpoint whose configuration (config_json) differs in a key that changes
+  /// the trajectory: refused with the differences (false), or allowed and said (true)
+  /// (TRAIN.RESUME_CHANGES; resume_changes.hpp says which keys may change freely).
+  TORCH_ARG(bool, allow_resume_changes) = false;
+  /// SIGINT/SIGTERM stop the loop gracefully (off: the signals keep their handlers).
+  TORCH_ARG(bool, handle_signals) = true;
+  /// Write checkpoints and logs (false on data-parallel ranks other than 0; they still resume).
+  TORCH_ARG(bool, write_files) = true;
+  /// Progress lines on stderr.
+  TORCH_ARG(bool, progress) = true;
+  /// The run's text log, <output_path>/<prefix>-log.txt (log/text_log.hpp).
+  TORCH_ARG(bool, text_log) = true;
+  /// Micro-batches made ahead of the step on this many threads (NUM_WORKERS_PER_GPU); 0: made
+  /// when needed, on the training thread. With workers, task.batch runs on those threads,
+  /// concurrently with the step and with itself (see Task::batch).
+  TORCH_ARG(std::int64_t, workers) = 0;
+  /// Memory for training (TRAIN.MEMORY_BUDGET): a fraction of the device's memory (<= 1) or
+  /// bytes; 0: no plan. With a budget, fit measures one forward+backward at a few piece sizes
+  /// of a real micro-batch and runs each micro-batch as pieces that fit (task.split; fit.hpp,
+  /// "Memory"). The optimizer step stays the whole micro-batch's.
+  TORCH_ARG(double, memory_budget) = 0;
+  /// The largest piece of a micro-batch, in items (task.items), that one forward+backward
+  /// runs (TRAIN.PIECE_ITEMS); larger micro-batches are split (task.split). 0: whole micro-batches, unless a
+  /// memory budget plans it. Halved when memory runs out (the window is replayed).
+  TORCH_ARG(std::int64_t, piece_items) = 0;
+
+ public:
+  /// Throws std::invalid_argument naming the first option out of range.
+  void validate() const;
+};
+
+inline void FitOptions::validate() const {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("trainkit::FitOptions: " + what); };
+  if (begin_epoch_ < 0) fail("begin_epoch must be >= 0, got " + std::to_string(begin_epoch_));
+  if (end_epoch_ <= begin_epoch_)
+    fail("end_epoch (" + std::to_string(end_epoch_) + ") must be > begin_epoch (" + std::to_string(begin_epoch_) +
+         ") to train (TRAIN.END_EPOCH)");
+  if (log_frequent_ < 1) fail("log_frequent must be >= 1 (LOG_FREQUENT)");
+  if (val_frequent_ < 1) fail("val_frequent must be >= 1 (VAL_FREQUENT)");
+  if (checkpoint_frequent_ < 1) fail("checkpoint_frequent must be >= 1 (CHECKPOINT_FREQUENT)");
+  if (checkpoint_keep_ < 1) fail("checkpoint_keep must be >= 1 (TRAIN.CHECKPOINT_KEEP)");
+  if (nonfinite_patience_ < 1) fail("nonfinite_patience must be >= 1 (TRAIN.NONFINITE_PATIENCE)");
+  if (workers_ < 0 || workers_ > 64) fail("workers must be in [0, 64] (NUM_WORKERS_PER_GPU), got " + std::to_string(workers_));
+  if (output_path_.empty()) fail("output_path is empty (OUTPUT_PATH / --model-dir)");
+  if (!(memory_budget_ >= 0)) fail("memory_budget must be >= 0 (TRAIN.MEMORY_BUDGET), got " + std::to_string(memory_budget_));
+  if (piece_items_ < 0) fail("piece_items must be >= 0, got " + std::to_string(piece_items_));
+}
+
+}  // namespace trainkit

@@ -1,0 +1,230 @@
+#pragma once
+/// The definitions of trainkit/fit/run_log.hpp (header-only: included by it; compiled mode:
+/// by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
+#include <trainkit/fit/run_log.hpp>
+
+namespace trainkit {
+
+TRAINKIT_INLINE RunLog::RunLog(const FitOptions& options, const AnyTrainer& trainer, bool writes, OnScalar on_scalar)
+    : options_(options), trainer_(trainer), writes_(writes), on_scalar_(std::move(on_scalar)) {
+  if (!writes_) return;
+  if (options_.text_log())
+    text_log_ = std::make_unique<TextLog>(options_.output_path() + "/" + options_.prefix() + "-log.txt");
+  if (options_.progress()) {
+    ProgressOptions p;
+    p.every_steps = options_.log_frequent();
+    progress_ = std::make_unique<ProgressLine>(p);
+  }
+}
+
+TRAINKIT_INLINE void RunLog::say(const std::string& text) {
+  if (!writes_) return;
+  if (progress_) progress_->message(text);
+  else std::cerr << text << std::endl;
+  if (text_log_) text_log_->line(text);
+}
+
+TRAINKIT_INLINE void RunLog::say_local(const std::string& text) {
+  if (writes_) return say(text);
+  std::cerr << "(rank " << trainer_.replicas().rank() << " of " << trainer_.replicas().world_size() << ") " << text
+            << std::endl;
+}
+
+TRAINKIT_INLINE void RunLog::report(const std::string& text) {
+  if (!writes_) return;
+  if (progress_) progress_->message(text);
+  if (text_log_) text_log_->line(text);
+}
+
+TRAINKIT_INLINE void RunLog::started() {
+  const int world = trainer_.replicas().world_size();
+  const std::string ranks = world > 1 ? std::to_string(world) + " ranks" : "";
+  if (options_.seed_drawn())
+    say("trainkit: RNG_SEED is -1: this run uses seed " + std::to_string(options_.seed()) +
+        (world > 1 ? " on all " + ranks : "") + " (set RNG_SEED: " + std::to_string(options_.seed()) + " to repeat it)");
+  if (text_log_)
+    text_log_->line("start: " + trainer_.type_name() + " on " + trainer_.device().str() + (world > 1 ? " x " + ranks : "") +
+                    ", epochs until " + std::to_string(options_.end_epoch()) + ", seed " + std::to_string(options_.seed()) +
+                    ", pid " + std::to_string(::getpid()));
+}
+
+TRAINKIT_INLINE void RunLog::open(bool resumed, std::int64_t run_windows) {
+  const std::int64_t step = trainer_.windows();
+  skipped_at_log_ = trainer_.skipped_steps().item<std::int64_t>();  // once per run
+  window_at_log_ = step;
+  run_total_ = run_windows;
+  clock_ = Clock::now();
+  if (!writes_) return;
+  const std::string jsonl = options_.output_path() + "/" + options_.prefix() + "-scalars.jsonl";
+  if (const std::size_t dropped = drop_points_after(jsonl, step))
+    say("trainkit: dropped " + std::to_string(dropped) + " line(s) past optimizer step " + std::to_string(step) +
+        " from '" + jsonl + "' (" +
+        (resumed ? "logged after the checkpoint: training continues from it"
+                 : "an earlier run's: this run starts afresh in the directory") + ")");
+  writers_ = std::make_unique<ScalarFanout>();
+  writers_->emplace<TensorBoardWriter>(options_.output_path() + "/tensorboard").session_start(step + 1);
+  writers_->emplace<JsonlScalarWriter>(jsonl);
+}
+
+TRAINKIT_INLINE void RunLog::epoch_begins(std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+  samples_in_epoch_ = 0;
+  if (progress_) progress_->update(progress_state({epoch, index, batches}));
+}
+
+TRAINKIT_INLINE void RunLog::samples(std::int64_t n) {
+  if (n < 0) unit_ = "micro-batches", n = 1;  // (no item count: the micro-batch is the unit)
+  samples_since_log_ += n;
+  samples_in_epoch_ += n;
+}
+
+TRAINKIT_INLINE void RunLog::restore(const Counts& c) {
+  samples_since_log_ = c.since_log;
+  samples_in_epoch_ = c.in_epoch;
+}
+
+TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
+                                    const std::map<std::string, double>* interval) {
+  ++run_windows_;
+  ++windows_since_log_;
+  if (interval == nullptr) {  // no sync: the terminal's line moves, nothing else
+    if (progress_ && progress_->is_terminal()) progress_->update(progress_state(at));
+    return;
+  }
+  const auto step = report.window();
+  const double loss = interval->count("Loss") ? interval->at("Loss") : report.loss();
+  check_skipped(report, at, loss);
+  if (!trainer_.uses_loss_scale() && trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
+    throw NonFiniteGradient(detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " +
+                            std::to_string(step) + ": non-finite training loss " + detail::short_number(loss) +
+                            " (mean since the last log)");
+  const double seconds = std::chrono::duration<double>(Clock::now() - clock_).count();
+  const double speed = seconds > 0 ? static_cast<double>(samples_since_log_) / seconds : 0.0;
+  const double per_step = seconds / static_cast<double>(windows_since_log_);
+  clock_ = Clock::now();
+  samples_since_log_ = 0;
+  windows_since_log_ = 0;
+
+  scalar(scalar_tags::train_loss, loss, step);
+  for (const auto& [name, value] : *interval)
+    if (name != "Loss") scalar("Train-" + name, value, step);
+  const auto& groups = trainer_.groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    scalar(scalar_tags::initial_lr_group(g), trainer_.base_lr() * groups[g].lr_mult, step);
+    scalar(scalar_tags::lr_group(g), report.lr() * groups[g].lr_mult, step);
+  }
+  scalar(scalar_tags::grad_norm, report.grad_norm(), step);
+  scalar(scalar_tags::loss_scale, report.loss_scale(), step);
+  scalar(scalar_tags::skipped_steps, static_cast<double>(report.skipped_steps()), step);
+  scalar(scalar_tags::samples_per_second, speed, step);
+  scalar(scalar_tags::seconds_per_step, per_step, step);
+  last_loss_ = loss;
+  last_lr_ = report.lr();
+  if (trainer_.uses_loss_scale()) last_scale_ = report.loss_scale();
+  if (progress_) progress_->update(progress_state(at));
+  if (text_log_) {
+    std::string line = detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " + std::to_string(step) +
+                       ": loss " + detail::short_number(loss) + ", lr " + detail::short_number(report.lr()) +
+                       ", grad norm " + detail::short_number(report.grad_norm());
+    if (trainer_.uses_loss_scale()) line += ", loss scale " + detail::short_number(report.loss_scale());
+    line += ", skipped " + std::to_string(report.skipped_steps()) + ", " + detail::format_step_time(per_step) + ", " +
+            detail::short_number(speed) + " " + unit_ + "/s";
+    text_log_->line(line);
+  }
+}
+
+TRAINKIT_INLINE void RunLog::validation(std::int64_t epoch, const std::map<std::string, double>& metrics) {
+  std::string shown = "epoch " + std::to_string(epoch) + " validation:";
+  for (const auto& [name, value] : metrics) {
+    scalar(scalar_tags::validation(name), value, trainer_.windows());
+    shown += " " + name + " " + detail::short_number(value);
+  }
+  report(shown);
+}
+
+TRAINKIT_INLINE void RunLog::epoch_ends(LogPosition at) {
+  if (progress_) progress_->update(progress_state(at));
+}
+
+TRAINKIT_INLINE void RunLog::paused() {
+  clock_ = Clock::now();
+  samples_since_log_ = 0;
+  windows_since_log_ = 0;
+}
+
+TRAINKIT_INLINE void RunLog::finish(std::int64_t epoch, std::int64_t index) {
+  if (progress_) progress_->finish();
+  if (text_log_)
+    text_log_->line("end: at epoch " + std::to_string(epoch) + ", micro-batch " + std::to_string(index) +
+                    ", optimizer step " + std::to_string(trainer_.windows()));
+  if (writers_) writers_->close();  // errors of the last writes surface here, as exceptions
+}
+
+TRAINKIT_INLINE void RunLog::scalar(const std::string& tag, double value, std::int64_t step) {
+  if (writers_) writers_->add_scalar(tag, value, step);
+  if (on_scalar_) on_scalar_(tag, value, step);
+}
+
+TRAINKIT_INLINE void RunLog::check_skipped(const StepReport& report, LogPosition at, double loss) {
+  const std::int64_t skipped = report.skipped_steps() - skipped_at_log_, windows = report.window() - window_at_log_;
+  skipped_at_log_ = report.skipped_steps();
+  window_at_log_ = report.window();
+  if (skipped <= 0) {
+    skipped_unhealthy_ = 0;
+    scale_warned_ = false;
+    return;
+  }
+  const std::string where = detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " +
+                            std::to_string(report.window());
+  const std::string what = std::to_string(skipped) + " of the last " + std::to_string(windows) +
+                           " optimizer steps were skipped (non-finite gradients; training loss " +
+                           detail::short_number(loss) + ")";
+  // FP32, BF16 and a static loss scale: nothing backs off, so skips in a row mean a run that
+  // trains nothing. (A dynamic scale's skips are its search for a scale: warned about below.)
+  if (!trainer_.uses_loss_scale() || !trainer_.dynamic_loss_scale()) {
+    skipped_unhealthy_ += skipped;
+    const std::string patience = "TRAIN.NONFINITE_PATIENCE " + std::to_string(options_.nonfinite_patience());
+    const std::string remedy =
+        trainer_.uses_loss_scale()
+            ? "the static loss scale " + detail::short_number(report.loss_scale()) +
+                  " overflows the gradient: set TRAIN.FP16_LOSS_SCALE to a smaller one (a power of 2), or to 'dynamic', "
+                  "whose scale backs off after an overflow"
+            : "lower TRAIN.LR or check the data";
+    if (skipped_unhealthy_ >= options_.nonfinite_patience())
+      throw NonFiniteGradient(where + ": " + what + "; " + std::to_string(skipped_unhealthy_) +
+                              " skipped with no clean log interval between them (" + patience + "): stopping; " +
+                              remedy + "; the checkpoints written so far are intact");
+    if (!skip_warned_) {
+      skip_warned_ = true;
+      say("trainkit: warning: " + where + ": " + what + ". " + trainer_.type_name() +
+          " skips a step only when its gradient is not finite: " + remedy + " (" + patience +
+          " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)");
+    }
+    return;
+  }
+  constexpr std::int64_t kStartup = 32;  // the scale's start-up backoff (2^16 -> 2^0 is 16 halvings)
+  if (report.window() > kStartup && 4 * skipped > windows && !scale_warned_) {
+    scale_warned_ = true;
+    say("trainkit: warning: " + where + ": " + what + ", past the loss scale's start-up backoff; the scale is now " +
+        detail::short_number(report.loss_scale()) + ". A scale that keeps falling means the gradient overflows at any "
+        "scale: lower TRAIN.LR, check the data, or train in BF16");
+  }
+}
+
+TRAINKIT_INLINE ProgressState RunLog::progress_state(LogPosition at) const {
+  const std::int64_t n = trainer_.window_length();
+  ProgressState p;
+  p.epoch = at.epoch;
+  p.epochs = options_.end_epoch();
+  p.step = (at.done + n - 1) / n;
+  p.total = (at.batches + n - 1) / n;
+  p.run_step = run_windows_;
+  p.run_total = std::max(run_total_, run_windows_);
+  p.samples = samples_in_epoch_;
+  p.unit = unit_;
+  p.loss = last_loss_;
+  p.lr = last_lr_;
+  p.loss_scale = last_scale_;
+  return p;
+}
+
+}  // namespace trainkit

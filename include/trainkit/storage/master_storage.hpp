@@ -1,0 +1,157 @@
+#pragma once
+/// The storage of master weights (PrecisionPolicy<MasterWeights<T>>; the contract is
+/// storage.hpp's). The flat fp32 buffer holds the masters; the model's parameters are views
+/// into a flat half buffer of the same layout and their .grad views into a flat half gradient
+/// (detail::HalfStorage), except normalisation layers with TrainerOptions::keep_norm_fp32,
+/// which stay fp32 with a small fp32 gradient of their own. The model then receives its inputs
+/// as they are (the autocast region casts fp32 inputs for matmul-like ops). Checkpoints hold
+/// the masters; loading restores the half parameters from them.
+///
+/// The window's gradient is summed in fp32 (docs/design/storage.md): after each backward that the phase
+/// does not follow, the half gradient joins an fp32 sum. In the optimizer phase the gradient
+/// is fp32 in one of three ways, chosen per phase:
+///   whole    the half gradient cast into one fp32 buffer (or added to the window's sum),
+///            reduced over the ranks in fp32 (phase 5), then norm and update as FlatStorage
+///   chunked  one process, or a half all-reduce (TrainerOptions::reduce_precision), with no
+///            fp32 sum in the window and a model over TrainerOptions::master_chunk: the norm
+///            and the update each cast one chunk at a time, so the phase adds one chunk, not
+///            4 bytes per parameter
+///   sharded  TrainerOptions::sharding with several ranks: the masters (and the optimizer's
+///            state) exist for this rank's slices only; the gradient is reduce-scattered
+///            into those slices, in half (reduce_precision half) or from the fp32 gradient;
+///            the parameters kept in fp32 live in a small buffer of their own that every
+///            rank refreshes after the update (one all-reduce of those elements)
+/// After the update the half parameters are rewritten from the masters (one copy; sharded,
+/// this rank's slices, then an all-gather); a skipped step left the masters unchanged, so it
+/// rewrites the same values (no host sync to tell).
+#include <trainkit/detail/inline.hpp>
+#include <trainkit/storage/master_weights.hpp>
+#include <trainkit/storage/storage.hpp>
+
+#include <optional>
+#include <string>
+#include <unordered_set>
+
+namespace trainkit {
+
+class MasterStorage : public detail::FlatParameters {
+ public:
+  /// A torch::optim::Optimizer would update the model's half parameters, not the masters.
+  static constexpr bool accepts_torch_optimizer = false;
+  static void validate(const TrainerOptions&, const std::string&) {}
+
+  MasterStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device, at::ScalarType half);
+
+  /// The fp32 gradient of the optimizer phase (whole); undefined between windows and in a
+  /// chunked or sharded phase.
+  const torch::Tensor& gradients() const { return grad_; }
+  /// The flat half storage the model's parameters and .grad are views into (same layout as
+  /// the masters), and the fp32 gradients of the parameters kept in fp32 (undefined: none).
+  const torch::Tensor& half_parameters() const { return half_.params(); }
+  const torch::Tensor& half_gradients() const { return half_.grad(); }
+  const torch::Tensor& kept_gradients() const { return half_.kept_grad(); }
+  /// How many chunks the last optimizer phase cast its fp32 gradient in; 0 when it was whole.
+  std::int64_t phase_chunks() const { return phase_chunks_; }
+
+  bool attach(Replicas& replicas, torch::nn::Module& model);
+  void backward_begins(const detail::BackwardDone&) { half_.allocate_if_released(); }
+  /// The half gradient's memory, where Sharding::gradients released it, allocated (zeros): for
+  /// a backward outside the step (the memory plan's measurement), which zero() releases again.
+  void allocate_gradient() { half_.allocate_if_released(); }
+  /// Sharding::gradients with several ranks: each micro-batch's gradient is reduce-scattered
+  /// into this rank's slices of the window's sum at its end.
+  bool reduces_each_micro_batch() const { return shards_gradients(); }
+  /// With reduces_each_micro_batch(): the half gradient of a micro-batch that failed before
+  /// its reduction dropped; the window's earlier micro-batches, already summed, stay.
+  void discard_micro_batch() { half_.zero_grad(/*release=*/true); }
+  // A backward the phase does not follow: its half gradient joins the window's fp32 sum, or
+  // with Sharding::gradients this rank's slices of it (at the micro-batch's end).
+  void backward_done(const detail::BackwardDone& done);
+
+  // 5. The mode of this phase (the file comment), then the sum over the ranks.
+  GradientFactor reduce(Replicas& replicas, const WindowWeights& window);
+  torch::Tensor norm();
+  template <class Update>
+  void update(Update&& f) {
+    phase_chunks_ = 0;
+    if (sharded()) {
+      for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
+        auto part = local_grad_.narrow(0, partition_.local(b), partition_.slice(b).length);
+        f(slice_groups(b, params_, /*params_local=*/true, local_grad_), part);
+      }
+      write_back_sharded();
+      return;
+    }
+    if (chunk_.defined()) {
+      const auto total = params_.numel(), size = chunk_.numel();
+      for (std::int64_t begin = 0; begin < total; begin += size, ++phase_chunks_) {
+        const auto n = std::min(size, total - begin);
+        auto part = chunk_.narrow(0, 0, n);
+        half_.gradient_chunk(begin, n, part);
+        f(chunk_groups({begin, n}, params_.narrow(0, begin, n), part, begin), part);
+      }
+    } else {
+      f(groups_, grad_);
+    }
+    half_.write_back(params_);  // the model's half parameters from the masters, one copy
+  }
+  // The half and kept gradients zeroed; the phase's fp32 gradient and chunk released.
+  void zero();
+
+  /// The fp32 masters by parameter name (model.param.<name>; the half model's frozen
+  /// parameters as they are) and the rule's flat state.
+  void save(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
+            const detail::UpdateRule& rule) const;
+  void load(torch::serialize::InputArchive& archive, torch::nn::Module& module, detail::UpdateRule& rule);
+  void snapshot(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
+                const detail::UpdateRule& rule) const;
+  void restore(torch::serialize::InputArchive& archive, torch::nn::Module& module, detail::UpdateRule& rule);
+  /// What every rank must hold alike after a load: the masters, or sharded the half model.
+  const torch::Tensor& replicated_state() const { return sharded() ? half_.params() : params_; }
+
+  /// The open window's gradient (a checkpoint inside a window, PARTIAL_WINDOW: span): the half
+  /// gradient and the fp32 sum as they are, or with Sharding::gradients the reduced sum of the
+  /// window's micro-batches so far, gathered by parameter name (a collective).
+  void save_window(torch::serialize::OutputArchive& archive, bool snapshot = false) const;
+  void load_window(torch::serialize::InputArchive& archive, bool snapshot = false);
+
+ private:
+  bool shards_gradients() const { return sharded() && options_.sharding() == Sharding::gradients; }
+
+  // Whether this phase all-reduces the half gradient: data parallel, no fp32 sum in the
+  // window, and reduce_precision half (automatic: half for FP16, fp32 for BF16).
+  bool reduce_half() const;
+
+  // attach() with sharding: the half buffers padded to the partition, the masters cut to this
+  // rank's slices, the kept parameters moved into a buffer of their own.
+  void shard();
+
+  // Sharded: the window's gradient reduce-scattered into this rank's slices (in half when
+  // reduce_precision asks for it and the window has one micro-batch; else from the fp32
+  // gradient), added to the window's earlier micro-batches with Sharding::gradients.
+  GradientFactor scatter_into_sum(const WindowWeights& window, bool closes);
+  bool half_precision_reduction() const;
+
+  // Sharded phase 9's end: this rank's masters into its slices of the half model, the kept
+  // parameters from every rank's masters (an all-reduce of those elements), then the half
+  // model's slices from every rank.
+  void write_back_sharded();
+
+  TrainerOptions options_;
+  torch::Device device_;
+  detail::HalfStorage half_;
+  std::vector<bool> kept_;  // per placed parameter: kept in fp32
+  torch::Tensor grad_;      // the phase's whole fp32 gradient
+  torch::Tensor chunk_;     // the chunked phase's fp32 chunk
+  bool single_process_ = true;
+  std::int64_t phase_chunks_ = 0;
+  // Sharded:
+  torch::Tensor kept_params_;  // the parameters kept in fp32, back to back
+  torch::Tensor kept_local_index_, kept_compact_index_;  // the kept elements this rank updates
+};
+
+}  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/storage/master_storage-inl.hpp>
+#endif

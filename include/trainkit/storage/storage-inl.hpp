@@ -1,0 +1,505 @@
+#pragma once
+/// The definitions of trainkit/storage/storage.hpp (header-only: included by it; compiled mode:
+/// by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
+#include <trainkit/storage/storage.hpp>
+
+namespace trainkit {
+namespace detail {
+
+TRAINKIT_INLINE Readiness::Readiness(const std::vector<Range>& parameters, const std::vector<std::int64_t>& order,
+                                     std::vector<std::string> names, const Partition& partition)
+    : names_(std::move(names)), initial_(static_cast<size_t>(partition.buckets()), 0) {
+  // Each bucket's expected completion: the earliest model place among its parameters (the
+  // backward reaches it last). A bucket of padding alone is complete at once.
+  std::vector<std::int64_t> completes(initial_.size(), std::numeric_limits<std::int64_t>::max());
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const auto& p = parameters[i];
+    std::int64_t first = 0;
+    while (first + 1 < partition.buckets() && partition.bucket(first + 1).begin <= p.begin) ++first;
+    std::int64_t last = first;
+    while (last + 1 < partition.buckets() && partition.bucket(last + 1).begin < p.end()) ++last;
+    spans_.push_back({first, last});
+    elements_.push_back(p.length);
+    total_elements_ += p.length;
+    for (auto b = first; b <= last; ++b) {
+      ++initial_[static_cast<size_t>(b)];
+      completes[static_cast<size_t>(b)] = std::min(completes[static_cast<size_t>(b)], order[i]);
+    }
+  }
+  // Latest place first; among equals (a parameter over several buckets) the higher bucket first.
+  for (std::int64_t b = partition.buckets() - 1; b >= 0; --b) order_.push_back(b);
+  std::stable_sort(order_.begin(), order_.end(), [&](std::int64_t a, std::int64_t b) {
+    return completes[static_cast<size_t>(a)] > completes[static_cast<size_t>(b)];
+  });
+}
+
+TRAINKIT_INLINE void Readiness::arm(Reduction& reduction) {
+  waiting_ = initial_;
+  fired_.assign(spans_.size(), false);
+  pending_elements_ = total_elements_;
+  next_ = 0;
+  reduction_ = &reduction;
+}
+
+TRAINKIT_INLINE void Readiness::launch_rest() {
+  if (!reduction_) return;
+  for (; next_ < static_cast<std::int64_t>(order_.size()); ++next_) {
+    reduction_->launch(order_[static_cast<size_t>(next_)]);
+    ++launches_;  // (the backward has ended: nothing left to hide behind)
+  }
+}
+
+TRAINKIT_INLINE void Readiness::ready(size_t i) {
+  if (!reduction_) return;
+  const auto [first, last] = spans_[i];
+  if (fired_[i]) {
+    // A second accumulation in one backward: the reentrant backward of tk::recompute for a
+    // parameter used inside and outside its region. Harmless until the bucket has left.
+    bool sent = false;  // a bucket of it has left
+    for (std::int64_t k = 0; k < next_ && !sent; ++k) sent = order_[static_cast<size_t>(k)] >= first && order_[static_cast<size_t>(k)] <= last;
+    if (sent)
+      throw std::runtime_error("trainkit: parameter '" + names_[i] + "' received a second gradient in one backward "
+                               "after its bucket's reduction had started (a parameter used both inside and outside "
+                               "tk::recompute?); set TrainerOptions::overlap_reduction(false) (TRAIN.OVERLAP_REDUCTION: false)");
+    return;
+  }
+  fired_[i] = true;
+  pending_elements_ -= elements_[i];
+  for (auto b = first; b <= last; ++b) --waiting_[static_cast<size_t>(b)];
+  while (next_ < static_cast<std::int64_t>(order_.size()) && waiting_[static_cast<size_t>(order_[static_cast<size_t>(next_)])] == 0) {
+    reduction_->launch(order_[static_cast<size_t>(next_++)]);
+    if (pending_elements_ > 0) ++overlapped_;  // (launched by the last gradient: nothing left to overlap)
+    ++launches_;
+    left_sum_ += total_elements_ > 0 ? static_cast<double>(pending_elements_) / static_cast<double>(total_elements_) : 0.0;
+  }
+}
+
+TRAINKIT_INLINE void ReadyHook::operator()(const torch::autograd::Variable&) {
+  if (auto r = readiness_.lock()) r->ready(index_);
+}
+
+TRAINKIT_INLINE void FlatParameters::check() const {
+  for (const auto& v : views_)
+    if (v.param.data_ptr() != v.param_data)
+      throw std::logic_error(
+          "Trainer: parameter '" + v.name + "' no longer lives in the trainer's storage: its data were replaced "
+          "after the trainer was built (torch::load(model, file), param.set_data(...), model->to(...)), so the "
+          "optimizer would update a copy the model does not read and the loss would never change. Load weights "
+          "or move the model before building the trainer, or use trainer.load(path) or tk::load_weights(model, "
+          "path), which copy into the parameters");
+  for (const auto& v : views_)
+    if (!v.param.grad().defined() || v.param.grad().storage().unsafeGetStorageImpl() != v.grad_storage)
+      throw std::logic_error(
+          "Trainer: the .grad of parameter '" + v.name +
+          "' was replaced or reset (model->zero_grad() or an optimizer's zero_grad()?); the "
+          "trainer owns gradients and zeroes them itself after each optimizer step");
+}
+
+TRAINKIT_INLINE void FlatParameters::place(torch::nn::Module& model, const TrainerOptions& options,
+                                           torch::Device device, std::int64_t element_size, bool any_floating_point) {
+  std::vector<bool> no_decay_used(options.no_decay().size(), false);
+  std::vector<PlacedParameter> placed;
+  for (const auto& p : model.named_parameters(true)) {
+    if (!p.value().requires_grad()) continue;
+    const auto& t = p.value();
+    TORCH_CHECK(t.device() == device, "Trainer: parameter '", p.key(), "' is on ", t.device(),
+                ", the others on ", device, "; move the whole model to one device first");
+    if (any_floating_point) {
+      TORCH_CHECK(t.is_floating_point(), "Trainer: parameter '", p.key(), "' is ", t.scalar_type(),
+                  "; master weights need floating-point parameters");
+    } else {
+      TORCH_CHECK(t.scalar_type() == torch::kFloat, "Trainer: parameter '", p.key(), "' is ", t.scalar_type(),
+                  "; trainkit keeps parameters in fp32 (mixed precision comes from the precision policy)");
+    }
+    PlacedParameter e{p.key(), t};
+    e.order = static_cast<std::int64_t>(placed.size());
+    for (const auto& [substring, m] : options.lr_mult())
+      if (p.key().find(substring) != std::string::npos) {
+        e.lr_mult = m;
+        break;
+      }
+    for (size_t k = 0; k < options.no_decay().size(); ++k)
+      if (p.key().find(options.no_decay()[k]) != std::string::npos) e.decay = false, no_decay_used[k] = true;
+    placed.push_back(std::move(e));
+  }
+  for (size_t k = 0; k < no_decay_used.size(); ++k)
+    TORCH_CHECK(no_decay_used[k], "Trainer: no_decay (TRAIN.NO_DECAY) '", options.no_decay()[k],
+                "' is in no trainable parameter's name (they look like '",
+                placed.empty() ? std::string() : placed.front().name, "')");
+  using Key = std::pair<double, bool>;
+  std::vector<Key> order;
+  for (const auto& e : placed)
+    if (std::find(order.begin(), order.end(), Key{e.lr_mult, e.decay}) == order.end()) order.push_back({e.lr_mult, e.decay});
+  const auto rank = [&](const PlacedParameter& e) { return std::find(order.begin(), order.end(), Key{e.lr_mult, e.decay}); };
+  std::stable_sort(placed.begin(), placed.end(),
+                   [&](const PlacedParameter& a, const PlacedParameter& b) { return rank(a) < rank(b); });
+  align_ = aligned_elements(element_size);
+  layout_ = FlatLayout(align_);
+  for (auto& e : placed) e.offset = layout_.add(e.param.numel());
+  placed_ = std::move(placed);
+  partition_ = Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
+}
+
+TRAINKIT_INLINE Partition FlatParameters::partition_for(const Replicas& replicas, Sharding sharding,
+                                                        std::int64_t element_size) const {
+  if (!replicas.communicates())
+    return Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
+  return Partition(layout_.padded(), std::max<std::int64_t>(1, replicas.bucket_bytes() / element_size), align_,
+                   replicas.world_size(), replicas.rank(), sharding != Sharding::none);
+}
+
+TRAINKIT_INLINE void FlatParameters::install_hooks() {
+  std::vector<Range> ranges;
+  std::vector<std::int64_t> order;
+  std::vector<std::string> names;
+  for (const auto& e : placed_) {
+    ranges.push_back({e.offset, e.param.numel()});
+    order.push_back(e.order);
+    names.push_back(e.name);
+  }
+  readiness_ = std::make_shared<Readiness>(ranges, order, std::move(names), partition_);
+  for (size_t i = 0; i < placed_.size(); ++i)
+    torch::autograd::impl::set_post_acc_grad_hooks(placed_[i].param, std::make_unique<ReadyHook>(readiness_, i));
+}
+
+TRAINKIT_INLINE torch::Tensor FlatParameters::allocate_flat(std::int64_t numel, torch::Device device) const {
+  auto flat = torch::empty({numel}, torch::dtype(torch::kFloat).device(device));
+  layout_.zero_gaps(flat);
+  return flat;
+}
+
+TRAINKIT_INLINE torch::Tensor FlatParameters::copy_in(const PlacedParameter& e, const torch::Tensor& flat) {
+  torch::NoGradGuard no_grad;
+  auto view = flat.narrow(0, e.offset, e.param.numel()).view(e.param.sizes());
+  view.copy_(e.param);
+  return view;
+}
+
+TRAINKIT_INLINE void FlatParameters::release_cached(torch::Device device) {
+  if (!device.is_cpu()) c10::getDeviceAllocator(device.type())->emptyCache();
+}
+
+TRAINKIT_INLINE void FlatParameters::make_groups(const torch::Tensor& grads) {
+  groups_.clear();
+  ranges_.clear();
+  std::int64_t begin = 0;
+  for (size_t i = 0; i < placed_.size(); ++i) {
+    const auto& e = placed_[i];
+    if (i == 0 || placed_[i - 1].lr_mult != e.lr_mult || placed_[i - 1].decay != e.decay) begin = e.offset;
+    const bool ends = i + 1 == placed_.size() || placed_[i + 1].lr_mult != e.lr_mult || placed_[i + 1].decay != e.decay;
+    if (!ends) continue;
+    const auto end = e.offset + e.param.numel();
+    groups_.push_back({params_.narrow(0, begin, end - begin),
+                       grads.defined() ? grads.narrow(0, begin, end - begin) : torch::Tensor(), e.lr_mult, e.decay,
+                       layout_.slice(begin, end), /*state_offset=*/begin});
+    ranges_.push_back({begin, end - begin});
+  }
+}
+
+TRAINKIT_INLINE void FlatParameters::record_view(const PlacedParameter& e) {
+  views_.push_back({e.param, e.param.grad().storage().unsafeGetStorageImpl(), e.param.data_ptr(), e.name});
+}
+
+TRAINKIT_INLINE void FlatParameters::bind_gradients(const torch::Tensor& grads) {
+  for (size_t g = 0; g < groups_.size(); ++g)
+    groups_[g].grads = grads.defined() ? grads.narrow(0, ranges_[g].begin, ranges_[g].length) : torch::Tensor();
+}
+
+TRAINKIT_INLINE std::vector<ParamGroup> FlatParameters::chunk_groups(Range range, const torch::Tensor& params,
+                                                                     const torch::Tensor& grads,
+                                                                     std::int64_t state_begin) const {
+  std::vector<ParamGroup> out(groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const auto lo = std::max(range.begin, ranges_[g].begin), hi = std::min(range.end(), ranges_[g].end());
+    if (lo >= hi) continue;
+    out[g].params = params.narrow(0, lo - range.begin, hi - lo);
+    out[g].grads = grads.narrow(0, lo - range.begin, hi - lo);
+    out[g].lr_mult = groups_[g].lr_mult;
+    out[g].decay = groups_[g].decay;
+    out[g].state_offset = state_begin + (lo - range.begin);
+  }
+  return out;
+}
+
+TRAINKIT_INLINE std::vector<ParamGroup> FlatParameters::slice_groups(std::int64_t b, const torch::Tensor& params,
+                                                                     bool params_local,
+                                                                     const torch::Tensor& local_grads) const {
+  const Range s = partition_.slice(b);
+  const auto at = partition_.local(b);
+  return chunk_groups(s, params.narrow(0, params_local ? at : s.begin, s.length), local_grads.narrow(0, at, s.length), at);
+}
+
+TRAINKIT_INLINE void FlatParameters::write_by_name(torch::serialize::OutputArchive& archive, const std::string& prefix,
+                                                   const torch::Tensor& global) const {
+  for (const auto& e : placed_)
+    write_tensor(archive, prefix + e.name, global.narrow(0, e.offset, e.param.numel()).view(e.param.sizes()));
+}
+
+TRAINKIT_INLINE void FlatParameters::read_by_name(torch::serialize::InputArchive& archive, const std::string& prefix,
+                                                  const torch::Tensor& local) const {
+  std::vector<torch::Tensor> saved;
+  saved.reserve(placed_.size());
+  for (const auto& e : placed_) {
+    auto t = read_tensor(archive, prefix + e.name);
+    if (t.sizes() != e.param.sizes())
+      throw std::runtime_error("checkpoint record '" + prefix + e.name + "' has shape " + shape_string(t.sizes()) +
+                               ", this run needs " + shape_string(e.param.sizes()));
+    saved.push_back(t.reshape({-1}));
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < placed_.size(); ++i)
+    for_each_piece(placed_[i], [&](std::int64_t at, std::int64_t from, std::int64_t n) {
+      local.narrow(0, at, n).copy_(saved[i].narrow(0, from, n));
+    });
+}
+
+TRAINKIT_INLINE torch::Tensor FlatParameters::global_of(const torch::Tensor& local) const {
+  if (!partition_.sharded()) return local;
+  return replicas_->gather_to_main(local, partition_);
+}
+
+TRAINKIT_INLINE void FlatParameters::save_state(torch::serialize::OutputArchive& archive,
+                                                const UpdateRule& rule) const {
+  for (const auto* s : rule.flat_states()) {
+    const auto global = global_of(s->flat());
+    if (global.defined()) write_by_name(archive, "optim." + s->kind() + ".", global);
+  }
+}
+
+TRAINKIT_INLINE void FlatParameters::load_state(torch::serialize::InputArchive& archive, UpdateRule& rule) const {
+  for (auto* s : rule.flat_states()) {
+    const std::string prefix = "optim." + s->kind() + ".";
+    torch::Tensor probe;
+    if (!placed_.empty() && !archive.try_read(prefix + placed_.front().name, probe, true) &&
+        archive.try_read(prefix + "0", probe, true) && !partition_.sharded()) {
+      for (size_t g = 0; g < groups_.size(); ++g)
+        groups_[g].layout.read_into(archive, prefix + std::to_string(g),
+                                    s->flat().narrow(0, ranges_[g].begin, ranges_[g].length));
+      continue;
+    }
+    read_by_name(archive, prefix, s->flat());
+  }
+}
+
+TRAINKIT_INLINE void FlatParameters::save_reduced_window(torch::serialize::OutputArchive& archive,
+                                                         bool snapshot) const {
+  TORCH_CHECK(summed_, "Sharding::gradients: an open window without a reduced micro-batch");
+  if (snapshot) {
+    write_tensor(archive, "snapshot.window_local", local_grad_);
+    return;
+  }
+  const auto global = global_of(local_grad_);
+  if (global.defined()) write_by_name(archive, "window.gradient_reduced.", global);
+}
+
+TRAINKIT_INLINE bool FlatParameters::load_reduced_window(torch::serialize::InputArchive& archive, bool snapshot,
+                                                         bool shards_gradients) {
+  if (snapshot && shards_gradients) {
+    local_grad_ = read_tensor(archive, "snapshot.window_local").to(params_.device());
+    summed_ = true;
+    return true;
+  }
+  torch::Tensor probe;
+  const bool reduced = !placed_.empty() && archive.try_read("window.gradient_reduced." + placed_.front().name, probe, true);
+  if (reduced != shards_gradients)
+    throw std::runtime_error(std::string("it was written inside a window (PARTIAL_WINDOW: span) ") +
+                             (reduced ? "with gradients sharded (TRAIN.ZERO_STAGE: 2), and this run does not shard them"
+                                      : "without sharded gradients, and this run shards them (TRAIN.ZERO_STAGE: 2)") +
+                             "; resume with the checkpoint's TRAIN.ZERO_STAGE, or from a checkpoint at a window's end");
+  if (!reduced) return false;
+  local_grad_ = torch::zeros({partition_.local_total()}, params_.options());
+  read_by_name(archive, "window.gradient_reduced.", local_grad_);
+  summed_ = true;
+  return true;
+}
+
+}  // namespace detail
+}  // namespace trainkit
+namespace trainkit {
+
+TRAINKIT_INLINE void FlatStorage::validate(const TrainerOptions& options, const std::string& trainer) {
+  if (options.reduce_precision() == ReducePrecision::half)
+    throw std::invalid_argument(
+        "trainkit::TrainerOptions: reduce_precision half needs master weights (PrecisionPolicy<MasterWeights<T>>): "
+        "without them the gradient is fp32, and " + trainer + " all-reduces it as it is");
+}
+
+TRAINKIT_INLINE FlatStorage::FlatStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
+                                         at::ScalarType dtype)
+    : sharding_(options.sharding()), overlap_(options.overlap_reduction()), device_(device) {
+  TORCH_CHECK(dtype == at::kFloat, "FlatStorage holds fp32 parameters, not ", dtype);
+  place(model, options, device, /*element_size=*/4, /*any_floating_point=*/false);
+  allocate(layout_.padded());
+}
+
+TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& model) {
+  replicas_ = &replicas;
+  partition_ = partition_for(replicas, sharding_, /*element_size=*/4);
+  if (partition_.total() != params_.numel()) allocate(partition_.total());
+  replicas.attach(model, params_);
+  local_grad_ = torch::Tensor();
+  summed_ = false;
+  if (shards_gradients()) detail::release_storage(grad_);
+  readiness_.reset();
+  if (overlap_ && replicas.communicates()) install_hooks();
+  return sharded();
+}
+
+TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& done) {
+  allocate_gradient();
+  if (readiness_ && done.micro_batch_ends && (done.closes || shards_gradients())) {
+    reduction_ = replicas_->start_reduction(grad_, reduction_target(), partition_, done.window, done.closes);
+    readiness_->arm(*reduction_);
+  }
+}
+
+TRAINKIT_INLINE void FlatStorage::backward_done(const detail::BackwardDone& done) {
+  if (done.closes || !done.micro_batch_ends || !shards_gradients()) return;
+  finish_reduction(*replicas_, done.window, /*closes=*/false);
+  detail::release_storage(grad_);
+}
+
+TRAINKIT_INLINE GradientFactor FlatStorage::reduce(Replicas& replicas, const WindowWeights& window) {
+  // (A window flushed at an epoch's end after a reduced micro-batch has no gradient left:
+  // zeros stand for it, and the reduction still brings the window's item total.)
+  allocate_gradient();
+  const GradientFactor factor = finish_reduction(replicas, window, /*closes=*/true);
+  if (shards_gradients()) detail::release_storage(grad_);
+  return factor;
+}
+
+TRAINKIT_INLINE torch::Tensor FlatStorage::norm() const {
+  return sharded() ? replicas_->global_norm(local_grad_) : at::linalg_vector_norm(grad_, 2);
+}
+
+TRAINKIT_INLINE void FlatStorage::discard_micro_batch() {
+  drop_reduction();
+  if (!detail::is_released(grad_)) detail::release_storage(grad_);
+}
+
+TRAINKIT_INLINE void FlatStorage::zero() {
+  drop_reduction();
+  summed_ = false;
+  if (!sharded()) {
+    grad_.zero_();
+    return;
+  }
+  if (shards_gradients()) {
+    if (!detail::is_released(grad_)) detail::release_storage(grad_);
+  } else {
+    grad_.zero_();
+  }
+  local_grad_ = scratch_ = torch::Tensor();  // the reduced slices live from a reduction to the update
+}
+
+TRAINKIT_INLINE void FlatStorage::save(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
+                                       const detail::UpdateRule& rule) const {
+  save_parameters(archive, module);
+  save_state(archive, rule);
+}
+
+TRAINKIT_INLINE void FlatStorage::load(torch::serialize::InputArchive& archive, torch::nn::Module& module,
+                                       detail::UpdateRule& rule) {
+  load_parameters(archive, module);
+  load_state(archive, rule);
+}
+
+TRAINKIT_INLINE void FlatStorage::snapshot(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
+                                           const detail::UpdateRule& rule) const {
+  save_parameters(archive, module);
+  for (const auto* s : rule.flat_states()) detail::write_tensor(archive, "snapshot." + s->kind(), s->flat());
+}
+
+TRAINKIT_INLINE void FlatStorage::restore(torch::serialize::InputArchive& archive, torch::nn::Module& module,
+                                          detail::UpdateRule& rule) {
+  load_parameters(archive, module);
+  for (auto* s : rule.flat_states()) detail::read_into(archive, "snapshot." + s->kind(), s->flat());
+}
+
+TRAINKIT_INLINE void FlatStorage::save_window(torch::serialize::OutputArchive& archive, bool snapshot) const {
+  if (shards_gradients()) save_reduced_window(archive, snapshot);
+  else layout_.write(archive, "window.gradient", grad_);
+}
+
+TRAINKIT_INLINE void FlatStorage::load_window(torch::serialize::InputArchive& archive, bool snapshot) {
+  if (load_reduced_window(archive, snapshot, shards_gradients())) return;
+  allocate_gradient();
+  layout_.read_into(archive, "window.gradient", grad_);
+}
+
+TRAINKIT_INLINE void FlatStorage::save_parameters(torch::serialize::OutputArchive& archive,
+                                                  torch::nn::Module& module) const {
+  for (const auto& p : module.named_parameters(true)) detail::write_tensor(archive, "model.param." + p.key(), p.value());
+}
+
+TRAINKIT_INLINE void FlatStorage::load_parameters(torch::serialize::InputArchive& archive, torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (const auto& p : module.named_parameters(true)) detail::read_into(archive, "model.param." + p.key(), p.value());
+}
+
+TRAINKIT_INLINE void FlatStorage::allocate(std::int64_t numel) {
+  // The old gradient goes first (the parameters' .grad and the groups hold views of it), so
+  // that at most the parameters are held twice.
+  for (auto& e : placed_) e.param.mutable_grad() = torch::Tensor();
+  groups_.clear();
+  views_.clear();
+  grad_ = torch::Tensor();
+  auto flat = allocate_flat(numel, device_);
+  for (auto& e : placed_) e.param.set_data(copy_in(e, flat));  // (releases the old storage)
+  params_ = flat;
+  release_cached(device_);
+  grad_ = torch::zeros({numel}, params_.options());
+  views_.clear();
+  for (auto& e : placed_) {
+    e.param.mutable_grad() = grad_.narrow(0, e.offset, e.param.numel()).view(e.param.sizes());
+    record_view(e);
+  }
+  make_groups(grad_);
+}
+
+TRAINKIT_INLINE void FlatStorage::allocate_gradient() {
+  if (detail::is_released(grad_)) detail::allocate_released(grad_);
+}
+
+TRAINKIT_INLINE torch::Tensor FlatStorage::reduction_target() {
+  if (!sharded()) return {};
+  torch::Tensor& target = summed_ ? scratch_ : local_grad_;
+  if (!target.defined()) target = torch::empty({partition_.local_total()}, params_.options());
+  return target;
+}
+
+TRAINKIT_INLINE GradientFactor FlatStorage::finish_reduction(Replicas& replicas, const WindowWeights& window,
+                                                             bool closes) {
+  GradientFactor factor;
+  if (reduction_) {
+    readiness_->launch_rest();  // (parameters that got no gradient), in the launch order
+    readiness_->disarm();
+    factor = reduction_->finish();
+    reduction_.reset();
+  } else {
+    factor = replicas.reduce_buckets(grad_, reduction_target(), partition_, window, closes);
+  }
+  if (sharded()) {
+    if (summed_) local_grad_.add_(scratch_);
+    summed_ = true;
+  }
+  return factor;
+}
+
+TRAINKIT_INLINE void FlatStorage::drop_reduction() {
+  if (!reduction_) return;
+  const auto launched = readiness_->launched();
+  readiness_->disarm();
+  if (launched == 0) {
+    reduction_.reset();  // nothing sent
+    return;
+  }
+  throw std::runtime_error(
+      "trainkit: the window was dropped (an out-of-memory error in its backward?) after " + std::to_string(launched) +
+      " bucket(s) of its gradient reduction had started on this rank, overlapped with the backward: the other ranks "
+      "cannot replay it with this one, so training stops here. Resume from the last checkpoint with a smaller "
+      "micro-batch or TRAIN.MEMORY_BUDGET, or set TRAIN.OVERLAP_REDUCTION: false "
+      "(TrainerOptions::overlap_reduction) to reduce after the backward, where such a window can be replayed");
+}
+
+}  // namespace trainkit

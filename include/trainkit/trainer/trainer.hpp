@@ -1,0 +1,728 @@
+#pragma once
+/// The Trainer: a training configuration as a type.
+///
+///   using Trainer = tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>,
+///                               tk::AccumulationPolicy<4>, tk::ClipPolicy<tk::ClipNorm>>;
+///   Trainer trainer(model, tk::AdamW{1e-4, 1e-4}, tk::TrainerOptions().max_grad_norm(1.0));
+///   for (auto& batch : loader) {
+///     auto r = trainer.micro_step([&] { return loss_of(model, batch); });
+///     if (r.window_closed && want_log) log(r.report.loss());
+///   }
+///   trainer.flush();
+///
+/// The step's order is written once, in micro_step() and optimizer_phase() below, with the
+/// phases numbered as in docs/design/optimizer-phase.md. Each policy is a member whose calls compile to straight-line
+/// code for its configuration: there is no branch on a policy inside the step.
+///
+/// Storage: the trainer holds its precision's parameter storage (storage.hpp): at construction
+/// the trainable parameters are moved into one flat fp32 buffer (parameters become views into
+/// it, grouped by LR multiplier), and their .grad into a flat gradient; with master weights
+/// the model holds half views and the buffer the fp32 masters (master_storage.hpp). Move the
+/// model to its device *before* constructing the trainer, and do not replace parameters or
+/// their .grad afterwards (the trainer checks and says so).
+///
+/// State: save(archive) writes every part's records (the model through the storage, the
+/// update rule, the precision's scaler, the accumulation's window, the counters, the schedule,
+/// the generators); load(archive) checks the type, the optimizer and every parameter's shape
+/// before it changes anything. save(path) and load(path) add the atomic file and the rollback.
+#include <trainkit/detail/inline.hpp>
+#include <trainkit/step/accumulation.hpp>
+#include <trainkit/trainer/any_trainer.hpp>
+#include <trainkit/step/clip.hpp>
+#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/module_of.hpp>
+#include <trainkit/detail/out_of_memory.hpp>
+#include <trainkit/detail/rng_state.hpp>
+#include <trainkit/storage/master_storage.hpp>
+#include <trainkit/step/optim.hpp>
+#include <trainkit/step/options.hpp>
+#include <trainkit/step/precision.hpp>
+#include <trainkit/step/replicas.hpp>
+#include <trainkit/step/schedule.hpp>
+#include <trainkit/step/step_report.hpp>
+#include <trainkit/storage/storage.hpp>
+#include <trainkit/trainer/trainer_key.hpp>
+#include <trainkit/version.hpp>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace trainkit {
+
+namespace detail {
+
+/// The host counters a data-parallel load compares across ranks: windows run, window position.
+torch::Tensor host_counters(std::int64_t windows, std::int64_t position);
+
+/// Host values as a 1-D tensor of `dtype` on `device`, with no host sync on a GPU.
+torch::Tensor device_values(const std::vector<double>& values, at::ScalarType dtype, torch::Device device);
+
+/// What every Trainer<P, A, C> shares and no policy changes: the options, the model and its
+/// device, the update rule, the LR schedule and its device table, the replicas, the counters and
+/// the window's loss; the checkpoint records of those, the checks of a checkpoint before a load,
+/// the loss check. Not a template: in the compiled mode (TRAINKIT_COMPILED_LIB) its definitions
+/// (trainer-inl.hpp) are compiled once. Trainer<P, A, C> adds the policies, the storage and the
+/// step.
+class TrainerCore : public AnyTrainer {
+ public:
+  TRAINKIT_INLINE void set_schedule(std::shared_ptr<Schedule> schedule) override;
+  void schedule_changed() override { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
+  const Schedule& schedule() const override { return *schedule_; }
+  /// After an epoch's validation (the fit loop): hands `metric` to the schedule (plateau) and
+  /// rebuilds the LR table when the schedule changed. Returns whether it changed.
+  TRAINKIT_INLINE bool on_epoch_end(std::int64_t epoch, double metric) override;
+
+  /// rank(), world_size(), is_main() for the loop; all_reduce() for its metrics.
+  Replicas& replicas() override { return *replicas_; }
+  const Replicas& replicas() const override { return *replicas_; }
+
+  /// Optimizer phases run (applied + skipped); host value, no sync.
+  std::int64_t windows() const override { return windows_; }
+  /// Applied optimizer steps (device scalar; `.item()` syncs).
+  const torch::Tensor& applied_steps() const override { return applied_; }
+  const torch::Tensor& skipped_steps() const override { return skipped_; }
+  UpdateRule& update_rule() { return *rule_; }
+  bool allocate_optimizer_state() override {
+    for (auto* state : rule_->flat_states()) state->allocate();
+    return rule_->state_is_flat();
+  }
+  const TrainerOptions& options() const override { return options_; }
+  torch::nn::Module& model() override { return *module_; }
+  torch::Device device() const override { return device_; }
+  double base_lr() const override { return rule_->base_lr(); }
+
+ protected:
+  TrainerCore(TrainerOptions options, std::shared_ptr<torch::nn::Module> module);
+  /// The end of Trainer's construction, once the storage exists: the update rule, the counters
+  /// and the constant schedule. `half_autocast`: the forward autocasts to float16, which a CPU
+  /// runs slowly; said once per process.
+  void start(std::unique_ptr<UpdateRule> rule, bool half_autocast = false);
+
+  // Checkpoint records of the shared state (Trainer::write_state and read_state put the
+  // policies' and the storage's between them).
+  void write_meta(torch::serialize::OutputArchive& archive) const;
+  void write_buffers(torch::serialize::OutputArchive& archive) const;
+  void write_counters(torch::serialize::OutputArchive& archive) const;
+  void write_schedule_and_generators(torch::serialize::OutputArchive& archive) const;
+  void read_buffers(torch::serialize::InputArchive& archive);
+  void read_counters(torch::serialize::InputArchive& archive);
+  void read_window_loss(torch::serialize::InputArchive& archive);
+  void read_schedule_and_generators(torch::serialize::InputArchive& archive);
+  /// Before load() changes anything: the checkpoint's trainer type and optimizer are this
+  /// trainer's, and every parameter and buffer of the model is in it with its shape. Throws
+  /// naming `source` and the first mismatch.
+  void check_checkpoint(torch::serialize::InputArchive& archive, const std::string& source) const;
+  /// The error of an optimizer state the rule cannot read (`prefix` names the archive).
+  [[noreturn]] void refuse_optimizer_state(torch::serialize::InputArchive& archive, const std::string& prefix,
+                                           const std::exception& e) const;
+  /// The error of memory that ran out in the optimizer phase (it cannot be replayed).
+  [[noreturn]] void optimizer_phase_out_of_memory(const std::exception& e) const;
+
+  /// The loss a closure returned: defined, requiring grad, one element (or, in a window of
+  /// loss terms, one per term).
+  void check_loss(const torch::Tensor& loss) const;
+  /// begin_window's work that no policy changes: the terms' counts summed over the ranks and
+  /// turned into their weights (terms_).
+  void count_terms(const std::vector<std::int64_t>& items);
+  /// The records of an open window of loss terms (a checkpoint inside a window), and back
+  /// (read_terms leaves terms_ empty where the archive has none: a window of one loss value).
+  void write_terms(torch::serialize::OutputArchive& archive) const;
+  void read_terms(torch::serialize::InputArchive& archive);
+  /// The phase's divisor without loss scaling, a device scalar remade only when its value
+  /// changes (1 in every full window; item-weighted or partial windows vary).
+  const torch::Tensor& constant(double value);
+  void ensure_lr_table() {
+    if (windows_ + 1 >= lr_table_.size(0)) build_lr_table(2 * (windows_ + 1));
+  }
+  /// The schedule evaluated on the host for every applied-step position up to `size`, moved to
+  /// the device once; the step indexes it with the device-resident applied count.
+  void build_lr_table(std::int64_t size);
+
+  TrainerOptions options_;
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::Device device_;
+  std::unique_ptr<UpdateRule> rule_;
+  std::shared_ptr<Schedule> schedule_;
+  std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
+  std::vector<torch::Tensor> lrs_;
+  torch::Tensor lr_table_;
+  torch::Tensor applied_, skipped_, window_loss_;
+  torch::Tensor constant_;  // constant()
+  double constant_value_ = 0.0;
+  std::int64_t windows_ = 0;
+  /// The open window's loss terms (begin_window); none (items empty) when its loss is one value.
+  /// In such a window window_loss_ holds the terms' sums so far, one per term.
+  struct Terms {
+    std::vector<std::int64_t> items;  // this rank's items of each term in the window
+    torch::Tensor weights;            // 1 / (each term's items over every rank), fp32, on the device
+    torch::Tensor local_weights;      // 1 / (this rank's items of each term): the report's loss
+    std::int64_t micro_batches = 0;   // the micro-batches counted: the window may not run more
+    bool active() const { return !items.empty(); }
+  } terms_;
+
+ private:
+  static torch::Device first_device(torch::nn::Module& module);
+};
+
+}  // namespace detail
+
+/// A training configuration as a type. See the file comment for use; docs/design/optimizer-phase.md
+/// for semantics.
+/// It is also an AnyTrainer (any_trainer.hpp): code that takes AnyTrainer& (tk::fit, the
+/// checkpoint manager, a driver) compiles once for every configuration.
+template <class Precision = PrecisionPolicy<FP32>, class Accumulation = AccumulationPolicy<1>,
+          class Clip = ClipPolicy<NoClip>>
+class Trainer final : public detail::TrainerCore {
+  static_assert(is_precision_policy<Precision>::value,
+                "trainkit::Trainer<P, A, C>: P (the first argument) must be "
+                "tk::PrecisionPolicy<tk::FP32 | tk::BF16 | tk::FP16Static | tk::FP16Dynamic>, or "
+                "tk::PrecisionPolicy<tk::MasterWeights<tk::BF16 | tk::FP16Static | tk::FP16Dynamic>>");
+  static_assert(is_accumulation_policy<Accumulation>::value,
+                "trainkit::Trainer<P, A, C>: A (the second argument) must be "
+                "tk::AccumulationPolicy<N> with N >= 1, or tk::AccumulationPolicy<tk::Dynamic>");
+  static_assert(is_clip_policy<Clip>::value,
+                "trainkit::Trainer<P, A, C>: C (the third argument) must be "
+                "tk::ClipPolicy<tk::NoClip | tk::ClipNorm | tk::ClipValue>");
+
+ public:
+  using precision = Precision;
+  using accumulation = Accumulation;
+  using clip = Clip;
+  using precision_mode = typename Precision::mode;
+  using clip_mode = typename Clip::mode;
+  /// The parameter storage of the precision (storage.hpp).
+  using storage_type = typename Precision::storage;
+  /// Micro-batches per window; tk::Dynamic when chosen at run time.
+  static constexpr int accumulation_steps = Accumulation::steps;
+  static constexpr bool scales_loss = Precision::scales_loss;
+
+  /// The configuration as values (trainer_key.hpp).
+  static constexpr TrainerKey key() { return TrainerKey::of<precision_mode, accumulation_steps, clip_mode>(); }
+  /// "Trainer<FP16Dynamic, Accumulate<4>, ClipNorm>": for logs, and checked on load().
+  static std::string name() { return key().name(); }
+
+  /// `optimizer`: tk::SGD, tk::Adam, tk::AdamW (fused), or a std::shared_ptr to any
+  /// torch::optim::Optimizer built over the model's parameters (unfused).
+  template <class Model, class Optimizer>
+  Trainer(Model& model, Optimizer optimizer, TrainerOptions options = {})
+      : TrainerCore(validated(std::move(options)), detail::module_of(model)),
+        precision_(options_.loss_scale(), device_),
+        accumulation_(options_),
+        clip_(options_),
+        storage_(*module_, options_, device_, Precision::storage_dtype) {
+    static_assert(storage_type::accepts_torch_optimizer || !detail::is_torch_optimizer<Optimizer>::value,
+                  "trainkit::Trainer with MasterWeights<T>: a torch::optim::Optimizer would update "
+                  "the model's half parameters, not the fp32 masters; use the fused tk::SGD, "
+                  "tk::Adam or tk::AdamW, or PrecisionPolicy<T> without MasterWeights");
+    start(detail::make_rule(std::move(optimizer), storage_.groups()),
+          detail::autocast_dtype_of<precision_mode>() == at::kHalf);
+  }
+
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  /// One micro-batch: `closure` computes the loss (forward) and returns it as a scalar tensor.
+  /// Closes the window on its N-th call and then runs the optimizer phase.
+  template <class Closure>
+  MicroStepResult micro_step(Closure&& closure) {
+    return micro_step_impl(std::forward<Closure>(closure), -1);
+  }
+  /// As above, with the micro-batch's item count (tokens, samples): the window's gradient is
+  /// then the gradient of the mean over all its items, whatever the counts are.
+  template <class Closure>
+  MicroStepResult micro_step(Closure&& closure, std::int64_t items) {
+    TORCH_CHECK(items >= 0, "micro_step: the item count must be >= 0, got ", items);
+    return micro_step_impl(std::forward<Closure>(closure), items);
+  }
+
+  /// One micro-batch of `items[0] + items[1] + ...` items run as pieces: `loss(j)` computes
+  /// piece j's loss, a mean over its items[j] items, and each piece has its own forward and
+  /// backward (the activations of one piece at a time). The step is micro_step(closure, total)
+  /// on the whole micro-batch whose loss is the items-weighted mean of the pieces' losses: the
+  /// window's position advances once. The fit loop's planned micro-batches and its replay after
+  /// an out-of-memory error run through this (fit.hpp, "Memory").
+  template <class PieceLoss>
+  MicroStepResult micro_step_pieces(PieceLoss&& loss, const std::vector<std::int64_t>& items) {
+    static_assert(std::is_invocable_r_v<torch::Tensor, PieceLoss&, std::int64_t>,
+                  "micro_step_pieces(loss, items): loss(j) must return piece j's loss as a torch::Tensor");
+    return micro_step_pieces_impl(loss, items);
+  }
+
+  /// Opens a window whose loss is several terms, each the sum of a loss over its own items
+  /// (MLM over labelled tokens, region classification over labelled regions): `items[t]` is
+  /// term t's item count in this rank's micro-batches of the window, known before they run
+  /// (read from the batches). Each micro-step's closure then returns the terms' sums, one
+  /// value per term (torch::stack({mlm_sum, mvrc_sum})), and the window's gradient is that of
+  /// the sum over the terms of each term's mean over all its items in the window, on every
+  /// rank: exactly what one micro-batch holding the whole global batch gives, however it is
+  /// split (micro-batches, pieces, ranks). The counts are summed over the ranks here (one
+  /// small collective on the device, no host sync): every rank calls it, for every window.
+  ///
+  ///   trainer.begin_window({mlm_tokens, masked_regions});  // this rank's, over the window
+  ///   for (const auto& b : window)
+  ///     trainer.micro_step([&] { auto o = model(b); return torch::stack({o.mlm_sum, o.mvrc_sum}); });
+  /// `micro_batches`: how many micro-batches the counts cover (the window's length, fewer for a
+  /// partial window); running more in the window is refused, since their items were not counted.
+  void begin_window(const std::vector<std::int64_t>& items, std::int64_t micro_batches = -1) override {
+    TORCH_CHECK(accumulation_.position() == 0, "begin_window: a window is open (", accumulation_.position(),
+                " micro-batches of ", accumulation_.window(), "); call it before a window's first micro-batch");
+    TORCH_CHECK(micro_batches <= accumulation_.window(), "begin_window: counts of ", micro_batches,
+                " micro-batches for a window of ", accumulation_.window());
+    count_terms(items);
+    terms_.micro_batches = micro_batches < 0 ? accumulation_.window() : micro_batches;
+  }
+  /// Whether the open window's loss is terms (begin_window).
+  bool window_has_terms() const override { return terms_.active(); }
+
+  /// Whether each micro-batch's gradient is reduced over the ranks when it ends (a sharded
+  /// gradient, Sharding::gradients, with several ranks).
+  bool reduces_each_micro_batch() const override { return storage_.reduces_each_micro_batch(); }
+  /// With a gradient reduced at each micro-batch's end (reduces_each_micro_batch()): forgets
+  /// the micro-batch whose forward or backward failed (out of memory), its loss, counts and
+  /// unreduced gradient, and keeps the window's earlier micro-batches, which every rank has
+  /// summed already; the fit loop then replays that micro-batch alone, in smaller pieces, and
+  /// every rank's collectives still line up. Throws where the failed backward had sent
+  /// buckets to the other ranks (TrainerOptions::overlap_reduction).
+  void discard_micro_batch() override {
+    TORCH_CHECK(storage_.reduces_each_micro_batch(), "discard_micro_batch: the gradient is reduced once per window "
+                "here (not Sharding::gradients with several ranks): discard the window (discard_window)");
+    storage_.discard_micro_batch();
+    accumulation_.load_state(started_.accumulation);
+    window_loss_ = started_.window_loss;
+  }
+
+  /// Discards the open window: its gradient, loss and item count, as if none of its
+  /// micro-batches had run (the fit loop, before replaying a window after an out-of-memory
+  /// error). Parameters, optimizer state, counters and the schedule are untouched. The loss
+  /// terms' counts of begin_window stay: a replay runs the same micro-batches (and calling
+  /// begin_window again would be a collective the other ranks do not make).
+  void discard_window() override {
+    storage_.zero();
+    accumulation_.discard();
+  }
+
+  /// End of epoch: handle a partial window by TrainerOptions::partial_window
+  /// (docs/design/optimizer-phase.md).
+  /// Returns the report when an optimizer phase ran.
+  std::optional<StepReport> flush() override {
+    if (accumulation_.position() == 0) return std::nullopt;
+    switch (options_.partial_window()) {
+      case PartialWindow::flush:
+        return close_window();
+      case PartialWindow::span:
+        return std::nullopt;
+      case PartialWindow::drop:
+        storage_.zero();
+        window_loss_ = torch::zeros({}, window_loss_.options());
+        accumulation_.reset();
+        terms_ = {};
+        return std::nullopt;
+    }
+    return std::nullopt;
+  }
+
+  /// Data parallel (replicas.hpp): attaches the other ranks; every rank's parameters and
+  /// buffers become rank 0's now, and phase 5 sums the gradients once per window. Call it on
+  /// every rank, between windows, before load(). The default is SingleProcess. With
+  /// TrainerOptions::sharding and more than one rank the optimizer's state then covers this
+  /// rank's slices only: call it before the first optimizer step.
+  void set_replicas(std::shared_ptr<Replicas> replicas) override {
+    TORCH_CHECK(replicas != nullptr, "set_replicas: the replicas are null (use tk::SingleProcess)");
+    TORCH_CHECK(accumulation_.position() == 0, "set_replicas: a window is open (",
+                accumulation_.position(), " micro-batches); attach between windows");
+    const bool was_sharded = storage_.sharded();
+    if (options_.sharding() != Sharding::none && replicas->communicates() && windows_ > 0)
+      throw std::logic_error("set_replicas: with sharding (TrainerOptions::sharding, TRAIN.ZERO_STAGE) the optimizer's "
+                             "state is cut by rank: attach the replicas before the first optimizer step (" +
+                             std::to_string(windows_) + " have run), then load() a checkpoint to continue");
+    replicas_ = std::move(replicas);
+    if (storage_.attach(*replicas_, *module_) || was_sharded)
+      for (auto* state : rule_->flat_states()) state->resize(storage_.state_numel());
+  }
+  void allocate_gradient() override { storage_.allocate_gradient(); }
+  // --- state ----------------------------------------------------------------------------
+  /// Micro-batches in the current, open window.
+  std::int64_t window_position() const override { return accumulation_.position(); }
+  /// The current loss scale (device scalar; 1 without loss scaling).
+  const torch::Tensor& loss_scale() const override { return precision_.scale(); }
+  Precision& precision_policy() { return precision_; }
+  Accumulation& accumulation_policy() { return accumulation_; }
+  const Clip& clip_policy() const { return clip_; }
+  /// Where the parameters, gradients and masters live (storage.hpp, master_storage.hpp).
+  const storage_type& storage() const { return storage_; }
+  /// The flat gradient (every trainable parameter's .grad is a view into it). With master
+  /// weights: the fp32 gradient of the optimizer phase, undefined between windows.
+  const torch::Tensor& gradients() const { return storage_.gradients(); }
+  /// The flat fp32 parameter storage: the model's parameters, or with master weights the
+  /// masters. Each parameter starts 64-byte aligned; the gaps between them are zeros
+  /// (layout().pack(parameters()) gives the parameters back to back, as checkpoints hold them).
+  const torch::Tensor& parameters() const { return storage_.parameters(); }
+  /// Where each parameter lives in parameters() and the storage's other flat buffers.
+  const detail::FlatLayout& layout() const { return storage_.layout(); }
+  /// Trainable parameters (elements), without the gaps.
+  std::int64_t parameter_count() const { return storage_.parameter_count(); }
+  const std::vector<detail::ParamGroup>& groups() const override { return storage_.groups(); }
+
+  // --- AnyTrainer: what the loop asks of any configuration --------------------------------
+  std::string type_name() const override { return name(); }
+  bool uses_loss_scale() const override { return Precision::scales_loss; }
+  bool dynamic_loss_scale() const override { return std::is_same_v<scaling_mode_t<precision_mode>, FP16Dynamic>; }
+  std::int64_t window_length() const override { return accumulation_.window(); }
+  std::optional<at::ScalarType> autocast_dtype() const override {
+    return detail::autocast_dtype_of<precision_mode>();
+  }
+
+  using AnyTrainer::load;
+  using AnyTrainer::save;
+  /// Every record of the trainer's state: each part writes its own. The parameters and the
+  /// optimizer's state are keyed by parameter name with the parameters' shapes, whatever the
+  /// layout or the world size. Sharded (saves_collectively()): every rank calls it, and the
+  /// main rank's archive receives everything.
+  void save(torch::serialize::OutputArchive& archive) const override { write_state(archive, /*snapshot=*/false); }
+  /// This rank's state as it holds it, with no collective (a failed load's rollback).
+  void snapshot(torch::serialize::OutputArchive& archive) const override { write_state(archive, /*snapshot=*/true); }
+  bool saves_collectively() const override { return storage_.sharded(); }
+
+  /// Restores the state save() wrote. A checkpoint of another trainer type or optimizer, or
+  /// with other parameter names or shapes, is refused before anything changes (the message
+  /// names `source` and the first mismatch). A failure after that (an optimizer state that
+  /// does not fit, ranks that loaded different states) leaves the trainer partly loaded:
+  /// load(path) and the checkpoint manager put the previous state back.
+  void load(torch::serialize::InputArchive& archive, const std::string& source) override {
+    check_checkpoint(archive, source);
+    read_state(archive, "checkpoint '" + source + "': ", /*snapshot=*/false);
+    // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
+    replicas_->check_same_state({storage_.replicated_state(), applied_, skipped_, precision_.scale(),
+                                 detail::host_counters(windows_, accumulation_.position())},
+                                "checkpoint '" + source + "': the ranks loaded different training states");
+  }
+  /// A snapshot() of this trainer back (the rollback of a failed load): no checks, no
+  /// collectives.
+  void restore(torch::serialize::InputArchive& snapshot) override {
+    read_state(snapshot, "restoring the state before a failed load: ", /*snapshot=*/true);
+  }
+
+ protected:
+  MicroStepResult run_micro_step(const LossClosure& loss, std::int64_t items) override {
+    return micro_step_impl(loss, items);
+  }
+  MicroStepResult run_micro_step_pieces(const PieceLoss& loss, const std::vector<std::int64_t>& items) override {
+    return micro_step_pieces_impl(loss, items);
+  }
+
+ private:
+  // The records of every part, in this order: the shared ones (TrainerCore) around the
+  // storage's and the policies'.
+  void write_state(torch::serialize::OutputArchive& archive, bool snapshot) const {
+    write_meta(archive);
+    {
+      torch::NoGradGuard no_grad;
+      if (snapshot) storage_.snapshot(archive, *module_, *rule_);
+      else storage_.save(archive, *module_, *rule_);
+    }
+    write_buffers(archive);
+    rule_->save(archive);
+    precision_.save(archive);
+    write_counters(archive);
+    accumulation_.save(archive);
+    // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
+    if (accumulation_.position() > 0) {
+      storage_.save_window(archive, snapshot);
+      detail::write_tensor(archive, "window.loss", window_loss_);
+      if (terms_.active()) write_terms(archive);
+    }
+    write_schedule_and_generators(archive);
+  }
+
+  // Sets the trainer's state from the records save() wrote (checked by check_checkpoint
+  // first), or from a snapshot() of this trainer's. `prefix` names the archive in errors.
+  void read_state(torch::serialize::InputArchive& archive, const std::string& prefix, bool snapshot) {
+    read_buffers(archive);
+    try {
+      if (snapshot) storage_.restore(archive, *module_, *rule_);
+      else storage_.load(archive, *module_, *rule_);
+      rule_->load(archive);
+    } catch (const std::exception& e) {
+      refuse_optimizer_state(archive, prefix, e);
+    }
+    precision_.load(archive);
+    read_counters(archive);
+    accumulation_.load(archive);
+    terms_ = {};
+    if (accumulation_.position() > 0) {
+      storage_.load_window(archive, snapshot);
+      read_window_loss(archive);
+      read_terms(archive);  // (when the window's loss was terms)
+    } else {
+      storage_.zero();
+    }
+    read_schedule_and_generators(archive);
+  }
+
+  static TrainerOptions validated(TrainerOptions options) {
+    options.validate();
+    storage_type::validate(options, name());
+    return options;
+  }
+
+  template <class Closure>
+  MicroStepResult micro_step_impl(Closure&& closure, std::int64_t items) {
+    static_assert(std::is_invocable_v<Closure&>,
+                  "micro_step(closure): the closure must take no arguments");
+    static_assert(std::is_convertible_v<std::invoke_result_t<Closure&>, torch::Tensor>,
+                  "micro_step(closure): the closure must return the loss as a torch::Tensor");
+    started_ = {accumulation_.state(), window_loss_};
+    const torch::Tensor loss = forward(closure);
+    // 2. Weight: 1/N, or items_i / items_window (exact mean over the window's items); loss
+    //    terms carry their own (begin_window).
+    const bool opens = accumulation_.position() == 0;
+    const double weight = weigh(items);
+    const bool closes = accumulation_.closes();
+    const detail::BackwardDone done{closes, /*micro_batch_ends=*/true, window_weights()};
+    backward(loss, weight, opens, done);
+    // 4. Data parallel: no communication inside the window (except Sharding::gradients, which
+    //    reduce-scatters each micro-batch into this rank's slices of the window's sum).
+    storage_.backward_done(done);
+    if (!closes) return {};
+    return {true, close_window()};
+  }
+
+  // micro_step_pieces: phases 1-3 once per piece, each weighted by its share of the
+  // micro-batch's weight; the position advances once (after the first piece's forward, as in
+  // micro_step, so a failing first forward leaves the window as it was).
+  template <class PieceLoss>
+  MicroStepResult micro_step_pieces_impl(PieceLoss& loss_of, const std::vector<std::int64_t>& items) {
+    TORCH_CHECK(!items.empty(), "micro_step_pieces: no pieces");
+    std::int64_t total = 0;
+    for (size_t j = 0; j < items.size(); ++j) {
+      TORCH_CHECK(items[j] >= 0, "micro_step_pieces: piece ", j, " has ", items[j], " items; counts must be >= 0");
+      total += items[j];
+    }
+    const bool opens = accumulation_.position() == 0;
+    started_ = {accumulation_.state(), window_loss_};
+    double weight = 0;
+    for (size_t j = 0; j < items.size(); ++j) {
+      const auto piece = static_cast<std::int64_t>(j);
+      const torch::Tensor loss = forward([&] { return loss_of(piece); });
+      if (j == 0) weight = weigh(terms_.active() ? -1 : total);
+      // (Loss terms are sums weighted by their window's counts: a piece's sums need no share.)
+      const double share = terms_.active() ? 1.0
+                           : total > 0   ? static_cast<double>(items[j]) / static_cast<double>(total)
+                                         : 0.0;
+      const bool last = j + 1 == items.size();
+      const detail::BackwardDone done{last && accumulation_.closes(), last, window_weights()};
+      backward(loss, weight * share, opens && j == 0, done);
+      storage_.backward_done(done);
+    }
+    if (!accumulation_.closes()) return {};
+    return {true, close_window()};
+  }
+
+  // 1. Forward + loss inside the precision policy's region (autocast for BF16/FP16); the
+  //    region closes before any backward bookkeeping.
+  template <class Closure>
+  torch::Tensor forward(Closure&& closure) {
+    torch::Tensor loss;
+    {
+      [[maybe_unused]] const auto region = precision_.region();
+      loss = closure();
+    }
+    check_loss(loss);
+    return loss;
+  }
+
+  // 2. The host factor of this micro-step (and its position in the window).
+  double weigh(std::int64_t items) {
+    if (!terms_.active()) return accumulation_.weight(items);
+    TORCH_CHECK(items < 0, "micro_step: the window's loss is terms (begin_window), whose counts were given "
+                "there; this micro-batch gives an item count (", items, ") as well");
+    TORCH_CHECK(accumulation_.position() < terms_.micro_batches, "micro_step: the window's loss terms were counted "
+                "over ", terms_.micro_batches, " micro-batches (begin_window), and this is micro-batch ",
+                accumulation_.position() + 1, " of the window: its items are not in the counts");
+    accumulation_.weight(-1);  // (the position; the terms carry their own weights: the factor is 1)
+    return 1.0;
+  }
+
+  // 2-3. The loss times its weight, added to the window's loss; FP16: times the loss scale.
+  //    Loss terms: each term's sum times its weight, 1 / (its window's items over every rank).
+  //    Backward; gradients accumulate in fp32 in the storage (master weights: the half
+  //    gradient of each backward joins an fp32 sum, storage_.backward_done()).
+  //    Data parallel: the reduction of a closing backward may start during it, bucket by
+  //    bucket (TrainerOptions::overlap_reduction): `done` tells the storage what follows.
+  void backward(const torch::Tensor& loss, double weight, bool first_of_window, const detail::BackwardDone& done) {
+    const auto as_float = loss.scalar_type() == torch::kFloat ? loss : loss.to(torch::kFloat);
+    torch::Tensor objective, kept;  // kept: what the window's loss adds (the terms' sums, or the objective)
+    if (terms_.active()) {
+      kept = as_float.reshape({-1});
+      objective = (kept * terms_.weights).sum();
+    } else {
+      objective = kept = (as_float.dim() == 0 ? as_float : as_float.reshape({})) * weight;
+    }
+    {
+      // The window's loss, a running sum outside the graph (a new tensor each time: the last
+      // report holds the previous window's).
+      torch::NoGradGuard no_grad;
+      window_loss_ = first_of_window ? kept.detach() : window_loss_ + kept.detach();
+    }
+    if constexpr (Precision::scales_loss) objective = objective * precision_.scale();
+    storage_.backward_begins(done);
+    objective.backward();
+  }
+
+  // The optimizer phase of a closing micro-step. Memory that runs out here cannot be given
+  // back by replaying the window (the update may be half applied): it is reported as such,
+  // not as an out-of-memory error the fit loop would replay.
+  StepReport close_window() {
+    try {
+      return optimizer_phase();
+    } catch (const std::exception& e) {
+      if (!detail::is_out_of_memory(e)) throw;
+      optimizer_phase_out_of_memory(e);
+    }
+  }
+
+  // The optimizer phase, after the window's last micro-step (phases 5-11, docs/design/optimizer-phase.md).
+  StepReport optimizer_phase() {
+    storage_.check();  // the parameters and their .grad are still the storage's views
+    // 5. Data parallel: the sum over ranks (bucket by bucket, once per window); `factor` makes
+    //    it the mean over every rank's micro-batches, items or terms.
+    const GradientFactor factor = storage_.reduce(*replicas_, window_weights());
+    // 6-7. One pass over the gradient: the norm of the still-scaled gradient, both the overflow
+    //    check and, unscaled, the logged and clipped norm.
+    const Unscaled norm = unscale(factor, storage_.norm());
+    // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
+    const torch::Tensor optimizer_divisor = clip_.divisor(norm.divisor, norm.true_norm);
+    // 9. The counters, then the update over the storage's chunks, skipped on the device when
+    //    found_inf (parameters and optimizer state unchanged, bit for bit); the LR is the
+    //    schedule's at the applied-step position, which the update rule's step count follows.
+    const torch::Tensor lr = scheduled_lr();
+    skipped_ = skipped_ + norm.found_inf.to(torch::kLong);  // new tensors: the last report keeps its values
+    applied_ = at::rsub(skipped_, windows_ + 1);            // applied + skipped = optimizer phases run
+    storage_.update([&](const std::vector<detail::ParamGroup>& groups, torch::Tensor& gradient) {
+      clip_.apply(gradient, norm.divisor);  // (ClipValue clamps the true gradient itself)
+      rule_->step(groups, optimizer_divisor, norm.found_inf, lrs_, applied_);
+    });
+    // 10. The loss scale's update (the report keeps the scale this window ran with).
+    torch::Tensor scale = Precision::scales_loss ? precision_.scale().clone() : precision_.scale();
+    precision_.update(norm.found_inf);
+    ++windows_;
+    StepReport report = window_report(std::move(scale), norm, lr);
+    // 11. Zero the gradient: one fill of the flat storage. (The window's loss is not zeroed:
+    //     the next window's first micro-step replaces it.)
+    storage_.zero();
+    accumulation_.reset();
+    terms_ = {};
+    host_checks(report);
+    return report;
+  }
+
+  // 6-7 unscaled: the accumulated gradient is the true gradient times `divisor` (the loss scale,
+  // the accumulation's rescale, the ranks' item total; no ATen call where it is the loss scale
+  // or a constant: the phase is ~15 calls, each a few microseconds). A non-finite gradient has a
+  // non-finite norm; so has a finite one whose norm overflows fp32 (its squares are summed in
+  // fp32: elements from ~1.8e19 on), skipped as an overflow too, where torch.amp.GradScaler
+  // checks elements and applies it: a norm beyond fp32 is as unusable as an inf (test_skip).
+  struct Unscaled {
+    torch::Tensor divisor, true_norm, found_inf;
+  };
+  Unscaled unscale(const GradientFactor& factor, const torch::Tensor& scaled_norm) {
+    Unscaled u;
+    if constexpr (Precision::scales_loss)
+      u.divisor = factor.rescale == 1.0 ? precision_.scale() : precision_.scale() / factor.rescale;
+    else
+      u.divisor = constant(1.0 / factor.rescale);
+    if (factor.total.defined()) u.divisor = u.divisor * factor.total;  // the ranks' item total
+    const bool unit = !Precision::scales_loss && factor.rescale == 1.0 && !factor.total.defined();
+    u.true_norm = unit ? scaled_norm : scaled_norm / u.divisor;
+    // found_inf = 1.0 when the norm is not finite (x * 0 is 0 for finite x and NaN otherwise).
+    // (A window with no items on any rank has divisor 0: a non-finite true norm, skipped.)
+    u.found_inf = at::nan_to_num((factor.total.defined() ? u.true_norm : scaled_norm) * 0.0, /*nan=*/1.0);
+    return u;
+  }
+
+  // The LR of the window about to be applied, from the schedule's device table at the applied
+  // count (each group's times its multiplier, in lrs_).
+  torch::Tensor scheduled_lr() {
+    ensure_lr_table();
+    auto lr = lr_table_.index_select(0, applied_);
+    lrs_.clear();
+    for (const auto& g : storage_.groups()) lrs_.push_back(g.lr_mult == 1.0 ? lr : lr * g.lr_mult);
+    return lr;
+  }
+
+  // The closed window's report: device values, read on the host only when asked for.
+  StepReport window_report(torch::Tensor scale, const Unscaled& norm, const torch::Tensor& lr) {
+    StepReport::Device v;
+    v.loss_scale = std::move(scale);
+    // The window's mean loss; loss terms: this rank's terms, each the mean over this rank's items.
+    const double rescale = accumulation_.rescale();
+    v.loss = terms_.active() ? (window_loss_ * terms_.local_weights).sum()
+             : rescale == 1.0 ? window_loss_
+                              : window_loss_ * rescale;
+    v.grad_norm = norm.true_norm;
+    v.lr = lr;
+    v.found_inf = norm.found_inf;
+    v.skipped = skipped_;
+    v.applied = applied_;
+    return StepReport(std::move(v), windows_, accumulation_.position(), accumulation_.items());
+  }
+
+  // What phase 5 (and a sharded reduction inside the window) weights each rank's gradient by:
+  // host values only.
+  WindowWeights window_weights() const {
+    if (terms_.active()) return {1.0, -1, accumulation_.position(), /*normalized=*/true};
+    const bool counted = accumulation_.counted();
+    // (A window whose items so far are 0 has a zero gradient so far: any rescale will do until
+    // its end, where rescale() refuses a window of no items.)
+    const double rescale = counted && accumulation_.items() <= 0 && !accumulation_.closes() ? 1.0 : accumulation_.rescale();
+    return {rescale, counted ? accumulation_.items() : -1, accumulation_.position()};
+  }
+
+  // Checks that need a host value, run only where they were asked for.
+  void host_checks(const StepReport& report) {
+    const auto collapse = options_.loss_scale().collapse_windows();
+    if constexpr (std::is_same_v<scaling_mode_t<precision_mode>, FP16Dynamic>)
+      if (collapse > 0 && windows_ % collapse == 0) precision_.check(windows_);
+    if constexpr (!Precision::scales_loss) {
+      if (options_.nonfinite() == NonFinite::abort && report.skipped()) {
+        std::ostringstream msg;
+        msg << "non-finite gradient at optimizer step " << windows_ << " (window loss "
+            << report.loss() << ", gradient norm " << report.grad_norm()
+            << "); the update was not applied. Look for log(0), a division by zero or an "
+               "exploding activation, or set TRAIN.NONFINITE: skip to skip such steps";
+        throw NonFiniteGradient(msg.str());
+      }
+    }
+  }
+
+  Precision precision_;
+  Accumulation accumulation_;
+  Clip clip_;
+  storage_type storage_;
+  struct MicroBatchStart {  // the window as the current micro-batch found it (discard_micro_batch)
+    typename Accumulation::State accumulation{};
+    torch::Tensor window_loss;
+  } started_;
+};
+
+}  // namespace trainkit
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/trainer/trainer-inl.hpp>
+#endif

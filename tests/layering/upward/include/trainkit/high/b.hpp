@@ -1,0 +1,2 @@
+#pragma once
+#include <trainkit/low/a.hpp>
