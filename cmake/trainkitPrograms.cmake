@@ -7,7 +7,7 @@
 # reuses one precompiled header of <torch/torch.h> and <nlohmann/json.hpp>, compiled once for all
 # of them (target trainkit_pch). LibTorch's headers are most of each program's compile time.
 # Programs build in the compiled mode (they link trainkit::compiled, built once for all of them:
-# a test program compiles in 57-79% of its header-only time, benchmarks/RESULTS.md section 31);
+# a test program compiles in 57-79% of its header-only time, benchmarks/RESULTS.md "Build / Fresh clone and rebuild times");
 # HEADER_ONLY keeps a program header-only. The benchmarks are header-only (their figures are the
 # header-only build's, every definition visible to the optimiser); so are the downstream
 # projects and the compile-fail cases, which test that mode.
