@@ -455,7 +455,7 @@ RunResult run_fit(const tk::RunPlan& plan, const tk::Launch& launch, Model& mode
 /// Pre-training: MLM + MVRC on captioned scenes; validation: MLM and MVRC accuracy (over every
 /// rank's share of the validation split).
 inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, const std::string& eval = {}) {
-  const tk::RunPlan plan = tk::plan(config, launch);
+  const tk::RunPlan plan = tk::RunPlan::from(config, launch);
   const tk::FitOptions& options = plan.fit;
   const auto bert = bert_directory(config);
   const SyntheticData data(data_options(config, options.seed()), lexicon_of(bert));
@@ -529,7 +529,7 @@ inline RunResult pretrain(const tk::Config& config, const tk::Launch& launch, co
 /// VQA fine-tuning: the answer classifier over the [MASK] token, from PARTIAL_PRETRAIN's weights;
 /// validation: accuracy, overall and per question type (over every rank's share).
 inline RunResult finetune(const tk::Config& config, const tk::Launch& launch, const std::string& eval = {}) {
-  const tk::RunPlan plan = tk::plan(config, launch);
+  const tk::RunPlan plan = tk::RunPlan::from(config, launch);
   const tk::FitOptions& options = plan.fit;
   const auto bert = bert_directory(config);
   const SyntheticData data(data_options(config, options.seed()), lexicon_of(bert));

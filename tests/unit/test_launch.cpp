@@ -18,39 +18,39 @@ namespace test_launch {  // this file's names, apart from those of the files it 
 namespace tk = trainkit;
 
 TEST_CASE("GPUS empty: the CPU without CUDA (said once), else the local rank's GPU") {
-  const tk::DevicePlan cpu = tk::plan_device("", 0, 1, 0);
+  const tk::DeviceChoice cpu = tk::choose_device("", 0, 1, 0);
   CHECK(cpu.device == torch::Device(torch::kCPU));
   CHECK(cpu.note == "GPUS is empty and this machine has no CUDA device: training on the CPU");
-  CHECK(tk::plan_device("", 1, 2, 0).note.find("Gloo between the ranks") != std::string::npos);
-  const tk::DevicePlan gpu = tk::plan_device("", 3, 4, 8);
+  CHECK(tk::choose_device("", 1, 2, 0).note.find("Gloo between the ranks") != std::string::npos);
+  const tk::DeviceChoice gpu = tk::choose_device("", 3, 4, 8);
   CHECK(gpu.device == torch::Device(torch::kCUDA, 3));
   CHECK(gpu.note.empty());
-  CHECK_THROWS_WITH_AS(tk::plan_device("", 2, 4, 2),
+  CHECK_THROWS_WITH_AS(tk::choose_device("", 2, 4, 2),
                        "GPUS: is empty, so local rank 2 would train on cuda:2, but this machine has 2 CUDA device(s); "
                        "launch at most 2 processes per node",
                        tk::ConfigError);
 }
 
 TEST_CASE("GPUS lists one device per process on the node: local rank i trains on the i-th") {
-  CHECK(tk::plan_device("2,3", 0, 2, 4).device == torch::Device(torch::kCUDA, 2));
-  CHECK(tk::plan_device("2, 3", 1, 2, 4).device == torch::Device(torch::kCUDA, 3));
-  CHECK(tk::plan_device("1", 0, 1, 2).device == torch::Device(torch::kCUDA, 1));
+  CHECK(tk::choose_device("2,3", 0, 2, 4).device == torch::Device(torch::kCUDA, 2));
+  CHECK(tk::choose_device("2, 3", 1, 2, 4).device == torch::Device(torch::kCUDA, 3));
+  CHECK(tk::choose_device("1", 0, 1, 2).device == torch::Device(torch::kCUDA, 1));
 }
 
 TEST_CASE("GPUS that the launch or the machine contradicts is refused, naming GPUS") {
   // A list longer than the processes: VL-BERT's one-process DataParallel is not done here.
-  CHECK_THROWS_WITH_AS(tk::plan_device("0,1,2,3", 0, 1, 4),
+  CHECK_THROWS_WITH_AS(tk::choose_device("0,1,2,3", 0, 1, 4),
                        "GPUS: lists 4 device(s) ('0,1,2,3'), but this launch runs 1 process on this node: one process per "
                        "device, so launch with `torchrun --nproc-per-node 4 ...`",
                        tk::ConfigError);
-  CHECK_THROWS_WITH_AS(tk::plan_device("0", 0, 2, 4), doctest::Contains("or list 2 devices"), tk::ConfigError);
-  CHECK_THROWS_WITH_AS(tk::plan_device("0", 0, 1, 0),
+  CHECK_THROWS_WITH_AS(tk::choose_device("0", 0, 2, 4), doctest::Contains("or list 2 devices"), tk::ConfigError);
+  CHECK_THROWS_WITH_AS(tk::choose_device("0", 0, 1, 0),
                        "GPUS: lists CUDA device(s) '0', but this machine has no CUDA device (torch::cuda::is_available() "
                        "is false); set GPUS: '' to train on the CPU",
                        tk::ConfigError);
-  CHECK_THROWS_WITH_AS(tk::plan_device("0,5", 1, 2, 4),
+  CHECK_THROWS_WITH_AS(tk::choose_device("0,5", 1, 2, 4),
                        "GPUS: names cuda:5 ('0,5'), but this machine has 4 CUDA device(s), cuda:0 to cuda:3", tk::ConfigError);
-  CHECK_THROWS_WITH_AS(tk::plan_device("1,1", 0, 2, 4), "GPUS: names cuda:1 twice ('1,1'); each process needs its own device",
+  CHECK_THROWS_WITH_AS(tk::choose_device("1,1", 0, 2, 4), "GPUS: names cuda:1 twice ('1,1'); each process needs its own device",
                        tk::ConfigError);
 }
 

@@ -4,7 +4,7 @@
 ///
 ///   tk::Launch launch = tk::Launch::from_config(config);    // resolves ranks, device, group
 ///   for (const auto& note : launch.notes()) if (launch.is_main()) std::cerr << note << "\n";
-///   const tk::RunPlan plan = tk::plan(config, launch);        // its world size, one seed on every rank
+///   const tk::RunPlan plan = tk::RunPlan::from(config, launch);        // its world size, one seed on every rank
 ///   model->to(launch.device());                               // before the trainer is built
 ///   auto trainer = tk::make_trainer(plan, model);
 ///   launch.attach(*trainer);                                  // DataParallel when world > 1
@@ -45,7 +45,7 @@
 namespace trainkit {
 
 /// Where one process trains, and what the user should be told about the choice.
-struct DevicePlan {
+struct DeviceChoice {
   torch::Device device = torch::kCPU;
   std::string note;  ///< empty, or a line to print once (e.g. "training on the CPU")
 };
@@ -65,7 +65,7 @@ inline int local_world_size(const RankInfo& info) {
 
 /// The device of local rank `local_rank` of `local_world` processes on a node with
 /// `cuda_devices` CUDA devices, from GPUS (see the file comment). Pure: tested without a GPU.
-inline DevicePlan plan_device(const std::string& gpus, int local_rank, int local_world, std::int64_t cuda_devices) {
+inline DeviceChoice choose_device(const std::string& gpus, int local_rank, int local_world, std::int64_t cuda_devices) {
   const auto listed = detail::device_list(gpus);
   if (!listed) throw ConfigError("GPUS", "expected device numbers separated by commas such as '0,1,2,3', got '" + gpus + "'");
   const std::vector<int>& ids = *listed;
@@ -139,11 +139,11 @@ class Launch {
       throw DistributedError("trainkit: " + info.launcher + " gives local rank " + std::to_string(info.local_rank) + " of " +
                              std::to_string(local_world) + " processes on this node");
     const std::int64_t cuda = torch::cuda::is_available() ? static_cast<std::int64_t>(torch::cuda::device_count()) : 0;
-    DevicePlan plan = plan_device(config.tree()["GPUS"].get<std::string>(), info.local_rank, local_world, cuda);
+    const DeviceChoice choice = choose_device(config.tree()["GPUS"].get<std::string>(), info.local_rank, local_world, cuda);
     Launch l;
     l.info_ = info;
-    l.device_ = plan.device;
-    if (!plan.note.empty()) l.notes_.push_back(plan.note);
+    l.device_ = choice.device;
+    if (!choice.note.empty()) l.notes_.push_back(choice.note);
     if (l.device_.is_cuda()) {
       // kCUDA without an index (and NCCL's communicator) then mean this rank's GPU.
       c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(l.device_);
@@ -213,9 +213,7 @@ class Launch {
   std::vector<std::string> notes_;
 };
 
-/// The plan of `config` for this launch: its world size, and with RNG_SEED -1 one seed for every
-/// rank, drawn by rank 0 (the ranks' shards come from one permutation).
-inline RunPlan plan(const Config& config, const Launch& launch) {
+inline RunPlan RunPlan::from(const Config& config, const Launch& launch) {
   std::optional<std::int64_t> seed;
   if (launch.world_size() > 1) seed = launch.agree(static_cast<std::int64_t>(std::random_device{}() & 0x7fffffff));
   return RunPlan::from(config, launch.world_size(), seed);

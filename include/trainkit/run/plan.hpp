@@ -10,7 +10,7 @@
 ///   trainer->set_schedule(plan.make_schedule(task.batches_per_epoch(0)));
 ///   tk::fit(*trainer, task, plan.fit);
 ///
-/// Data parallel: tk::plan(config, launch) (launch.hpp) plans for the launch's world size with
+/// Data parallel: RunPlan::from(config, launch) (launch.hpp) plans for the launch's world size with
 /// one seed on every rank.
 ///
 /// RNG_SEED -1 draws a seed here (FitOptions::seed_drawn); the fit loop says which at start,
@@ -85,6 +85,8 @@ FitOptions plan_fit(const nlohmann::json& top, std::optional<std::int64_t> seed)
 
 }  // namespace detail
 
+class Launch;  // (launch.hpp)
+
 /// See the file comment.
 struct RunPlan {
   std::int64_t world_size = 1;
@@ -103,6 +105,10 @@ struct RunPlan {
   /// WORLD_SIZE environment variable, or 1) and, with RNG_SEED -1, `seed` (default: drawn).
   static RunPlan from(const Config& config, std::optional<std::int64_t> world_size = std::nullopt,
                       std::optional<std::int64_t> seed = std::nullopt);
+  /// The plan of `config` for a launch (defined in launch.hpp): its world size, and with
+  /// RNG_SEED -1 one seed for every rank, drawn by rank 0 (the ranks' shards come from one
+  /// permutation).
+  static RunPlan from(const Config& config, const Launch& launch);
 
   /// TRAIN.END_EPOCH > TRAIN.BEGIN_EPOCH, or a ConfigError naming END_EPOCH: call before
   /// training (a file that only evaluates may leave END_EPOCH at 0).
