@@ -32,6 +32,8 @@
 //                                                  micro-batch 4; one intra-op thread
 //       [--model wide --width H --dropout P]       three H-wide layers with dropout: activations
 //                                                  dominate the memory (--model wide)
+//       [--watch-nonfinite 1]                      the overflow diagnosis on from the start; the
+//                                                  summary's "nonfinite": this rank's counts
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/parallel/data_parallel.hpp>
@@ -63,7 +65,7 @@ struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
-  int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1;
+  int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0;
   std::int64_t width = 512;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
   double cap = 0, dropout = 0;
@@ -94,6 +96,7 @@ Args parse(int argc, char** argv) {
   take("sharding", a.sharding), take("flush", a.flush), take("overlap", a.overlap);
   take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume), take("oom-index", a.oom_index);
   take("cap-rank", a.cap_rank), take("cap", a.cap), take("width", a.width), take("dropout", a.dropout);
+  take("watch-nonfinite", a.watch_nonfinite);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -231,6 +234,7 @@ int run(const Args& a) {
                                                 : a.sharding == 1 ? tk::Sharding::optimizer : tk::Sharding::none));
   auto replicas = std::make_shared<tk::DataParallel>(group, a.bucket_bytes);
   trainer.set_replicas(replicas);
+  if (a.watch_nonfinite) trainer.watch_nonfinite(true);
   const std::string load = rank == 1 && !a.load_rank1.empty() ? a.load_rank1 : a.load;
   if (!load.empty()) trainer.load(load);
 
@@ -345,7 +349,8 @@ int run(const Args& a) {
                       {"all_gather_calls", counter->all_gather_calls},
                       {"buckets", replicas->buckets(trainer.parameters().numel())},
                       {"numel", trainer.parameters().numel()},
-                      {"mean_loss", mean[0]}};
+                      {"mean_loss", mean[0]},
+                      {"nonfinite", trainer.take_nonfinite_counts().windows}};
   std::ofstream(prefix + ".json") << j.dump() << "\n";
   return 0;
 }

@@ -149,6 +149,35 @@ TEST_CASE("sharded updates (stages 1 and 2) equal the replicated one over 2 and 
   }
 }
 
+TEST_CASE("the overflow diagnosis counts each rank's slices; combined by their maximum they name every parameter") {
+  // Rank 1's loss is infinite in window 2: the reduced gradient is non-finite in every
+  // parameter. Replicated, every rank counts every parameter; sharded (stage 2, one bucket: rank
+  // 0 holds the first half of the flat buffer, rank 1 the second), each counts its slices, and
+  // the maximum over the ranks (what RunLog combines at a log window) is every parameter.
+  testing::TempDir dir;
+  const std::vector<std::string> args{"--model", "mlp-ln", "--batch", "4", "--samples", "32", "--steps", "4",
+                                      "--overflow-rank", "1", "--overflow-window", "2", "--watch-nonfinite", "1"};
+  for (const int stage : {0, 2}) {
+    CAPTURE(stage);
+    const std::string out = dir / ("watch" + std::to_string(stage));
+    run_ranks(2, out, with(args, {"--sharding", std::to_string(stage)}));
+    const auto a = summary(out, 0)["nonfinite"].get<std::vector<std::int64_t>>();
+    const auto b = summary(out, 1)["nonfinite"].get<std::vector<std::int64_t>>();
+    REQUIRE(a.size() == b.size());
+    REQUIRE(a.size() >= 6);
+    CHECK(summary(out, 0)["skipped"] == 1);
+    std::vector<std::int64_t> most(a.size());
+    for (size_t i = 0; i < a.size(); ++i) most[i] = std::max(a[i], b[i]);
+    CHECK(most == std::vector<std::int64_t>(a.size(), 1));
+    if (stage == 0) {
+      CHECK(a == b);
+    } else {  // each rank counted its own slices only
+      CHECK(a != most);
+      CHECK(b != most);
+    }
+  }
+}
+
 TEST_CASE("a sharded checkpoint resumes at any world size, its state bit for bit") {
   testing::TempDir dir;
   const std::vector<std::string> common{"--model", "mlp-ln", "--batch", "4", "--accum", "2", "--precision", "fp16master",

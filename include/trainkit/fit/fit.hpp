@@ -1,7 +1,7 @@
 #pragma once
 /// The fit loop: epochs over a Task (task.hpp), with validation, checkpoints, resume, logs and
 /// graceful stops. The loop is only the loop: what it writes and says is the RunLog's
-/// (fit/run_log.hpp), micro-batches as pieces and the replay after out-of-memory are memory's
+/// (run_log.hpp), micro-batches as pieces and the replay after out-of-memory are memory's
 /// (memory.hpp, detail::PieceRunner), the files are the CheckpointManager's (checkpoint.hpp).
 ///
 ///   tk::Task<Batch> task;
@@ -12,83 +12,18 @@
 ///   tk::FitResult r = tk::fit(trainer, task, options);
 ///   return 0;                                      // also after a SIGTERM: r.stopped
 ///
-/// What one call does, in order:
-///   1. Resume: TRAIN.RESUME loads <prefix>-<BEGIN_EPOCH-1>.ckpt (with BEGIN_EPOCH 0: the newest
-///      checkpoint), and it is an error when there is none; TRAIN.AUTO_RESUME loads the newest
-///      complete checkpoint if there is one (a damaged newest one is reported, the previous one
-///      used). Training continues at the exact micro-batch the checkpoint was written before.
-///   2. Epochs [BEGIN_EPOCH or the resumed one, END_EPOCH): micro-batch `index` of epoch `e` is
-///      task.batch(e, index): the data sampler's state is (e, index), so resuming is exact. Each
-///      goes through trainer.micro_step (with task.items when given); trainer.flush() at the end
-///      of the epoch. The loss and the task's metrics are averaged over the epoch, weighted by
-///      items (or micro-batches), on the device.
-///   3. Every LOG_FREQUENT optimizer windows: read that window's StepReport (the only host sync
-///      of the loop besides the epoch end) and log Train-Loss (the mean since the last log),
-///      Train-<metric>, LR/Group_<i>, grad-para/Total-Norm, loss-scale, skipped-steps,
-///      samples-per-second (log/scalars.hpp's tags; step = optimizer windows, applied + skipped)
-///      to <OUTPUT_PATH>/tensorboard/ (TensorBoard events) and <OUTPUT_PATH>/<prefix>-scalars.jsonl,
-///      and Initial-LR/Group_<i>, and write a line to the run's text log (<OUTPUT_PATH>/<prefix>-log.txt,
-///      log/text_log.hpp, which also has the run's start, resume, validations, checkpoints,
-///      warnings and end). The progress line (log/progress.hpp) on stderr follows every window
-///      on a terminal (bar, elapsed, the whole run's ETA), else prints at log windows. A run that resumes at
-///      optimizer step S drops the JSON lines past S (what the stopped run logged after its
-///      checkpoint; said once) and opens its TensorBoard file with a session start at S + 1, which
-///      hides those points in TensorBoard: each (step, tag) is in the logs once.
-///   4. End of an epoch: validation every VAL_FREQUENT epochs (and after the last; task.validate
-///      runs with the model in eval mode and no graph, its mode restored after), Val-<metric>
-///      logged, the plateau schedule told, the epoch_end callback, a checkpoint every
-///      CHECKPOINT_FREQUENT epochs (and after the last, at a new best, on request). A callback
-///      that finishes the run (EpochEnd::request_finish, e.g. EarlyStopping in callbacks.hpp)
-///      gets a checkpoint marked finished: fit returns with FitResult::finished, and a run of the
-///      same command in that directory trains no further (it says why).
-///   Callbacks' own state (Callbacks::state) goes into every checkpoint and comes back on resume.
-///   With FitOptions::workers (NUM_WORKERS_PER_GPU) > 0, the next micro-batches of the epoch are
-///   made on that many threads while the step runs (task.batch must then be thread-safe and
-///   draw no numbers from torch's global generator: it is a pure function of its position).
-///   5. SIGINT/SIGTERM: the loop finishes the current window, writes a checkpoint and returns
-///      with FitResult::stopped, printing how to resume; a second signal exits at once.
+/// One call, in order: resume (TRAIN.RESUME, AUTO_RESUME) at the exact micro-batch the
+/// checkpoint was written before; epochs of task.batch(epoch, index), a pure function of its
+/// position, through the trainer (windows of a task with loss terms read ahead and counted);
+/// every LOG_FREQUENT windows the StepReport read (the loop's only host sync besides the epoch
+/// end) and logged; at an epoch's end validation, the schedule, the callbacks and checkpoints.
+/// SIGINT/SIGTERM finish the window, write a checkpoint and return FitResult::stopped. Data
+/// parallel: every rank runs fit() on its shard; the main rank writes; stops are agreed at log
+/// windows. Errors: CheckpointError (the files written stay intact), NonFiniteGradient, and
+/// out-of-memory stops that name the micro-batch.
 ///
-/// Data parallel (trainer.set_replicas, data_parallel.hpp): every rank runs fit() on its shard
-/// (task.batch(epoch, index) gives this rank's micro-batch, e.g. from tk::DistributedSampler);
-/// only the main rank writes checkpoints, logs and messages; every rank resumes from the same
-/// file; logged and epoch means are over every rank's items, validation metrics the mean over
-/// ranks; a stop (a signal or a callback's request on any rank) is agreed at the next log window
-/// (every LOG_FREQUENT optimizer steps) or epoch end, inside the collective that logging does
-/// anyway: no window pays a collective or a host sync for it. With more than one rank, the RNG
-/// (CPU, and the trainer's GPU) is seeded before each micro-batch from (seed, rank, epoch, index): dropout masks and
-/// anything task.batch draws are a pure function of the position on every rank, so a resume is
-/// exact on every rank (a checkpoint holds one rank's generator state, the main rank's).
-///
-/// Memory (memory.hpp), for a task with split and items:
-///   - TRAIN.MEMORY_BUDGET (FitOptions::memory_budget): before training (and before resuming),
-///     one forward+backward of micro-batch 0 of BEGIN_EPOCH is measured whole and in pieces of
-///     1, 1/8, 1/4 and 1/2 of its items, smallest first, stopping before a size the last two
-///     measurements predict over the budget (and after one that is over it); the largest
-///     piece that fits with a 10% margin is planned (tk::plan_pieces), printed and logged, and
-///     every micro-batch with more items runs as pieces of at most that size
-///     (AnyTrainer::micro_step_pieces: the optimizer step is the whole micro-batch's, so the
-///     effective batch and the trajectory are those of the configuration, up to rounding). The
-///     measurement leaves the model, its buffers, the trainer and the generators as they were.
-///     A budget that cannot hold one item is a ConfigError naming the budget and the need.
-///   - Out of memory in a micro-batch's forward or backward (c10::OutOfMemoryError, the CPU
-///     allocator's error): the open window's partial gradient and its metrics are dropped, the
-///     piece size halved (FitResult::piece_items), and the window replayed from its first
-///     micro-batch; the window's optimizer step is then what it would have been. Said once per
-///     replay. The smaller size stays for the rest of the run and goes into checkpoints (a
-///     resume without a budget keeps it, said). Out of memory with pieces of one item, in a
-///     window begun in an earlier epoch or before a resume, or in the optimizer phase, stops the
-///     run with an error; the checkpoints written so far are intact. batch_end callbacks see the
-///     replayed micro-batches again. Data parallel: only the rank that ran out replays; the
-///     others wait for it at the window's all-reduce. With a gradient reduced at the end of
-///     every micro-batch (TRAIN.ZERO_STAGE 2, several ranks), the failed micro-batch alone is
-///     replayed: the window's earlier ones are summed on every rank already, and sending them
-///     again would pair collectives of different micro-batches across the ranks.
-///   Without task.split an out-of-memory error stops the run, naming the micro-batch.
-///
-/// Errors: a checkpoint that cannot be written (unwritable directory, full disk) throws
-/// CheckpointError naming the file and the step; the checkpoints already written stay intact.
-/// A non-finite gradient with NONFINITE abort throws NonFiniteGradient with the epoch, the
-/// micro-batch, the optimizer step and the loss value.
+/// The user's view: docs/guide/fit.md, memory.md, checkpoints.md, data-parallel.md. Why it is
+/// built this way: docs/design/memory.md, checkpoints.md, logging.md, data-parallel.md.
 #include <trainkit/trainer/any_trainer.hpp>
 #include <trainkit/fit/checkpoint.hpp>
 #include <trainkit/fit/fit_events.hpp>
@@ -582,7 +517,7 @@ class FitLoop {
   // last log window; the ranks' totals and their requests go through one collective there.
   // Returns any rank's requests (none between log windows).
   Requests window_closed(const StepReport& report, LogPosition at, Requests asked = {}) {
-    if (report.window() % options_.log_frequent() != 0) {
+    if (report.window() % options_.log_frequent() != 0 && !log_->diagnosis_due()) {
       log_->window(report, at, nullptr);
       return {};
     }

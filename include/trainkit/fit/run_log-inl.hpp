@@ -5,7 +5,7 @@
 
 namespace trainkit {
 
-TRAINKIT_INLINE RunLog::RunLog(const FitOptions& options, const AnyTrainer& trainer, bool writes, OnScalar on_scalar)
+TRAINKIT_INLINE RunLog::RunLog(const FitOptions& options, AnyTrainer& trainer, bool writes, OnScalar on_scalar)
     : options_(options), trainer_(trainer), writes_(writes), on_scalar_(std::move(on_scalar)) {
   if (!writes_) return;
   if (options_.text_log())
@@ -86,13 +86,14 @@ TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
                                     const std::map<std::string, double>* interval) {
   ++run_windows_;
   ++windows_since_log_;
+  last_report_ = report;
   if (interval == nullptr) {  // no sync: the terminal's line moves, nothing else
     if (progress_ && progress_->is_terminal()) progress_->update(progress_state(at));
     return;
   }
   const auto step = report.window();
   const double loss = interval->count("Loss") ? interval->at("Loss") : report.loss();
-  check_skipped(report, at, loss);
+  check_skipped({report.skipped_steps(), report.window(), report.loss_scale()}, at, loss);
   if (!trainer_.uses_loss_scale() && trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
     throw NonFiniteGradient(detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " +
                             std::to_string(step) + ": non-finite training loss " + detail::short_number(loss) +
@@ -142,6 +143,12 @@ TRAINKIT_INLINE void RunLog::validation(std::int64_t epoch, const std::map<std::
 }
 
 TRAINKIT_INLINE void RunLog::epoch_ends(LogPosition at) {
+  // Skipped steps since the last log window are checked here too, from the epoch's last report
+  // (one copy, as at a log window; the epoch's end reads the device anyway): an epoch shorter
+  // than LOG_FREQUENT windows is never silent about them.
+  if (!last_report_.empty() && last_report_.window() > window_at_log_)
+    check_skipped({last_report_.skipped_steps(), last_report_.window(), last_report_.loss_scale()}, at, std::nullopt);
+  last_report_ = StepReport();
   if (progress_) progress_->update(progress_state(at));
 }
 
@@ -152,6 +159,8 @@ TRAINKIT_INLINE void RunLog::paused() {
 }
 
 TRAINKIT_INLINE void RunLog::finish(std::int64_t epoch, std::int64_t index) {
+  if (!pending_stop_.empty())  // (the run ended before the window that was to name the layers)
+    throw NonFiniteGradient(pending_stop_ + "; the checkpoints written so far are intact");
   if (progress_) progress_->finish();
   if (text_log_)
     text_log_->line("end: at epoch " + std::to_string(epoch) + ", micro-batch " + std::to_string(index) +
@@ -164,50 +173,93 @@ TRAINKIT_INLINE void RunLog::scalar(const std::string& tag, double value, std::i
   if (on_scalar_) on_scalar_(tag, value, step);
 }
 
-TRAINKIT_INLINE void RunLog::check_skipped(const StepReport& report, LogPosition at, double loss) {
-  const std::int64_t skipped = report.skipped_steps() - skipped_at_log_, windows = report.window() - window_at_log_;
-  skipped_at_log_ = report.skipped_steps();
-  window_at_log_ = report.window();
+TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std::optional<double> loss) {
+  const std::int64_t skipped = now.skipped - skipped_at_log_, windows = now.window - window_at_log_;
+  skipped_at_log_ = now.skipped;
+  window_at_log_ = now.window;
+  diagnosis_due_ = false;
+  pending_stop_.clear();
   if (skipped <= 0) {
     skipped_unhealthy_ = 0;
     scale_warned_ = false;
+    named_ = false;
+    trainer_.watch_nonfinite(false);  // (a clean interval: the diagnosis off, its hooks gone)
     return;
   }
   const std::string where = detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " +
-                            std::to_string(report.window());
+                            std::to_string(now.window);
   const std::string what = std::to_string(skipped) + " of the last " + std::to_string(windows) +
-                           " optimizer steps were skipped (non-finite gradients; training loss " +
-                           detail::short_number(loss) + ")";
-  // FP32, BF16 and a static loss scale: nothing backs off, so skips in a row mean a run that
-  // trains nothing. (A dynamic scale's skips are its search for a scale: warned about below.)
-  if (!trainer_.uses_loss_scale() || !trainer_.dynamic_loss_scale()) {
+                           " optimizer steps were skipped (non-finite gradients" +
+                           (loss ? "; training loss " + detail::short_number(*loss) : std::string()) + ")";
+  // Which parameters: counted since the diagnosis went on (at the first interval with skips).
+  const bool watched = trainer_.watches_nonfinite();
+  const std::string names = watched ? nonfinite_names(now.window) : std::string();
+  trainer_.watch_nonfinite(true);
+  if (!names.empty() && !named_) {
+    named_ = true;
+    say("trainkit: warning: " + where + ": " + names);
+  }
+  const std::string named = names.empty() ? std::string() : "; " + names;
+  // FP32, BF16, a static loss scale and a dynamic one at its floor: nothing backs off, so skips
+  // in a row mean a run that trains nothing. (A dynamic scale's other skips are its search for
+  // a scale: warned about below.)
+  const double floor = trainer_.options().loss_scale().min_scale();
+  const bool dynamic = trainer_.uses_loss_scale() && trainer_.dynamic_loss_scale();
+  const bool at_floor = dynamic && floor > 0 && now.loss_scale <= floor;
+  if (!dynamic || at_floor) {
     skipped_unhealthy_ += skipped;
     const std::string patience = "TRAIN.NONFINITE_PATIENCE " + std::to_string(options_.nonfinite_patience());
     const std::string remedy =
-        trainer_.uses_loss_scale()
-            ? "the static loss scale " + detail::short_number(report.loss_scale()) +
+        at_floor ? "the dynamic loss scale sits at its floor " + detail::short_number(floor) +
+                       " (TRAIN.FP16_MIN_LOSS_SCALE) and the gradient still overflows: lower TRAIN.LR, check the data, or "
+                       "train in BF16"
+        : trainer_.uses_loss_scale()
+            ? "the static loss scale " + detail::short_number(now.loss_scale) +
                   " overflows the gradient: set TRAIN.FP16_LOSS_SCALE to a smaller one (a power of 2), or to 'dynamic', "
                   "whose scale backs off after an overflow"
             : "lower TRAIN.LR or check the data";
-    if (skipped_unhealthy_ >= options_.nonfinite_patience())
-      throw NonFiniteGradient(where + ": " + what + "; " + std::to_string(skipped_unhealthy_) +
-                              " skipped with no clean log interval between them (" + patience + "): stopping; " +
-                              remedy + "; the checkpoints written so far are intact");
+    if (skipped_unhealthy_ >= options_.nonfinite_patience()) {
+      const std::string stop = where + ": " + what + "; " + std::to_string(skipped_unhealthy_) +
+                               " skipped with no clean log interval between them (" + patience + "): stopping; " +
+                               remedy;
+      // Not watched yet: one more window, watched and logged, says where before the run stops
+      // (a run that ends first stops in finish()).
+      if (!watched) {
+        diagnosis_due_ = true;
+        pending_stop_ = stop;
+        return;
+      }
+      throw NonFiniteGradient(stop + named + "; the checkpoints written so far are intact");
+    }
     if (!skip_warned_) {
       skip_warned_ = true;
       say("trainkit: warning: " + where + ": " + what + ". " + trainer_.type_name() +
           " skips a step only when its gradient is not finite: " + remedy + " (" + patience +
-          " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)");
+          " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)" +
+          (names.empty() ? "; the next log window names the layers" : named));
     }
     return;
   }
   constexpr std::int64_t kStartup = 32;  // the scale's start-up backoff (2^16 -> 2^0 is 16 halvings)
-  if (report.window() > kStartup && 4 * skipped > windows && !scale_warned_) {
+  if (now.window > kStartup && 4 * skipped > windows && !scale_warned_) {
     scale_warned_ = true;
     say("trainkit: warning: " + where + ": " + what + ", past the loss scale's start-up backoff; the scale is now " +
-        detail::short_number(report.loss_scale()) + ". A scale that keeps falling means the gradient overflows at any "
-        "scale: lower TRAIN.LR, check the data, or train in BF16");
+        detail::short_number(now.loss_scale) + ". A scale that keeps falling means the gradient overflows at any "
+        "scale: lower TRAIN.LR, check the data, or train in BF16" +
+        (names.empty() ? "; the next log window names the layers" : named));
   }
+}
+
+TRAINKIT_INLINE std::string RunLog::nonfinite_names(std::int64_t step) {
+  NonfiniteCounts counts = trainer_.take_nonfinite_counts();
+  if (trainer_.replicas().world_size() > 1) {  // (sharded: each rank counted its slices)
+    std::vector<double> windows(counts.windows.begin(), counts.windows.end());
+    trainer_.replicas().all_reduce(windows, Reduce::max);
+    for (size_t i = 0; i < windows.size(); ++i) counts.windows[i] = static_cast<std::int64_t>(windows[i]);
+  }
+  for (const auto& [module, windows] : counts.modules())
+    scalar(scalar_tags::nonfinite_prefix + module, static_cast<double>(windows), step);
+  return counts.text();
 }
 
 TRAINKIT_INLINE ProgressState RunLog::progress_state(LogPosition at) const {

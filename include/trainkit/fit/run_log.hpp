@@ -17,10 +17,15 @@
 ///   window(report, position, interval)
 ///                                  after each optimizer window; `interval` (the means since the
 ///                                  last log window) only at log windows: then it logs, checks
-///                                  health (throws NonFiniteGradient when it is time to stop)
+///                                  health (throws NonFiniteGradient when it is time to stop;
+///                                  turns the overflow diagnosis on after skipped steps, and off
+///                                  after a clean interval)
+///   diagnosis_due()                the next window must be a log window (a stop waits one
+///                                  watched window, to name the layers)
 ///   validation(epoch, metrics)     after a validation (the metrics agreed over the ranks)
 ///   epoch_ends(position), paused() between epochs (validation and checkpoints are not
-///                                  training time)
+///                                  training time); epoch_ends checks skipped steps since the
+///                                  last log window as a log window does
 ///   say(text), report(text)        a message for the user / a line of the run's record
 ///   finish(epoch, index)           once, at the end (errors of the last writes surface here)
 #include <trainkit/detail/inline.hpp>
@@ -60,11 +65,14 @@ class RunLog {
  public:
   using OnScalar = std::function<void(const std::string& tag, double value, std::int64_t step)>;
 
-  RunLog(const FitOptions& options, const AnyTrainer& trainer, bool writes, OnScalar on_scalar);
+  RunLog(const FitOptions& options, AnyTrainer& trainer, bool writes, OnScalar on_scalar);
 
   /// A line for the user (the writing rank only), below the progress line when there is one,
   /// and in the text log.
   void say(const std::string& text);
+  /// Whether the next optimizer window must be a log window: a run about to stop on skipped
+  /// steps watches one more window to name where its gradient stops being finite.
+  bool diagnosis_due() const { return diagnosis_due_; }
   /// What happened on this rank alone (an out-of-memory replay): said as say() does on the
   /// writing rank, on stderr with the rank on the others.
   void say_local(const std::string& text);
@@ -115,14 +123,21 @@ class RunLog {
   // run (on every rank: the counters agree). FP16's loss scale backs off by skipping: after the
   // start-up backoff, a log interval with more than a quarter of its steps skipped is reported
   // with the scale, once until an interval is clean again.
-  void check_skipped(const StepReport& report, LogPosition at, double loss);
+  struct Skips {
+    std::int64_t skipped = 0, window = 0;  // the counters: skipped steps and optimizer windows so far
+    double loss_scale = 1;
+  };
+  void check_skipped(const Skips& now, LogPosition at, std::optional<double> loss);
+  // The overflow diagnosis since the last log window (the ranks' counts combined), logged as
+  // nonfinite/<module> scalars; the text naming the modules, or empty.
+  std::string nonfinite_names(std::int64_t step);
 
   // The progress line counts optimizer windows inside the epoch, and in the whole run; the
   // loss, LR and scale are the last log window's.
   ProgressState progress_state(LogPosition at) const;
 
   const FitOptions& options_;
-  const AnyTrainer& trainer_;
+  AnyTrainer& trainer_;  // (not const: the overflow diagnosis is turned on and read here)
   bool writes_;
   OnScalar on_scalar_;
   std::unique_ptr<ScalarFanout> writers_;  // TensorBoard events and JSON lines
@@ -131,6 +146,10 @@ class RunLog {
   std::int64_t skipped_at_log_ = 0, window_at_log_ = 0;  // the counters at the last log (check_skipped)
   std::int64_t skipped_unhealthy_ = 0;                   // FP32/BF16 skips since a clean interval
   bool skip_warned_ = false, scale_warned_ = false;
+  bool named_ = false;          // the modules said since the last clean interval
+  bool diagnosis_due_ = false;  // the next window is a log window (diagnosis_due())
+  std::string pending_stop_;    // the stop that waits for it
+  StepReport last_report_;      // the epoch's last window's (epoch_ends checks skipped steps)
   std::int64_t run_windows_ = 0, run_total_ = 0;  // this run's optimizer windows: done, all (progress ETA)
   std::optional<double> last_loss_;               // the last log window's, for the progress line
   double last_lr_ = std::numeric_limits<double>::quiet_NaN(), last_scale_ = std::numeric_limits<double>::quiet_NaN();

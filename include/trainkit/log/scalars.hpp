@@ -56,6 +56,9 @@ inline std::string validation(std::string_view metric) { return "Val-" + std::st
 inline constexpr const char* loss_scale = "loss-scale";
 /// Running count of skipped (non-finite) steps.
 inline constexpr const char* skipped_steps = "skipped-steps";
+/// The overflow diagnosis, per module whose gradient was not finite since the last log:
+/// nonfinite/<module path> = the windows it counted (logged only where non-zero).
+inline const std::string nonfinite_prefix = "nonfinite/";
 /// Training throughput since the last log: items (task.items) per second, or micro-batches per
 /// second when the task gives no item count.
 inline constexpr const char* samples_per_second = "samples-per-second";

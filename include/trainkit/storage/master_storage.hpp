@@ -71,6 +71,12 @@ class MasterStorage : public detail::FlatParameters {
   // 5. The mode of this phase (the file comment), then the sum over the ranks.
   GradientFactor reduce(Replicas& replicas, const WindowWeights& window);
   torch::Tensor norm();
+  /// The gradient norm() sees, parameter by parameter (the overflow diagnosis): the slices, the
+  /// whole fp32 gradient, or with the chunked phase the half gradient (whose fp32-kept
+  /// parameters, TrainerOptions::keep_norm_fp32, are left out: their gradient is kept apart).
+  void gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const {
+    pieces_of(sharded() ? local_grad_ : grad_.defined() ? grad_ : half_.grad(), pieces, owners);
+  }
   template <class Update>
   void update(Update&& f) {
     phase_chunks_ = 0;

@@ -192,6 +192,18 @@ class FlatParameters {
   void check() const;
 
  protected:
+  /// The overflow diagnosis's view (trainer/nonfinite_watch.hpp) of `gradient`, a buffer in
+  /// this rank's local layout: each parameter's parts of it, and each part's parameter (its
+  /// place among the model's trainable parameters).
+  void pieces_of(const torch::Tensor& gradient, std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const {
+    if (!gradient.defined()) return;
+    for (const auto& e : placed_)
+      for_each_piece(e, [&](std::int64_t at, std::int64_t, std::int64_t n) {
+        pieces.push_back(gradient.narrow(0, at, n));
+        owners.push_back(e.order);
+      });
+  }
+
   /// The trainable parameters of `model` on `device`, grouped by (LR multiplier, decay) in
   /// order of first appearance (the model's order inside each group), placed in layout_ with
   /// each parameter 64-byte aligned for elements of `element_size` bytes (into placed_).
@@ -334,6 +346,10 @@ class FlatStorage : public detail::FlatParameters {
   void backward_done(const detail::BackwardDone& done);
   GradientFactor reduce(Replicas& replicas, const WindowWeights& window);
   torch::Tensor norm() const;
+  /// The gradient norm() sees, parameter by parameter (the overflow diagnosis).
+  void gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const {
+    pieces_of(sharded() ? local_grad_ : grad_, pieces, owners);
+  }
   /// The gradient's memory, where Sharding::gradients released it, allocated (zeros): for a
   /// backward outside the step (the memory plan's measurement), which zero() releases again.
   void allocate_gradient();

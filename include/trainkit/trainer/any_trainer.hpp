@@ -33,6 +33,7 @@
 #include <trainkit/step/replicas.hpp>
 #include <trainkit/step/schedule.hpp>
 #include <trainkit/step/step_report.hpp>
+#include <trainkit/trainer/nonfinite_watch.hpp>
 
 #include <torch/nn/module.h>
 #include <torch/serialize/archive.h>
@@ -98,6 +99,14 @@ class AnyTrainer {
   /// Whether the loss scale backs off after an overflow (FP16Dynamic); a static one (FP16Static)
   /// overflows alike every time, so its skips stop a run as FP32's do (TRAIN.NONFINITE_PATIENCE).
   virtual bool dynamic_loss_scale() const = 0;
+  /// The overflow diagnosis (nonfinite_watch.hpp): while on, each optimizer phase counts, per
+  /// trainable parameter, the windows whose gradient was not finite there (a few ATen calls per
+  /// phase; off, none). The fit loop turns it on after a log window with skipped steps.
+  virtual void watch_nonfinite(bool on) = 0;
+  virtual bool watches_nonfinite() const = 0;
+  /// What the diagnosis counted since the last call (one host read; this rank's slices where
+  /// sharded), then zero. All zero while off.
+  virtual NonfiniteCounts take_nonfinite_counts() = 0;
   /// The optimizer's LR before the schedule's factor (a group's is this times its LR_MULT).
   virtual double base_lr() const = 0;
   /// Micro-batches per window.

@@ -383,6 +383,19 @@ class Trainer final : public detail::TrainerCore {
   std::string type_name() const override { return name(); }
   bool uses_loss_scale() const override { return Precision::scales_loss; }
   bool dynamic_loss_scale() const override { return std::is_same_v<scaling_mode_t<precision_mode>, FP16Dynamic>; }
+  void watch_nonfinite(bool on) override {
+    std::vector<torch::Tensor> trainable;
+    for (const auto& p : module_->parameters(true))
+      if (p.requires_grad()) trainable.push_back(p);
+    nonfinite_.set(on, trainable, device_);
+  }
+  bool watches_nonfinite() const override { return nonfinite_.on(); }
+  NonfiniteCounts take_nonfinite_counts() override {
+    std::vector<std::string> names;
+    for (const auto& p : module_->named_parameters(true))
+      if (p.value().requires_grad()) names.push_back(p.key());
+    return nonfinite_.take(std::move(names));
+  }
   std::int64_t window_length() const override { return accumulation_.window(); }
   std::optional<at::ScalarType> autocast_dtype() const override {
     return detail::autocast_dtype_of<precision_mode>();
@@ -606,6 +619,8 @@ class Trainer final : public detail::TrainerCore {
     // 6-7. One pass over the gradient: the norm of the still-scaled gradient, both the overflow
     //    check and, unscaled, the logged and clipped norm.
     const Unscaled norm = unscale(factor, storage_.norm());
+    //    With the overflow diagnosis on: which parameters' gradients are not finite.
+    if (nonfinite_.on()) nonfinite_.count(storage_);
     // 8. Clipping on the true gradient, folded into the optimizer's divisor where it can be.
     const torch::Tensor optimizer_divisor = clip_.divisor(norm.divisor, norm.true_norm);
     // 9. The counters, then the update over the storage's chunks, skipped on the device when
@@ -715,6 +730,7 @@ class Trainer final : public detail::TrainerCore {
   Accumulation accumulation_;
   Clip clip_;
   storage_type storage_;
+  detail::NonfiniteWatch nonfinite_;
   struct MicroBatchStart {  // the window as the current micro-batch found it (discard_micro_batch)
     typename Accumulation::State accumulation{};
     torch::Tensor window_loss;
