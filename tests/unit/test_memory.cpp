@@ -469,9 +469,11 @@ TEST_CASE("fit: TRAIN.MEMORY_BUDGET measures a fresh run with its optimizer's st
   }
   const double sgd = sgd_plan.measured.front().second, adamw = adamw_plan.measured.front().second;
   MESSAGE("peak at one item: SGD " << sgd / kMiB << " MiB, AdamW " << adamw / kMiB << " MiB");
-  // The moments (2 x 64 MiB) are in AdamW's measurement: seen 112-128 MiB over SGD's, and about
-  // 2 MiB when the plan measured before they existed. Half of them at least, and not much else.
-  CHECK(adamw - sgd > 64 * kMiB);
+  // The moments (2 x 64 MiB) are in AdamW's measurement: seen 60-128 MiB over SGD's (less where
+  // the allocator hands out pages the previous run left resident, which the reset peak does not
+  // count again), and about 2 MiB when the plan measured before they existed. A quarter of them
+  // at least, and not much else.
+  CHECK(adamw - sgd > 32 * kMiB);
   CHECK(adamw - sgd < 192 * kMiB);
 
   // A torch::optim optimizer makes its state at its first step: the plan cannot hold it, and

@@ -9,6 +9,8 @@
 #include <trainkit/trainer/trainer.hpp>
 
 #include <cmath>
+#include <filesystem>
+#include <functional>
 #include <limits>
 #include <fstream>
 #include <sstream>
@@ -63,9 +65,9 @@ TEST_CASE("NonfiniteCounts: modules in the backward's order, the origin and the 
   CHECK(c.origin() == std::pair<std::string, std::string>{"layer.0", "layer.1"});
   const std::string text = c.text();
   INFO(text);
-  CHECK(text.find("non-finite gradients in 2 modules (windows, nearest the loss first): layer.0 (3), embed (3); "
-                  "it begins at layer.0") == 0);
-  CHECK(text.find("or in the backward of layer.1") != std::string::npos);
+  CHECK(text == "non-finite gradients in 2 modules (windows, nearest the loss first): layer.0 (3), embed (3); first "
+                 "seen at layer.0 (nearest the loss): the overflow is in layer.0's own weight gradient or in the "
+                 "backward of layer.1, which computes the gradient flowing into layer.0");
   c.windows = {0, 0, 0, 0, 0};
   CHECK(!c.any());
   CHECK(c.text().empty());
@@ -78,12 +80,11 @@ TEST_CASE("FP16 dynamic: an overflow injected in mid's backward is named at l1, 
       model, tk::SGD{0.01}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions().init_scale(16384))};
   const auto loss = [&](std::int64_t i) { return [&model, i] { return model(inputs(i)).mean(); }; };
 
-  // Off: the window is skipped (the overflow is real) and nothing is counted.
+  // Off: the window is skipped (the overflow is real); the counts below start at the turn-on.
   auto r = trainer.micro_step(loss(0));
   REQUIRE(r.window_closed);
   CHECK(r.report.skipped());
   CHECK(!trainer.watches_nonfinite());
-  CHECK(!trainer.take_nonfinite_counts().any());
 
   trainer.watch_nonfinite(true);
   CHECK(trainer.watches_nonfinite());
@@ -101,7 +102,7 @@ TEST_CASE("FP16 dynamic: an overflow injected in mid's backward is named at l1, 
 
   // Off again: the counts and the hooks go; a clean model then counts nothing when on.
   trainer.watch_nonfinite(false);
-  CHECK(!trainer.take_nonfinite_counts().any());
+  CHECK(!trainer.watches_nonfinite());
   Chain clean(1.0);
   tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>> clean_trainer{
       clean, tk::SGD{0.01}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions().init_scale(16384))};
@@ -110,73 +111,136 @@ TEST_CASE("FP16 dynamic: an overflow injected in mid's backward is named at l1, 
   CHECK(!clean_trainer.take_nonfinite_counts().any());
 }
 
-TEST_CASE("FP16 static: the patience stop names the modules and the origin, and the scalar logs count them") {
-  // LOG_FREQUENT 4 and NONFINITE_PATIENCE 3: the first log window already reaches the patience,
-  // before the diagnosis was on; one more window, watched and logged, names them, then the stop.
-  testing::TempDir dir;
-  Chain model(3e3);
-  tk::Trainer<tk::PrecisionPolicy<tk::FP16Static>> trainer{
-      model, tk::SGD{0.01}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions().static_scale(16384))};
-  tk::Task<std::int64_t> task;
-  task.batches_per_epoch = [](std::int64_t) { return std::int64_t{8}; };
-  task.batch = [](std::int64_t, std::int64_t index) { return index; };
-  task.loss = [&](const std::int64_t& i, tk::Metrics&) { return model(inputs(i)).mean(); };
-  CaptureStderr err;
-  std::string stopped;
-  try {
-    tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(2).log_frequent(4).progress(false)
-                               .handle_signals(false).nonfinite_patience(3));
-  } catch (const tk::NonFiniteGradient& e) {
-    stopped = e.what();
-  }
-  INFO(stopped);
-  CHECK(stopped.find("optimizer step 5: 1 of the last 1 optimizer steps were skipped") != std::string::npos);
-  CHECK(stopped.find("5 skipped with no clean log interval between them (TRAIN.NONFINITE_PATIENCE 3): stopping") !=
-        std::string::npos);
-  CHECK(stopped.find("non-finite gradients in 1 module (windows, nearest the loss first): l1 (1); it begins at l1") !=
-        std::string::npos);
-  CHECK(stopped.find("or in the backward of mid") != std::string::npos);
-  CHECK(trainer.skipped_steps().item<std::int64_t>() == 5);
-  const std::string said = err.text.str();
-  INFO(said);
-  CHECK(said.find("trainkit: warning: epoch 0, micro-batch 4 of 8, optimizer step 5: non-finite gradients in 1 module") !=
-        std::string::npos);
-  std::ifstream jsonl(dir.path + "/model-scalars.jsonl");
-  std::stringstream lines;
-  lines << jsonl.rdbuf();
-  CHECK(lines.str().find("\"nonfinite/l1\"") != std::string::npos);
-  CHECK(lines.str().find("nonfinite/mid") == std::string::npos);
-}
+namespace {
 
-TEST_CASE("FP32: skipped steps in an epoch shorter than LOG_FREQUENT stop the run at the epoch's end, named") {
-  // No log window inside the run (LOG_FREQUENT 1000): the epoch's end checks the skipped steps
-  // as a log window would; the patience is reached there, unwatched, so the next window is
-  // watched and logged, and the stop names where the gradient stopped being finite.
-  testing::TempDir dir;
-  Chain model(1.0);
-  tk::Trainer<> trainer{model, tk::SGD{0.01}};
+// tk::fit over 8 micro-batches per epoch; what it threw (empty: nothing) and said.
+template <class Trainer>
+std::pair<std::string, std::string> fit_run(Trainer& trainer, Chain& model, const std::string& dir, std::int64_t log_frequent,
+                                            std::int64_t patience, std::function<bool(std::int64_t)> bad = {}) {
   tk::Task<std::int64_t> task;
   task.batches_per_epoch = [](std::int64_t) { return std::int64_t{8}; };
-  task.batch = [](std::int64_t, std::int64_t index) { return index; };
-  task.loss = [&](const std::int64_t& i, tk::Metrics&) {
-    return model(inputs(i)).mean() * std::numeric_limits<float>::infinity();  // every window diverged
+  task.batch = [](std::int64_t epoch, std::int64_t index) { return epoch * 8 + index; };
+  task.loss = [&model, bad](const std::int64_t& i, tk::Metrics&) {
+    const auto loss = model(inputs(i % 8)).mean();
+    return bad && bad(i) ? loss * std::numeric_limits<float>::infinity() : loss;
   };
   CaptureStderr err;
   std::string stopped;
   try {
-    tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(3).log_frequent(1000).progress(false)
-                               .handle_signals(false).nonfinite_patience(5));
+    tk::fit(trainer, task, tk::FitOptions().output_path(dir).end_epoch(3).log_frequent(log_frequent).progress(false)
+                               .handle_signals(false).nonfinite_patience(patience));
   } catch (const tk::NonFiniteGradient& e) {
     stopped = e.what();
   }
+  return {stopped, err.text.str()};
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+TEST_CASE("FP16 static: a patience stop before the diagnosis was on waits one watched window, then names where") {
+  // LOG_FREQUENT 4 and NONFINITE_PATIENCE 3: the first log window already reaches the patience,
+  // unwatched; window 5 is watched and logged, and the stop names the modules.
+  testing::TempDir dir;
+  Chain model(3e3);
+  tk::Trainer<tk::PrecisionPolicy<tk::FP16Static>> trainer{
+      model, tk::SGD{0.01}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions().static_scale(16384))};
+  const auto [stopped, said] = fit_run(trainer, model, dir.path, 4, 3);
   INFO(stopped);
-  CHECK(stopped.find("epoch 1, micro-batch 0 of 8, optimizer step 9: 1 of the last 1 optimizer steps were skipped") == 0);
-  CHECK(stopped.find("9 skipped with no clean log interval between them (TRAIN.NONFINITE_PATIENCE 5): stopping; "
-                     "lower TRAIN.LR or check the data") != std::string::npos);
-  // The loss itself is infinite: every gradient is, and the first the backward reached is head's.
-  CHECK(stopped.find("non-finite gradients in 3 modules (windows, nearest the loss first): head (1), mid (1), l1 (1); "
-                     "it begins at head") != std::string::npos);
-  CHECK(trainer.skipped_steps().item<std::int64_t>() == 9);
+  CHECK(stopped.find("epoch 0, micro-batch 3 of 8, optimizer step 4: 4 of the last 4 optimizer steps were skipped") == 0);
+  CHECK(stopped.find("4 skipped with no clean log interval between them (TRAIN.NONFINITE_PATIENCE 3): stopping") !=
+        std::string::npos);
+  CHECK(stopped.find("; non-finite gradients in 1 module (windows, nearest the loss first): l1 (1); first seen at l1 "
+                     "(nearest the loss): the overflow is in l1's own weight gradient or in the backward of mid") !=
+        std::string::npos);
+  CHECK(trainer.skipped_steps().item<std::int64_t>() == 5);
+  CHECK(!trainer.watches_nonfinite());  // (the run log turned it off as the stop left: no hook stays)
+  const std::string scalars = read_file(dir.path + "/model-scalars.jsonl");
+  CHECK(scalars.find("\"nonfinite/l1\"") != std::string::npos);
+  CHECK(scalars.find("nonfinite/mid") == std::string::npos);
+}
+
+TEST_CASE("a deferred stop stops at the watched window even when that window is clean") {
+  testing::TempDir dir;
+  Chain model(1.0);
+  tk::Trainer<> trainer{model, tk::SGD{0.01}};
+  const auto [stopped, said] = fit_run(trainer, model, dir.path, 4, 3, [](std::int64_t i) { return i < 4; });
+  INFO(stopped);
+  CHECK(stopped.find("epoch 0, micro-batch 3 of 8, optimizer step 4: 4 of the last 4 optimizer steps were skipped") == 0);
+  CHECK(stopped.find("non-finite gradients in") == std::string::npos);  // window 5 was clean: nothing to name
+  CHECK(trainer.skipped_steps().item<std::int64_t>() == 4);
+  CHECK(trainer.applied_steps().item<std::int64_t>() == 1);
+}
+
+TEST_CASE("FP32: the patience stop names where, nearest the loss first, once the diagnosis watched") {
+  // LOG_FREQUENT 2, patience 5: the check at window 2 warns and turns the diagnosis on, the one
+  // at 4 names the modules, the one at 6 stops, naming them. The loss itself is infinite: every
+  // gradient is, and the first the backward reaches is head's.
+  testing::TempDir dir;
+  Chain model(1.0);
+  tk::Trainer<> trainer{model, tk::SGD{0.01}};
+  const auto [stopped, said] = fit_run(trainer, model, dir.path, 2, 5, [](std::int64_t) { return true; });
+  INFO(stopped);
+  INFO(said);
+  CHECK(stopped.find("epoch 0, micro-batch 5 of 8, optimizer step 6: 2 of the last 2 optimizer steps were skipped") == 0);
+  CHECK(stopped.find("; non-finite gradients in 3 modules (windows, nearest the loss first): head (2), mid (2), l1 (2); "
+                     "first seen at head (nearest the loss): the overflow is in head's own weight gradient or in the "
+                     "loss's gradient; the checkpoints written so far are intact") != std::string::npos);
+  CHECK(said.find("optimizer step 2: 2 of the last 2 optimizer steps were skipped") != std::string::npos);
+  CHECK(said.find("trainkit now watches which modules' gradients are not finite") != std::string::npos);
+  CHECK(said.find("trainkit: warning: epoch 0, micro-batch 3 of 8, optimizer step 4: non-finite gradients in 3 modules") !=
+        std::string::npos);
+}
+
+TEST_CASE("FP32: an epoch shorter than LOG_FREQUENT is checked at its end, and stops there before its work") {
+  // No log window inside the run (LOG_FREQUENT 1000): the epoch's end checks the skipped steps;
+  // the patience is reached there, unwatched: the run stops at once (no validation, no
+  // checkpoint), saying how to learn where.
+  testing::TempDir dir;
+  Chain model(1.0);
+  tk::Trainer<> trainer{model, tk::SGD{0.01}};
+  const auto [stopped, said] = fit_run(trainer, model, dir.path, 1000, 5, [](std::int64_t) { return true; });
+  INFO(stopped);
+  CHECK(stopped.find("epoch 0, micro-batch 7 of 8, optimizer step 8: 8 of the last 8 optimizer steps were skipped "
+                     "(non-finite gradients); 8 skipped with no clean log interval between them (TRAIN.NONFINITE_PATIENCE "
+                     "5): stopping; lower TRAIN.LR or check the data; where: not watched yet") == 0);
+  CHECK(stopped.find("with LOG_FREQUENT below 5 windows it names the modules") != std::string::npos);
+  CHECK(trainer.skipped_steps().item<std::int64_t>() == 8);
+  CHECK(!std::filesystem::exists(dir.path + "/model-0000.ckpt"));
+}
+
+TEST_CASE("FP16 dynamic: a scale at its floor that still overflows stops as a static one, named") {
+  // Floor 8192: one backoff from 16384 reaches it, and mid's backward overflows there too.
+  testing::TempDir dir;
+  Chain model(3e3);
+  tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>> trainer{
+      model, tk::SGD{0.01}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions().init_scale(16384).min_scale(8192))};
+  const auto [stopped, said] = fit_run(trainer, model, dir.path, 2, 3);
+  INFO(stopped);
+  CHECK(stopped.find("optimizer step 4: 2 of the last 2 optimizer steps were skipped") != std::string::npos);
+  CHECK(stopped.find("the dynamic loss scale sits at its floor 8192 (TRAIN.FP16_MIN_LOSS_SCALE, "
+                     "LossScaleOptions::min_scale) and the gradient still overflows") != std::string::npos);
+  CHECK(stopped.find("l1 (2); first seen at l1") != std::string::npos);
+}
+
+TEST_CASE("FP16 dynamic: the scale's start-up search is not watched nor named") {
+  // A clean model from a scale of 2^20: the first windows overflow while the scale backs off
+  // (its search), then it trains; no diagnosis, no warning, no nonfinite/ scalar.
+  testing::TempDir dir;
+  Chain model(1.0);
+  tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>> trainer{
+      model, tk::SGD{0.01}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions().init_scale(1 << 20))};
+  const auto [stopped, said] = fit_run(trainer, model, dir.path, 1, 3);
+  CHECK(stopped.empty());
+  CHECK(trainer.skipped_steps().item<std::int64_t>() > 0);  // (not comparing nothing: there were skips)
+  CHECK(said.find("non-finite gradients in") == std::string::npos);
+  CHECK(read_file(dir.path + "/model-scalars.jsonl").find("nonfinite/") == std::string::npos);
 }
 
 }  // namespace test_nonfinite_names

@@ -147,8 +147,9 @@ TRAINKIT_INLINE Schema train_schema() {
       "a resume whose configuration changes the training trajectory (LR, optimizer, batch, data...): refuse (with the "
       "differences) or allow (said once)");
   s.integer("NONFINITE_PATIENCE", 20).min(1).doc(
-      "FP32/BF16 with NONFINITE skip, and FP16 with a static FP16_LOSS_SCALE: skipped steps with no clean log interval "
-      "between them that stop the run (the first warns)");
+      "FP32/BF16 with NONFINITE skip, FP16 with a static FP16_LOSS_SCALE, and a dynamic one at its floor "
+      "(FP16_MIN_LOSS_SCALE): skipped steps with no clean log interval between them that stop the run (the first "
+      "warns; checked at log windows and epoch ends; the stop names the modules whose gradients were not finite)");
   s.boolean("MASTER_WEIGHTS", false)
       .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
   s.integer("ZERO_STAGE", 0).min(0).max(2).doc(

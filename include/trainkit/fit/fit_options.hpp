@@ -34,9 +34,9 @@ struct FitOptions {
   /// The seed was drawn (RNG_SEED -1): the loop says which at start, so the run can be repeated.
   TORCH_ARG(bool, seed_drawn) = false;
   TORCH_ARG(std::string, config_json) = {};            ///< the resolved configuration, for checkpoints
-  /// FP32, BF16 and FP16 with a static loss scale: skipped (non-finite) optimizer steps, with no
-  /// clean log interval between them, that stop the run (TRAIN.NONFINITE_PATIENCE); the first
-  /// is a warning.
+  /// FP32, BF16, FP16 with a static loss scale and a dynamic one at its floor: skipped
+  /// (non-finite) optimizer steps, with no clean log interval between them, that stop the run
+  /// (TRAIN.NONFINITE_PATIENCE; checked at log windows and epoch ends); the first is a warning.
   TORCH_ARG(std::int64_t, nonfinite_patience) = 20;
   /// A resume from a checkpoint whose configuration (config_json) differs in a key that changes
   /// the trajectory: refused with the differences (false), or allowed and said (true)

@@ -93,7 +93,7 @@ TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
   }
   const auto step = report.window();
   const double loss = interval->count("Loss") ? interval->at("Loss") : report.loss();
-  check_skipped({report.skipped_steps(), report.window(), report.loss_scale()}, at, loss);
+  check_skipped({report.skipped_steps(), report.window(), report.loss_scale()}, at, loss, /*epoch_end=*/false);
   if (!trainer_.uses_loss_scale() && trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
     throw NonFiniteGradient(detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " +
                             std::to_string(step) + ": non-finite training loss " + detail::short_number(loss) +
@@ -142,12 +142,29 @@ TRAINKIT_INLINE void RunLog::validation(std::int64_t epoch, const std::map<std::
   report(shown);
 }
 
+TRAINKIT_INLINE NonFiniteGradient RunLog::unwatched_stop(const std::string& stop) const {
+  return NonFiniteGradient(stop + "; where: not watched yet (trainkit watches from the first check that finds skipped "
+                                  "steps: with LOG_FREQUENT below " + std::to_string(options_.nonfinite_patience()) +
+                           " windows it names the modules before this stop); the checkpoints written so far are intact");
+}
+
+TRAINKIT_INLINE RunLog::~RunLog() {
+  try {
+    trainer_.watch_nonfinite(false);  // (a stop throws with it on: the model keeps no hook of it)
+  } catch (...) {
+  }
+}
+
 TRAINKIT_INLINE void RunLog::epoch_ends(LogPosition at) {
+  // A stop that waited for the next window to say where, and the epoch ended first: the epoch's
+  // work (validation, checkpoints, callbacks) must not run for a run that is stopping.
+  if (!pending_stop_.empty()) throw unwatched_stop(std::exchange(pending_stop_, std::string()));
   // Skipped steps since the last log window are checked here too, from the epoch's last report
   // (one copy, as at a log window; the epoch's end reads the device anyway): an epoch shorter
   // than LOG_FREQUENT windows is never silent about them.
   if (!last_report_.empty() && last_report_.window() > window_at_log_)
-    check_skipped({last_report_.skipped_steps(), last_report_.window(), last_report_.loss_scale()}, at, std::nullopt);
+    check_skipped({last_report_.skipped_steps(), last_report_.window(), last_report_.loss_scale()}, at, std::nullopt,
+                  /*epoch_end=*/true);
   last_report_ = StepReport();
   if (progress_) progress_->update(progress_state(at));
 }
@@ -159,8 +176,8 @@ TRAINKIT_INLINE void RunLog::paused() {
 }
 
 TRAINKIT_INLINE void RunLog::finish(std::int64_t epoch, std::int64_t index) {
-  if (!pending_stop_.empty())  // (the run ended before the window that was to name the layers)
-    throw NonFiniteGradient(pending_stop_ + "; the checkpoints written so far are intact");
+  if (!pending_stop_.empty())  // (the run ended before the window that was to say where)
+    throw unwatched_stop(std::exchange(pending_stop_, std::string()));
   if (progress_) progress_->finish();
   if (text_log_)
     text_log_->line("end: at epoch " + std::to_string(epoch) + ", micro-batch " + std::to_string(index) +
@@ -173,12 +190,22 @@ TRAINKIT_INLINE void RunLog::scalar(const std::string& tag, double value, std::i
   if (on_scalar_) on_scalar_(tag, value, step);
 }
 
-TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std::optional<double> loss) {
+TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std::optional<double> loss, bool epoch_end) {
   const std::int64_t skipped = now.skipped - skipped_at_log_, windows = now.window - window_at_log_;
   skipped_at_log_ = now.skipped;
   window_at_log_ = now.window;
+  // Which parameters: counted since the diagnosis went on (below, at a check with skips that
+  // are not a dynamic scale's search). Read at every check while on (the ranks alike).
+  const bool watched = trainer_.watches_nonfinite();
+  const std::string names = watched ? nonfinite_names(now.window) : std::string();
+  const std::string named = names.empty() ? std::string() : "; " + names;
+  const std::string intact = "; the checkpoints written so far are intact";
   diagnosis_due_ = false;
-  pending_stop_.clear();
+  if (!pending_stop_.empty()) {  // a stop that waited one watched window to say where: due, clean window or not
+    const std::string stop = std::move(pending_stop_);
+    pending_stop_.clear();
+    throw NonFiniteGradient(stop + named + intact);
+  }
   if (skipped <= 0) {
     skipped_unhealthy_ = 0;
     scale_warned_ = false;
@@ -191,28 +218,29 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
   const std::string what = std::to_string(skipped) + " of the last " + std::to_string(windows) +
                            " optimizer steps were skipped (non-finite gradients" +
                            (loss ? "; training loss " + detail::short_number(*loss) : std::string()) + ")";
-  // Which parameters: counted since the diagnosis went on (at the first interval with skips).
-  const bool watched = trainer_.watches_nonfinite();
-  const std::string names = watched ? nonfinite_names(now.window) : std::string();
-  trainer_.watch_nonfinite(true);
-  if (!names.empty() && !named_) {
+  const std::string promise = "; trainkit now watches which modules' gradients are not finite, and names them at the "
+                              "next check that finds skipped steps";
+  // Names said once per episode, where no warning or stop of this check carries them.
+  const auto say_names = [&] {
+    if (names.empty() || named_) return;
     named_ = true;
     say("trainkit: warning: " + where + ": " + names);
-  }
-  const std::string named = names.empty() ? std::string() : "; " + names;
+  };
   // FP32, BF16, a static loss scale and a dynamic one at its floor: nothing backs off, so skips
   // in a row mean a run that trains nothing. (A dynamic scale's other skips are its search for
-  // a scale: warned about below.)
+  // a scale: warned about below.) The scale is a float: compared as one.
   const double floor = trainer_.options().loss_scale().min_scale();
   const bool dynamic = trainer_.uses_loss_scale() && trainer_.dynamic_loss_scale();
-  const bool at_floor = dynamic && floor > 0 && now.loss_scale <= floor;
+  const bool at_floor =
+      dynamic && floor > 0 && static_cast<float>(now.loss_scale) <= static_cast<float>(floor);
   if (!dynamic || at_floor) {
+    trainer_.watch_nonfinite(true);
     skipped_unhealthy_ += skipped;
     const std::string patience = "TRAIN.NONFINITE_PATIENCE " + std::to_string(options_.nonfinite_patience());
     const std::string remedy =
         at_floor ? "the dynamic loss scale sits at its floor " + detail::short_number(floor) +
-                       " (TRAIN.FP16_MIN_LOSS_SCALE) and the gradient still overflows: lower TRAIN.LR, check the data, or "
-                       "train in BF16"
+                       " (TRAIN.FP16_MIN_LOSS_SCALE, LossScaleOptions::min_scale) and the gradient still overflows: lower "
+                       "TRAIN.LR, check the data, train in BF16, or lower the floor (0: none)"
         : trainer_.uses_loss_scale()
             ? "the static loss scale " + detail::short_number(now.loss_scale) +
                   " overflows the gradient: set TRAIN.FP16_LOSS_SCALE to a smaller one (a power of 2), or to 'dynamic', "
@@ -222,32 +250,40 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
       const std::string stop = where + ": " + what + "; " + std::to_string(skipped_unhealthy_) +
                                " skipped with no clean log interval between them (" + patience + "): stopping; " +
                                remedy;
-      // Not watched yet: one more window, watched and logged, says where before the run stops
-      // (a run that ends first stops in finish()).
-      if (!watched) {
-        diagnosis_due_ = true;
-        pending_stop_ = stop;
-        return;
-      }
-      throw NonFiniteGradient(stop + named + "; the checkpoints written so far are intact");
+      if (watched) throw NonFiniteGradient(stop + named + intact);
+      // Not watched yet. At a log window one more window, watched and logged, says where, and the
+      // run stops at it whatever it finds. At an epoch's end the epoch's work (validation,
+      // checkpoints, callbacks) would come first: the run stops now, saying how to learn where.
+      if (epoch_end) throw unwatched_stop(stop);
+      diagnosis_due_ = true;
+      pending_stop_ = stop;
+      return;
     }
     if (!skip_warned_) {
       skip_warned_ = true;
       say("trainkit: warning: " + where + ": " + what + ". " + trainer_.type_name() +
           " skips a step only when its gradient is not finite: " + remedy + " (" + patience +
-          " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)" +
-          (names.empty() ? "; the next log window names the layers" : named));
+          " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)" + (watched ? named : promise));
+      named_ = named_ || !names.empty();
     }
+    say_names();
     return;
   }
   constexpr std::int64_t kStartup = 32;  // the scale's start-up backoff (2^16 -> 2^0 is 16 halvings)
-  if (now.window > kStartup && 4 * skipped > windows && !scale_warned_) {
+  if (now.window <= kStartup || 4 * skipped <= windows) {  // the scale's search: nothing to watch
+    if (!watched) return;
+    say_names();
+    return;
+  }
+  trainer_.watch_nonfinite(true);
+  if (!scale_warned_) {
     scale_warned_ = true;
     say("trainkit: warning: " + where + ": " + what + ", past the loss scale's start-up backoff; the scale is now " +
         detail::short_number(now.loss_scale) + ". A scale that keeps falling means the gradient overflows at any "
-        "scale: lower TRAIN.LR, check the data, or train in BF16" +
-        (names.empty() ? "; the next log window names the layers" : named));
+        "scale: lower TRAIN.LR, check the data, or train in BF16" + (watched ? named : promise));
+    named_ = named_ || !names.empty();
   }
+  say_names();
 }
 
 TRAINKIT_INLINE std::string RunLog::nonfinite_names(std::int64_t step) {

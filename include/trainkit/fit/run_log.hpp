@@ -50,6 +50,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 
 #include <unistd.h>
@@ -66,6 +67,9 @@ class RunLog {
   using OnScalar = std::function<void(const std::string& tag, double value, std::int64_t step)>;
 
   RunLog(const FitOptions& options, AnyTrainer& trainer, bool writes, OnScalar on_scalar);
+  ~RunLog();
+  RunLog(const RunLog&) = delete;
+  RunLog& operator=(const RunLog&) = delete;
 
   /// A line for the user (the writing rank only), below the progress line when there is one,
   /// and in the text log.
@@ -127,10 +131,12 @@ class RunLog {
     std::int64_t skipped = 0, window = 0;  // the counters: skipped steps and optimizer windows so far
     double loss_scale = 1;
   };
-  void check_skipped(const Skips& now, LogPosition at, std::optional<double> loss);
+  void check_skipped(const Skips& now, LogPosition at, std::optional<double> loss, bool epoch_end);
   // The overflow diagnosis since the last log window (the ranks' counts combined), logged as
   // nonfinite/<module> scalars; the text naming the modules, or empty.
   std::string nonfinite_names(std::int64_t step);
+  // The patience stop of a run that did not watch its gradients yet, saying how to learn where.
+  NonFiniteGradient unwatched_stop(const std::string& stop) const;
 
   // The progress line counts optimizer windows inside the epoch, and in the whole run; the
   // loss, LR and scale are the last log window's.

@@ -97,7 +97,8 @@ class AnyTrainer {
   /// Whether the loss is multiplied by a loss scale (FP16 modes).
   virtual bool uses_loss_scale() const = 0;
   /// Whether the loss scale backs off after an overflow (FP16Dynamic); a static one (FP16Static)
-  /// overflows alike every time, so its skips stop a run as FP32's do (TRAIN.NONFINITE_PATIENCE).
+  /// overflows alike every time, so its skips stop a run as FP32's do (TRAIN.NONFINITE_PATIENCE),
+  /// and so do a dynamic one's at its floor (LossScaleOptions::min_scale).
   virtual bool dynamic_loss_scale() const = 0;
   /// The overflow diagnosis (nonfinite_watch.hpp): while on, each optimizer phase counts, per
   /// trainable parameter, the windows whose gradient was not finite there (a few ATen calls per

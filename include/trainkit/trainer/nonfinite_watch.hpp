@@ -3,18 +3,19 @@
 /// call, no hook). On (AnyTrainer::watch_nonfinite; the fit loop's RunLog turns it on after a
 /// log window that reported skipped steps, and off after a clean one), each optimizer phase
 /// counts, per trainable parameter, the windows whose gradient (as phases 6-7's norm sees it:
-/// reduced over the ranks, still scaled) is not finite there, on the device: `_foreach_norm`
-/// over the parameters' parts of the gradient in fp32, one `isfinite` and one `index_add_`. A
-/// hook on each trainable parameter records, once, the order in which the backward produces
-/// their gradients.
+/// reduced over the ranks, still scaled) is not finite there, on the device: a view per
+/// parameter's part of the gradient, `_foreach_norm` over them in fp32, `isfinite` and an
+/// `index_add_` (about ten ATen calls besides the views; no host read). A hook on each
+/// trainable parameter records, once, the order in which the backward produces their gradients.
 ///
 /// The origin: an overflow in a layer's backward makes every gradient computed after it
 /// non-finite too (it flows on to the layers before it), so of the modules whose gradient was
 /// not finite, the one the backward reached first is nearest to where it began: the overflow
 /// is in its own backward (its weight's gradient) or in the backward of the module the
 /// backward reached just before it (the gradient it passes on). NonfiniteCounts::origin names
-/// both. Forward order would do for a chain of layers, but not for shared weights (a tied
-/// embedding is used last and first) or branches; the backward's own order does.
+/// both. The order is the backward's as measured, not guessed from the model's structure (a
+/// weight used in two places is reached at its use nearest the input: a tied output embedding
+/// counts as the input's).
 #include <torch/types.h>
 
 #include <algorithm>
@@ -81,8 +82,10 @@ struct NonfiniteCounts {
   }
 
   /// "non-finite gradients in 3 modules (windows, nearest the loss first): encoder.layer.2.output
-  /// (12), ...; it begins at encoder.layer.2.output (...) or in the backward of encoder.layer.3.attention (...)";
-  /// empty when none. At most `shown` modules are named.
+  /// (12), ...; first seen at encoder.layer.2.output (nearest the loss): the overflow is in
+  /// encoder.layer.2.output's own weight gradient or in the backward of encoder.layer.3.attention,
+  /// which computes the gradient flowing into encoder.layer.2.output"; empty when none. At most
+  /// `shown` modules are named.
   std::string text(std::size_t shown = 6) const {
     const auto m = modules();
     if (m.empty()) return {};
@@ -92,8 +95,9 @@ struct NonfiniteCounts {
       s += (k ? ", " : "") + m[k].first + " (" + std::to_string(m[k].second) + ")";
     if (m.size() > shown) s += ", and " + std::to_string(m.size() - shown) + " more";
     const auto [first, before] = origin();
-    s += "; it begins at " + first + " (the first non-finite gradient the backward reached; it flows on to the layers before)";
-    if (!before.empty()) s += " or in the backward of " + before + ", which computes the gradient flowing into it";
+    s += "; first seen at " + first + " (nearest the loss): the overflow is in " + first + "'s own weight gradient";
+    s += before.empty() ? std::string(" or in the loss's gradient")
+                        : " or in the backward of " + before + ", which computes the gradient flowing into " + first;
     return s;
   }
 };
@@ -103,6 +107,10 @@ namespace detail {
 /// The trainer's side of the diagnosis (see the file comment).
 class NonfiniteWatch {
  public:
+  NonfiniteWatch() = default;
+  NonfiniteWatch(const NonfiniteWatch&) = delete;
+  NonfiniteWatch& operator=(const NonfiniteWatch&) = delete;
+  ~NonfiniteWatch() { set(false, {}, torch::kCPU); }  // (the model keeps no hook of it)
   bool on() const { return on_; }
 
   /// On: hooks on `params` (the model's trainable parameters, in its order) that record the
@@ -114,7 +122,7 @@ class NonfiniteWatch {
       for (size_t i = 0; i < hooks_.size(); ++i) params_[i].remove_hook(hooks_[i]);
       hooks_.clear();
       params_.clear();
-      counts_ = owners_ = torch::Tensor();
+      counts_ = owners_ = owners_host_ = torch::Tensor();
       return;
     }
     params_ = params;
@@ -136,8 +144,13 @@ class NonfiniteWatch {
     std::vector<std::int64_t> owners;
     storage.gradient_pieces(pieces, owners);
     if (pieces.empty()) return;
-    if (!owners_.defined() || owners_.numel() != static_cast<std::int64_t>(owners.size()))
-      owners_ = torch::tensor(owners, torch::kLong).to(counts_.device());  // (once: the pieces do not change)
+    if (!owners_.defined() || owners_.numel() != static_cast<std::int64_t>(owners.size())) {
+      // Once per turn-on (the pieces do not change). On CUDA from pinned memory without a wait,
+      // as the LR table is: a pageable copy would wait for the stream.
+      owners_host_ = torch::tensor(owners, torch::kLong);
+      if (counts_.device().is_cuda()) owners_host_ = owners_host_.pin_memory();
+      owners_ = owners_host_.to(counts_.device(), /*non_blocking=*/true);
+    }
     const auto norms = at::stack(at::_foreach_norm(pieces, 2, at::kFloat));
     const auto bad = at::isfinite(norms).logical_not();
     const auto per_parameter = torch::zeros_like(counts_).index_add_(0, owners_, bad.to(torch::kLong));
@@ -167,7 +180,7 @@ class NonfiniteWatch {
   std::vector<torch::Tensor> params_;
   std::vector<unsigned> hooks_;
   std::shared_ptr<Order> order_;
-  torch::Tensor counts_, owners_;
+  torch::Tensor counts_, owners_, owners_host_;  // owners_host_: the copy's source, kept while it may run
 };
 
 }  // namespace detail
