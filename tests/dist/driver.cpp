@@ -34,6 +34,10 @@
 //                                                  dominate the memory (--model wide)
 //       [--watch-nonfinite 1]                      the overflow diagnosis on from the start; the
 //                                                  summary's "nonfinite": this rank's counts
+//       [--log-frequent K] [--patience P]          with --fit: LOG_FREQUENT (default 1) and
+//                                                  NONFINITE_PATIENCE (default 20); with --fit,
+//                                                  --overflow-rank R --overflow-window W makes rank R's
+//                                                  loss infinite from epoch 0's micro-batch W (1-based) on
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/parallel/data_parallel.hpp>
@@ -66,6 +70,7 @@ struct Args {
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0;
+  std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
   double cap = 0, dropout = 0;
@@ -96,7 +101,7 @@ Args parse(int argc, char** argv) {
   take("sharding", a.sharding), take("flush", a.flush), take("overlap", a.overlap);
   take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume), take("oom-index", a.oom_index);
   take("cap-rank", a.cap_rank), take("cap", a.cap), take("width", a.width), take("dropout", a.dropout);
-  take("watch-nonfinite", a.watch_nonfinite);
+  take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -266,7 +271,9 @@ int run(const Args& a) {
         model->oom_in_backward = true;
       }
       const auto idx = torch::tensor(b, torch::kLong);
-      return torch::mse_loss(model(x.index_select(0, idx)), y.index_select(0, idx));
+      const auto loss = torch::mse_loss(model(x.index_select(0, idx)), y.index_select(0, idx));
+      const bool inject = rank == a.overflow_rank && at_epoch == 0 && at_index + 1 >= a.overflow_window;
+      return inject ? loss * std::numeric_limits<float>::infinity() : loss;
     };
     // Pieces for a replay: the loss is the mean over the batch's samples.
     task.items = [](const std::vector<std::int64_t>& b) { return static_cast<std::int64_t>(b.size()); };
@@ -279,7 +286,8 @@ int run(const Args& a) {
                                 tk::FitOptions()
                                     .output_path(a.resume ? a.fit : a.fit + "/rank" + std::to_string(rank))
                                     .end_epoch(2)
-                                    .log_frequent(1)
+                                    .log_frequent(a.log_frequent)
+                                    .nonfinite_patience(a.patience)
                                     .auto_resume(a.resume != 0)
                                     .handle_signals(false)
                                     .progress(false));

@@ -185,6 +185,26 @@ TEST_CASE("the overflow diagnosis counts each rank's slices; combined by their m
   }
 }
 
+TEST_CASE("tk::fit sharded: a rank that overflows stops both ranks alike, naming every module from both ranks' slices") {
+  // Stage 2 and one bucket: rank 0 holds the first half of the flat buffer (fc1), rank 1 the
+  // rest (fc2, ln). Rank 1's loss is infinite from micro-batch 1 on. LOG_FREQUENT 4 and
+  // patience 3: the check at window 4 reaches the patience unwatched on both ranks, window 5 is a
+  // log window on both (its collective agrees), watched, and both stop there naming the modules
+  // combined over the ranks (rank 0's slices alone hold fc1 only).
+  testing::TempDir dir;
+  auto ranks = spawn_ranks(2, dir / "overflow", std::to_string(free_port()),
+                           {"--fit", dir / "overflow-out", "--model", "mlp-ln", "--sharding", "2", "--overflow-rank",
+                            "1", "--overflow-window", "1", "--log-frequent", "4", "--patience", "3"});
+  for (auto& c : ranks) {
+    CHECK(wait_exit(c, 120) == 1);
+    const std::string err = slurp(c.err);
+    INFO(err);
+    CHECK(err.find("optimizer step 4: 4 of the last 4 optimizer steps were skipped") != std::string::npos);
+    CHECK(err.find("non-finite gradients in 3 modules (windows, nearest the loss first): fc2 (1)") != std::string::npos);
+    CHECK(err.find("fc1 (1)") != std::string::npos);
+  }
+}
+
 TEST_CASE("a sharded checkpoint resumes at any world size, its state bit for bit") {
   testing::TempDir dir;
   const std::vector<std::string> common{"--model", "mlp-ln", "--batch", "4", "--accum", "2", "--precision", "fp16master",
