@@ -86,7 +86,7 @@ foreach(f IN LISTS files)
 endforeach()
 
 # Results: a citation of benchmarks/RESULTS.md by heading, "<topic>" or "<topic> / <sub-heading>",
-# names a `## <topic>` and a `### <sub-heading>` under it.
+# names a `## <topic>` and a `### <sub-heading>` under it; none cites it by a section number.
 file(STRINGS "${ROOT}/benchmarks/RESULTS.md" result_headings REGEX "^##")
 set(topic "")
 set(topics "")
@@ -106,6 +106,12 @@ foreach(f IN LISTS files)
   if(NOT text MATCHES "RESULTS\\.md")
     continue()
   endif()
+  # (and never by a section number: RESULTS.md has none)
+  string(REGEX MATCHALL "RESULTS\\.md[^.;)\n]*sections?[ \t\n#]+[0-9]+" numbered "${text}")
+  foreach(n IN LISTS numbered)
+    string(REGEX REPLACE "[ \t\n#]+" " " n "${n}")
+    list(APPEND missing "${f}: '${n}' (cite RESULTS.md by its headings: Topic / Sub-heading, quoted)")
+  endforeach()
   string(REGEX MATCHALL "\"[A-Z][^\"\n]* / [^\"\n]+\"" cited "${text}")
   foreach(c IN LISTS cited)
     string(REGEX REPLACE "^\"(.*)\"$" "\\1" c "${c}")
