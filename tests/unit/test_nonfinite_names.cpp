@@ -37,6 +37,20 @@ struct ChainImpl : torch::nn::Module {
 };
 TORCH_MODULE(Chain);
 
+// fc -> LayerNorm -> head (the LayerNorm is what keep_norm_fp32 keeps in fp32 under master weights).
+struct NormedImpl : torch::nn::Module {
+  NormedImpl() {
+    torch::manual_seed(5);
+    fc = register_module("fc", torch::nn::Linear(8, 8));
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+    head = register_module("head", torch::nn::Linear(8, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(ln(fc(x))); }
+  torch::nn::Linear fc{nullptr}, head{nullptr};
+  torch::nn::LayerNorm ln{nullptr};
+};
+TORCH_MODULE(Normed);
+
 torch::Tensor inputs(std::int64_t i) {
   torch::manual_seed(100 + i);
   return torch::randn({8, 8});
@@ -109,6 +123,21 @@ TEST_CASE("FP16 dynamic: an overflow injected in mid's backward is named at l1, 
   clean_trainer.watch_nonfinite(true);
   CHECK(clean_trainer.micro_step([&] { return clean(inputs(0)).mean(); }).report.applied());
   CHECK(!clean_trainer.take_nonfinite_counts().any());
+}
+
+TEST_CASE("FP16 master weights, the chunked phase: the fp32-kept normalisation's gradient is counted too") {
+  // One micro-batch per window and a master_chunk below the model's size: the phase runs in
+  // chunks over the half gradient, and the LayerNorm kept in fp32 has its gradient apart.
+  Normed model;
+  tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>> trainer{
+      model, tk::SGD{0.01}, tk::TrainerOptions().master_chunk(64)};
+  trainer.watch_nonfinite(true);
+  const auto r = trainer.micro_step([&] { return model(inputs(0)).mean() * std::numeric_limits<float>::infinity(); });
+  CHECK(r.report.skipped());
+  const tk::NonfiniteCounts c = trainer.take_nonfinite_counts();
+  INFO(c.text());
+  CHECK(c.names == std::vector<std::string>{"fc.weight", "fc.bias", "ln.weight", "ln.bias", "head.weight", "head.bias"});
+  CHECK(c.windows == std::vector<std::int64_t>(6, 1));
 }
 
 namespace {

@@ -72,10 +72,17 @@ class MasterStorage : public detail::FlatParameters {
   GradientFactor reduce(Replicas& replicas, const WindowWeights& window);
   torch::Tensor norm();
   /// The gradient norm() sees, parameter by parameter (the overflow diagnosis): the slices, the
-  /// whole fp32 gradient, or with the chunked phase the half gradient (whose fp32-kept
-  /// parameters, TrainerOptions::keep_norm_fp32, are left out: their gradient is kept apart).
+  /// whole fp32 gradient, or with the chunked phase the half gradient and the fp32-kept
+  /// parameters' own (TrainerOptions::keep_norm_fp32: their slots in the half one are unused
+  /// zeros).
   void gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const {
-    pieces_of(sharded() ? local_grad_ : grad_.defined() ? grad_ : half_.grad(), pieces, owners);
+    if (sharded() || grad_.defined()) return pieces_of(sharded() ? local_grad_ : grad_, pieces, owners);
+    pieces_of(half_.grad(), pieces, owners);
+    for (size_t i = 0; i < placed_.size(); ++i)
+      if (kept_[i] && placed_[i].param.grad().defined()) {
+        pieces.push_back(placed_[i].param.grad().view({-1}));
+        owners.push_back(placed_[i].order);
+      }
   }
   template <class Update>
   void update(Update&& f) {
