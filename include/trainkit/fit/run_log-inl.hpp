@@ -200,12 +200,8 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
   const std::string names = watched ? nonfinite_names(now.window) : std::string();
   const std::string named = names.empty() ? std::string() : "; " + names;
   const std::string intact = "; the checkpoints written so far are intact";
-  diagnosis_due_ = false;
-  if (!pending_stop_.empty()) {  // a stop that waited one watched window to say where: due, clean window or not
-    const std::string stop = std::move(pending_stop_);
-    pending_stop_.clear();
-    throw NonFiniteGradient(stop + named + intact);
-  }
+  if (!pending_stop_.empty())  // a stop that waited one watched window to say where: due, clean window or not
+    throw NonFiniteGradient(std::exchange(pending_stop_, std::string()) + named + intact);
   if (skipped <= 0) {
     skipped_unhealthy_ = 0;
     scale_warned_ = false;
@@ -255,8 +251,7 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
       // run stops at it whatever it finds. At an epoch's end the epoch's work (validation,
       // checkpoints, callbacks) would come first: the run stops now, saying how to learn where.
       if (epoch_end) throw unwatched_stop(stop);
-      diagnosis_due_ = true;
-      pending_stop_ = stop;
+      pending_stop_ = stop;  // (diagnosis_due(): the loop makes the next window a log window)
       return;
     }
     if (!skip_warned_) {
@@ -270,9 +265,8 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
     return;
   }
   constexpr std::int64_t kStartup = 32;  // the scale's start-up backoff (2^16 -> 2^0 is 16 halvings)
-  if (now.window <= kStartup || 4 * skipped <= windows) {  // the scale's search: nothing to watch
-    if (!watched) return;
-    say_names();
+  if (now.window <= kStartup || 4 * skipped <= windows) {  // the scale's search: nothing new to watch
+    if (watched) say_names();
     return;
   }
   trainer_.watch_nonfinite(true);

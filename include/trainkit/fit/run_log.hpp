@@ -76,7 +76,7 @@ class RunLog {
   void say(const std::string& text);
   /// Whether the next optimizer window must be a log window: a run about to stop on skipped
   /// steps watches one more window to name where its gradient stops being finite.
-  bool diagnosis_due() const { return diagnosis_due_; }
+  bool diagnosis_due() const { return !pending_stop_.empty(); }
   /// What happened on this rank alone (an out-of-memory replay): said as say() does on the
   /// writing rank, on stderr with the rank on the others.
   void say_local(const std::string& text);
@@ -153,8 +153,7 @@ class RunLog {
   std::int64_t skipped_unhealthy_ = 0;                   // FP32/BF16 skips since a clean interval
   bool skip_warned_ = false, scale_warned_ = false;
   bool named_ = false;          // the modules said since the last clean interval
-  bool diagnosis_due_ = false;  // the next window is a log window (diagnosis_due())
-  std::string pending_stop_;    // the stop that waits for it
+  std::string pending_stop_;    // a stop that waits for the next window, watched (diagnosis_due())
   StepReport last_report_;      // the epoch's last window's (epoch_ends checks skipped steps)
   std::int64_t run_windows_ = 0, run_total_ = 0;  // this run's optimizer windows: done, all (progress ETA)
   std::optional<double> last_loss_;               // the last log window's, for the progress line
