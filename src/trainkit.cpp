@@ -35,5 +35,6 @@
 #include <trainkit/storage/master_storage-inl.hpp>
 #include <trainkit/storage/master_weights-inl.hpp>
 #include <trainkit/storage/storage-inl.hpp>
+#include <trainkit/trainer/forward_peaks-inl.hpp>
 #include <trainkit/trainer/recompute-inl.hpp>
 #include <trainkit/trainer/trainer-inl.hpp>

@@ -38,6 +38,7 @@
 //                                                  NONFINITE_PATIENCE (default 20); with --fit,
 //                                                  --overflow-rank R --overflow-window W makes rank R's
 //                                                  loss infinite from epoch 0's micro-batch W (1-based) on
+//       [--forward-peaks 1]                        with --fit: FitOptions::forward_peaks (TRAIN.FORWARD_PEAKS)
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/parallel/data_parallel.hpp>
@@ -69,7 +70,7 @@ struct Args {
   std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
-  int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0;
+  int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -102,6 +103,7 @@ Args parse(int argc, char** argv) {
   take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume), take("oom-index", a.oom_index);
   take("cap-rank", a.cap_rank), take("cap", a.cap), take("width", a.width), take("dropout", a.dropout);
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
+  take("forward-peaks", a.forward_peaks);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -288,6 +290,7 @@ int run(const Args& a) {
                                     .end_epoch(2)
                                     .log_frequent(a.log_frequent)
                                     .nonfinite_patience(a.patience)
+                                    .forward_peaks(a.forward_peaks != 0)
                                     .auto_resume(a.resume != 0)
                                     .handle_signals(false)
                                     .progress(false));

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -105,6 +107,13 @@ struct TempDir {
            FTW_DEPTH | FTW_PHYS);
   }
   std::string operator/(const std::string& name) const { return path + "/" + name; }
+};
+
+/// std::cerr into a string for the scope.
+struct CaptureStderr {
+  std::ostringstream text;
+  std::streambuf* old = std::cerr.rdbuf(text.rdbuf());
+  ~CaptureStderr() { std::cerr.rdbuf(old); }
 };
 
 inline bool file_exists(const std::string& path) {

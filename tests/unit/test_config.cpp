@@ -60,12 +60,13 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of the TRAIN section, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 50);  // VL-BERT's 28 TRAIN keys and trainkit's 22
+  CHECK(t.size() == 51);  // VL-BERT's 28 TRAIN keys and trainkit's 23
   CHECK(t["ZERO_STAGE"] == 0);
   CHECK(t["OVERLAP_REDUCTION"] == true);
   CHECK(t["NO_DECAY"] == json::array());
   CHECK(t["RESUME_CHANGES"] == "refuse");
   CHECK(t["NONFINITE_PATIENCE"] == 20);
+  CHECK(t["FORWARD_PEAKS"] == false);
   CHECK(c.tree()["DIST_TIMEOUT"] == 1800.0);
   CHECK(c.tree()["DIST_HEARTBEAT"] == 15.0);
   CHECK(t["MASTER_WEIGHTS"] == false);

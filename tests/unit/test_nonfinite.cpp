@@ -15,13 +15,6 @@ namespace test_nonfinite {  // this file's names, apart from those of the files 
 
 namespace {
 
-// std::cerr into a string for the scope.
-struct CaptureStderr {
-  std::ostringstream text;
-  std::streambuf* old = std::cerr.rdbuf(text.rdbuf());
-  ~CaptureStderr() { std::cerr.rdbuf(old); }
-};
-
 // An FP32 run of 2 epochs x 8 micro-batches (accumulation 1, a log every window) whose loss is
 // infinite at the micro-batches `bad` says.
 struct Run {
@@ -49,7 +42,7 @@ struct Run {
 
 TEST_CASE("FP32: skipped steps warn at the first and stop the run after NONFINITE_PATIENCE") {
   Run run([](std::int64_t epoch, std::int64_t index) { return epoch == 0 && index >= 2; });  // diverged from step 3 on
-  CaptureStderr err;
+  testing::CaptureStderr err;
   std::string stopped;
   try {
     tk::fit(run.trainer, run.task, run.options(3));
@@ -71,7 +64,7 @@ TEST_CASE("FP32: skipped steps warn at the first and stop the run after NONFINIT
 
 TEST_CASE("FP32: one transient skip warns once and the run goes on") {
   Run run([](std::int64_t epoch, std::int64_t index) { return epoch == 0 && index == 4; });
-  CaptureStderr err;
+  testing::CaptureStderr err;
   const tk::FitResult r = tk::fit(run.trainer, run.task, run.options(3));
   CHECK(r.skipped_steps == 1);
   CHECK(r.applied_steps == 15);
@@ -95,7 +88,7 @@ TEST_CASE("FP16 with a static loss scale that overflows every window stops after
   task.loss = [&](const std::int64_t& i, tk::Metrics&) {
     return torch::mse_loss(model(data.x.narrow(0, 8 * i, 8)), data.y.narrow(0, 8 * i, 8));
   };
-  CaptureStderr err;
+  testing::CaptureStderr err;
   std::string stopped;
   try {
     tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(2).log_frequent(1).progress(false)

@@ -56,13 +56,6 @@ torch::Tensor inputs(std::int64_t i) {
   return torch::randn({8, 8});
 }
 
-// std::cerr into a string for the scope.
-struct CaptureStderr {
-  std::ostringstream text;
-  std::streambuf* old = std::cerr.rdbuf(text.rdbuf());
-  ~CaptureStderr() { std::cerr.rdbuf(old); }
-};
-
 }  // namespace
 
 TEST_CASE("NonfiniteCounts: modules in the backward's order, the origin and the text") {
@@ -153,7 +146,7 @@ std::pair<std::string, std::string> fit_run(Trainer& trainer, Chain& model, cons
     const auto loss = model(inputs(i % 8)).mean();
     return bad && bad(i) ? loss * std::numeric_limits<float>::infinity() : loss;
   };
-  CaptureStderr err;
+  testing::CaptureStderr err;
   std::string stopped;
   try {
     tk::fit(trainer, task, tk::FitOptions().output_path(dir).end_epoch(3).log_frequent(log_frequent).progress(false)

@@ -190,11 +190,12 @@ TEST_CASE("tk::fit sharded: a rank that overflows stops both ranks alike, naming
   // rest (fc2, ln). Rank 1's loss is infinite from micro-batch 1 on. LOG_FREQUENT 4 and
   // patience 3: the check at window 4 reaches the patience unwatched on both ranks, window 5 is a
   // log window on both (its collective agrees), watched, and both stop there naming the modules
-  // combined over the ranks (rank 0's slices alone hold fc1 only).
+  // combined over the ranks (rank 0's slices alone hold fc1 only). The forward's peaks too: the
+  // infinite loss (rank 1's, after the model: the model's own) named on rank 0 as well.
   testing::TempDir dir;
   auto ranks = spawn_ranks(2, dir / "overflow", std::to_string(free_port()),
                            {"--fit", dir / "overflow-out", "--model", "mlp-ln", "--sharding", "2", "--overflow-rank",
-                            "1", "--overflow-window", "1", "--log-frequent", "4", "--patience", "3"});
+                            "1", "--overflow-window", "1", "--log-frequent", "4", "--patience", "3", "--forward-peaks", "1"});
   for (auto& c : ranks) {
     CHECK(wait_exit(c, 120) == 1);
     const std::string err = slurp(c.err);
@@ -202,6 +203,7 @@ TEST_CASE("tk::fit sharded: a rank that overflows stops both ranks alike, naming
     CHECK(err.find("optimizer step 4: 4 of the last 4 optimizer steps were skipped") != std::string::npos);
     CHECK(err.find("non-finite gradients in 3 modules (windows, nearest the loss first): fc2 (1)") != std::string::npos);
     CHECK(err.find("fc1 (1)") != std::string::npos);
+    CHECK(err.find("; the forward's output is first not finite in (model); the checkpoints") != std::string::npos);
   }
 }
 

@@ -8,7 +8,7 @@
 /// to resume (TRAIN.RESUME, AUTO_RESUME, RESUME_CHANGES), on which devices (GPUS, DIST_TIMEOUT,
 /// DIST_HEARTBEAT, NUM_WORKERS_PER_GPU), how much memory (TRAIN.MEMORY_BUDGET, PIECE_ITEMS: pieces of a
 /// micro-batch change rounding, not the step), evaluation (VAL.*, TEST.*), reporting (TRAIN.LOSS_LOGGERS,
-/// NONFINITE_PATIENCE) and the initial weights (NETWORK.PARTIAL_PRETRAIN and its prefix
+/// NONFINITE_PATIENCE, FORWARD_PEAKS) and the initial weights (NETWORK.PARTIAL_PRETRAIN and its prefix
 /// changes: a resume takes the weights from the checkpoint). Every other key, an application's
 /// included, is taken to change the trajectory.
 #include <trainkit/detail/inline.hpp>

@@ -150,6 +150,10 @@ TRAINKIT_INLINE Schema train_schema() {
       "FP32/BF16 with NONFINITE skip, FP16 with a static FP16_LOSS_SCALE, and a dynamic one at its floor "
       "(FP16_MIN_LOSS_SCALE): skipped steps with no clean log interval between them that stop the run (the first "
       "warns; checked at log windows and epoch ends; the stop names the modules whose gradients were not finite)");
+  s.boolean("FORWARD_PEAKS", false).doc(
+      "record the largest |output| of each module in the forward of every LOG_FREQUENT-th window, to see which layer "
+      "approaches its precision's range (fp16: 65504): logged as forward-peak/<module> and in the text log, a "
+      "non-finite output named where it begins; costs nothing when false");
   s.boolean("MASTER_WEIGHTS", false)
       .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
   s.integer("ZERO_STAGE", 0).min(0).max(2).doc(

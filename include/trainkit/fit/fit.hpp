@@ -415,7 +415,11 @@ class FitLoop {
   // task.loss of a micro-batch (or a piece of one), its value added to the epoch's "Loss"
   // with `weight`; loss terms' sums each to their term (their items: micro_step).
   torch::Tensor counted_loss(const Batch& batch, double weight) {
-    torch::Tensor loss = task_.loss(batch, metrics_);
+    torch::Tensor loss;
+    {
+      const auto recording = log_->record_forward(trainer_.windows() + 1);  // (a log window's, when asked)
+      loss = task_.loss(batch, metrics_);
+    }
     if (terms()) {
       TORCH_CHECK(loss.defined() && loss.dim() <= 1 && loss.numel() == static_cast<std::int64_t>(task_.terms.size()),
                   "fit: task.loss must return the sums of the task's ", task_.terms.size(),
@@ -517,7 +521,7 @@ class FitLoop {
   // last log window; the ranks' totals and their requests go through one collective there.
   // Returns any rank's requests (none between log windows).
   Requests window_closed(const StepReport& report, LogPosition at, Requests asked = {}) {
-    if (report.window() % options_.log_frequent() != 0 && !log_->diagnosis_due()) {
+    if (!log_->logs_window(report.window())) {
       log_->window(report, at, nullptr);
       return {};
     }

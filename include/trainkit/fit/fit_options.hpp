@@ -38,6 +38,11 @@ struct FitOptions {
   /// (non-finite) optimizer steps, with no clean log interval between them, that stop the run
   /// (TRAIN.NONFINITE_PATIENCE; checked at log windows and epoch ends); the first is a warning.
   TORCH_ARG(std::int64_t, nonfinite_patience) = 20;
+  /// The forward's peaks (TRAIN.FORWARD_PEAKS; trainer/forward_peaks.hpp): the forward of each
+  /// log window's micro-batches is recorded, and the largest |output| of each module logged
+  /// (forward-peak/<module> scalars, a line in the text log; a warning names the module where
+  /// the output first stops being finite). Costs nothing when off, and between log windows.
+  TORCH_ARG(bool, forward_peaks) = false;
   /// A resume from a checkpoint whose configuration (config_json) differs in a key that changes
   /// the trajectory: refused with the differences (false), or allowed and said (true)
   /// (TRAIN.RESUME_CHANGES; resume_changes.hpp says which keys may change freely).

@@ -7,6 +7,7 @@ namespace trainkit {
 
 TRAINKIT_INLINE RunLog::RunLog(const FitOptions& options, AnyTrainer& trainer, bool writes, OnScalar on_scalar)
     : options_(options), trainer_(trainer), writes_(writes), on_scalar_(std::move(on_scalar)) {
+  if (options_.forward_peaks()) forward_peaks_ = std::make_unique<ForwardPeaks>(trainer_.model());  // (every rank)
   if (!writes_) return;
   if (options_.text_log())
     text_log_ = std::make_unique<TextLog>(options_.output_path() + "/" + options_.prefix() + "-log.txt");
@@ -93,6 +94,7 @@ TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
   }
   const auto step = report.window();
   const double loss = interval->count("Loss") ? interval->at("Loss") : report.loss();
+  forward_origin_ = forward_peaks_ ? forward_peaks_logged(at, step) : std::string();
   check_skipped({report.skipped_steps(), report.window(), report.loss_scale()}, at, loss, /*epoch_end=*/false);
   if (!trainer_.uses_loss_scale() && trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
     throw NonFiniteGradient(detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " +
@@ -162,6 +164,7 @@ TRAINKIT_INLINE void RunLog::epoch_ends(LogPosition at) {
   // Skipped steps since the last log window are checked here too, from the epoch's last report
   // (one copy, as at a log window; the epoch's end reads the device anyway): an epoch shorter
   // than LOG_FREQUENT windows is never silent about them.
+  forward_origin_.clear();  // (a log window's: no forward was recorded since)
   if (!last_report_.empty() && last_report_.window() > window_at_log_)
     check_skipped({last_report_.skipped_steps(), last_report_.window(), last_report_.loss_scale()}, at, std::nullopt,
                   /*epoch_end=*/true);
@@ -198,7 +201,8 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
   // are not a dynamic scale's search). Read at every check while on (the ranks alike).
   const bool watched = trainer_.watches_nonfinite();
   const std::string names = watched ? nonfinite_names(now.window) : std::string();
-  const std::string named = names.empty() ? std::string() : "; " + names;
+  const std::string named = (names.empty() ? std::string() : "; " + names) +
+                            (forward_origin_.empty() ? std::string() : "; " + forward_origin_);
   const std::string intact = "; the checkpoints written so far are intact";
   if (!pending_stop_.empty())  // a stop that waited one watched window to say where: due, clean window or not
     throw NonFiniteGradient(std::exchange(pending_stop_, std::string()) + named + intact);
@@ -290,6 +294,29 @@ TRAINKIT_INLINE std::string RunLog::nonfinite_names(std::int64_t step) {
   for (const auto& [module, windows] : counts.modules())
     scalar(scalar_tags::nonfinite_prefix + module, static_cast<double>(windows), step);
   return counts.text();
+}
+
+TRAINKIT_INLINE std::string RunLog::forward_peaks_logged(LogPosition at, std::int64_t step) {
+  ForwardPeakTable table = forward_peaks_->take();
+  if (trainer_.replicas().world_size() > 1) trainer_.replicas().all_reduce(table.peaks, Reduce::max);
+  if (!table.any()) return {};
+  for (const auto& row : table.rows()) scalar(scalar_tags::forward_peak_prefix + row.module, row.peak, step);
+  const std::string where = detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " +
+                            std::to_string(step);
+  if (text_log_) text_log_->line(where + ": forward peaks: " + table.text());
+  const std::string origin = table.first_nonfinite();
+  if (origin.empty()) {
+    forward_warned_ = false;
+    return {};
+  }
+  const std::string what = "the forward's output is first not finite in " + origin;
+  if (!forward_warned_) {
+    forward_warned_ = true;
+    say("trainkit: warning: " + where + ": " + what +
+        " (every module after it receives it; in half precision its output passed the dtype's range: train in BF16, "
+        "or scale down what that module receives)");
+  }
+  return what;
 }
 
 TRAINKIT_INLINE ProgressState RunLog::progress_state(LogPosition at) const {

@@ -22,6 +22,10 @@
 ///                                  after a clean interval)
 ///   diagnosis_due()                the next window must be a log window (a stop waits one
 ///                                  watched window, to name the layers)
+///   logs_window(w)                 whether optimizer window w (counted from 1) is a log window
+///   record_forward(w)              around each task.loss of window w: records the forward's
+///                                  peaks when forward_peaks is on and w is a log window (an
+///                                  empty Recording otherwise); window() logs them
 ///   validation(epoch, metrics)     after a validation (the metrics agreed over the ranks)
 ///   epoch_ends(position), paused() between epochs (validation and checkpoints are not
 ///                                  training time); epoch_ends checks skipped steps since the
@@ -30,6 +34,7 @@
 ///   finish(epoch, index)           once, at the end (errors of the last writes surface here)
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/trainer/any_trainer.hpp>
+#include <trainkit/trainer/forward_peaks.hpp>
 #include <trainkit/detail/messages.hpp>
 #include <trainkit/fit/fit_options.hpp>
 #include <trainkit/log/progress.hpp>
@@ -77,6 +82,16 @@ class RunLog {
   /// Whether the next optimizer window must be a log window: a run about to stop on skipped
   /// steps watches one more window to name where its gradient stops being finite.
   bool diagnosis_due() const { return !pending_stop_.empty(); }
+  /// Whether optimizer window `window` (the trainer's count once it closes) is a log window:
+  /// every LOG_FREQUENT-th, and the one a diagnosis is due at.
+  bool logs_window(std::int64_t window) const {
+    return window % options_.log_frequent() == 0 || diagnosis_due();
+  }
+  /// The forward's peaks recorded while the result lives, when FitOptions::forward_peaks is on
+  /// and `window` is a log window; an empty Recording otherwise (nothing registered).
+  ForwardPeaks::Recording record_forward(std::int64_t window) {
+    return forward_peaks_ && logs_window(window) ? forward_peaks_->record() : ForwardPeaks::Recording();
+  }
   /// What happened on this rank alone (an out-of-memory replay): said as say() does on the
   /// writing rank, on stderr with the rank on the others.
   void say_local(const std::string& text);
@@ -135,6 +150,10 @@ class RunLog {
   // The overflow diagnosis since the last log window (the ranks' counts combined), logged as
   // nonfinite/<module> scalars; the text naming the modules, or empty.
   std::string nonfinite_names(std::int64_t step);
+  // The forward's peaks since the last log window (the ranks' combined), logged as
+  // forward-peak/<module> scalars and a line of the text log, a non-finite output warned about
+  // once per episode; the text naming where the output first stopped being finite, or empty.
+  std::string forward_peaks_logged(LogPosition at, std::int64_t step);
   // The patience stop of a run that did not watch its gradients yet, saying how to learn where.
   NonFiniteGradient unwatched_stop(const std::string& stop) const;
 
@@ -154,6 +173,9 @@ class RunLog {
   bool skip_warned_ = false, scale_warned_ = false;
   bool named_ = false;          // the modules said since the last clean interval
   std::string pending_stop_;    // a stop that waits for the next window, watched (diagnosis_due())
+  std::unique_ptr<ForwardPeaks> forward_peaks_;  // FitOptions::forward_peaks
+  std::string forward_origin_;  // the last log window's: where the forward stopped being finite
+  bool forward_warned_ = false; // said since the forward was last finite
   StepReport last_report_;      // the epoch's last window's (epoch_ends checks skipped steps)
   std::int64_t run_windows_ = 0, run_total_ = 0;  // this run's optimizer windows: done, all (progress ETA)
   std::optional<double> last_loss_;               // the last log window's, for the progress line

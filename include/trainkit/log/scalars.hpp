@@ -59,6 +59,9 @@ inline constexpr const char* skipped_steps = "skipped-steps";
 /// The overflow diagnosis, per module whose gradient was not finite since the last log:
 /// nonfinite/<module path> = the windows it counted (logged only where non-zero).
 inline const std::string nonfinite_prefix = "nonfinite/";
+/// The forward's peaks (FitOptions::forward_peaks), per module at log windows:
+/// forward-peak/<module path> = the largest |output| of its operators (+inf: not finite).
+inline const std::string forward_peak_prefix = "forward-peak/";
 /// Training throughput since the last log: items (task.items) per second, or micro-batches per
 /// second when the task gives no item count.
 inline constexpr const char* samples_per_second = "samples-per-second";
