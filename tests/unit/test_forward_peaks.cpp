@@ -94,12 +94,37 @@ TEST_CASE("each module's peak is the largest |output| of its operators, paramete
   CHECK(t.peak(index_of(t, "block"), f32) == std::max(max_abs(scores), max_abs(mixed)));
   CHECK(t.peak(index_of(t, "b"), f32) == max_abs(out));
   CHECK(t.peak(index_of(t, "a"), tk::ForwardPeakTable::half) == -1);
-  // The forward's order: a, gelu's (model), query, block (the product after key), key... as reached.
+  // The forward's order, as first reached: a, gelu's (model), query, key, block (the product), b.
   CHECK(t.forward_order == std::vector<std::int64_t>{1, 0, 3, 4, 2, 5});
   CHECK(t.first_nonfinite().empty());
   // Taken: a fresh start.
   CHECK(peaks.outputs_recorded() == 0);
   CHECK(!peaks.take().any());
+}
+
+TEST_CASE("a Linear on 3-D input (its result returned as a view) is counted; fp64 outputs are measured in fp64") {
+  Net net;
+  tk::ForwardPeaks peaks(*net);
+  const auto x = torch::randn({2, 6, 8});
+  {
+    auto recording = peaks.record();
+    net->a(x);
+  }
+  auto t = peaks.take();
+  {
+    torch::NoGradGuard no_grad;
+    CHECK(t.peak(index_of(t, "a"), tk::ForwardPeakTable::wider) == max_abs(net->a(x)));
+  }
+  // A double output (a loss computed in fp64), past fp32's range: its peak is kept, not inf.
+  const auto big = torch::full({3}, 1e300, torch::kDouble);
+  {
+    auto recording = peaks.record();
+    big.mul(2);
+  }
+  t = peaks.take();
+  CHECK(t.missed == 0);
+  CHECK(t.peak(index_of(t, "(model)"), tk::ForwardPeakTable::wider) == 2e300);
+  CHECK(t.first_nonfinite().empty());
 }
 
 TEST_CASE("not recording, nothing is registered or counted; one recording at a time") {
@@ -217,6 +242,27 @@ TEST_CASE("fit: the peaks of each log window's forward are logged, none between,
     CHECK(count_of(read_file(dir.path + "/model-log.txt"), ": forward peaks: largest |output| per module") ==
           (on ? 4u : 0u));
   }
+}
+
+TEST_CASE("fit, 2 micro-batches per window: every micro-batch of a log window is recorded, no other") {
+  testing::TempDir dir;
+  Net model;
+  tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<2>> trainer{model, tk::SGD{0.01}};
+  std::int64_t calls = 0, recorded = 0;
+  tk::Task<std::int64_t> task;
+  task.batches_per_epoch = [](std::int64_t) { return std::int64_t{8}; };
+  task.batch = [](std::int64_t epoch, std::int64_t index) { return epoch * 8 + index; };
+  task.loss = [&](const std::int64_t& i, tk::Metrics&) {
+    ++calls;
+    recorded += at::hasThreadLocalCallbacks() ? 1 : 0;
+    return model(inputs(i % 8)).pow(2).mean();
+  };
+  tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(2).log_frequent(2).progress(false)
+                             .handle_signals(false).forward_peaks(true));
+  // 8 windows of 2 micro-batches; windows 2, 4, 6 and 8 are log windows.
+  CHECK(calls == 16);
+  CHECK(recorded == 8);
+  CHECK(!at::hasThreadLocalCallbacks());
 }
 
 TEST_CASE("fit, FP16: a forward that overflows in one layer is warned about and named in the patience stop") {

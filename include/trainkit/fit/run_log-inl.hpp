@@ -298,6 +298,9 @@ TRAINKIT_INLINE std::string RunLog::nonfinite_names(std::int64_t step) {
 
 TRAINKIT_INLINE std::string RunLog::forward_peaks_logged(LogPosition at, std::int64_t step) {
   ForwardPeakTable table = forward_peaks_->take();
+  if (table.missed > 0)
+    say_local("trainkit: warning: forward peaks: " + std::to_string(table.missed) +
+              " output(s) of this log window's forward not measured (" + table.error + ")");
   if (trainer_.replicas().world_size() > 1) trainer_.replicas().all_reduce(table.peaks, Reduce::max);
   if (!table.any()) return {};
   for (const auto& row : table.rows()) scalar(scalar_tags::forward_peak_prefix + row.module, row.peak, step);

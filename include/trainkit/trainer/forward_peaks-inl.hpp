@@ -2,6 +2,7 @@
 /// The definitions of trainkit/trainer/forward_peaks.hpp (header-only: included by it; compiled
 /// mode: by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
 #include <trainkit/trainer/forward_peaks.hpp>
+#include <trainkit/detail/checkpoint_io.hpp>
 
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -90,6 +91,8 @@ TRAINKIT_INLINE std::string ForwardPeakTable::text(size_t top) const {
     out += buffer;
   }
   if (all.empty()) out += "none recorded";
+  if (missed > 0)
+    out += " (" + std::to_string(missed) + " output(s) not measured on this rank: " + error + ")";
   return out;
 }
 
@@ -106,7 +109,8 @@ struct ForwardPeaksState {
   std::vector<std::int64_t> keys;
   std::vector<std::int64_t> forward_order;
   std::vector<char> reached;
-  std::string error;  // the first error the observer met (thrown by take())
+  std::int64_t missed = 0;  // outputs not measured: the reduction failed (out of memory...)
+  std::string error;        // the first such failure
   // While recording: the last module whose parameters an operator used; the operators' nesting.
   std::int64_t last = 0, depth = 0;
   bool recording = false;
@@ -120,7 +124,17 @@ TRAINKIT_INLINE ForwardPeaksState*& recording_forward_peaks() {
 
 struct ForwardOpContext : at::ObserverContext {
   std::int64_t slot = -1;  // -1: an operator inside another (not counted)
+  std::vector<const c10::StorageImpl*> inputs;  // its tensor inputs' storages (a view of one is not counted)
 };
+
+TRAINKIT_INLINE void add_storages(const c10::IValue& v, std::vector<const c10::StorageImpl*>& out) {
+  const auto add = [&](const at::Tensor& t) {
+    if (t.defined() && t.has_storage()) out.push_back(t.storage().unsafeGetStorageImpl());
+  };
+  if (v.isTensor()) add(v.toTensor());
+  else if (v.isTensorList())
+    for (const auto& t : v.toTensorVector()) add(t);
+}
 
 TRAINKIT_INLINE std::int64_t forward_slot(ForwardPeaksState& s, const c10::IValue& v) {
   const auto of = [&](const at::Tensor& t) -> std::int64_t {
@@ -140,8 +154,10 @@ TRAINKIT_INLINE std::unique_ptr<at::ObserverContext> forward_op_starts(const at:
   ForwardPeaksState* s = recording_forward_peaks();
   if (s == nullptr || s->depth++ > 0) return context;
   std::int64_t slot = -1;
-  for (const auto& input : fn.inputs())
-    if ((slot = forward_slot(*s, input)) >= 0) break;
+  for (const auto& input : fn.inputs()) {
+    if (slot < 0) slot = forward_slot(*s, input);
+    add_storages(input, context->inputs);
+  }
   if (slot >= 0) s->last = slot;
   context->slot = slot >= 0 ? slot : s->parent.at(static_cast<size_t>(s->last));
   return context;
@@ -155,7 +171,8 @@ TRAINKIT_INLINE void forward_op_ends(const at::RecordFunction& fn, at::ObserverC
   ForwardPeaksState* s = recording_forward_peaks();
   if (s == nullptr) return;
   --s->depth;
-  const auto slot = context ? static_cast<ForwardOpContext*>(context)->slot : -1;
+  const auto* op = static_cast<ForwardOpContext*>(context);
+  const auto slot = op ? op->slot : -1;
   if (slot < 0) return;
   try {
     // The reduction is not the forward's: not observed, not differentiated, not autocast.
@@ -163,11 +180,17 @@ TRAINKIT_INLINE void forward_op_ends(const at::RecordFunction& fn, at::ObserverC
     torch::NoGradGuard no_grad;
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto count = [&](const at::Tensor& t) {
-      if (!t.defined() || !t.is_floating_point() || t.layout() != at::kStrided || t.is_meta() || t.numel() == 0 ||
-          t.is_view())
+      if (!t.defined() || !t.is_floating_point() || t.layout() != at::kStrided || t.is_meta() || t.numel() == 0)
         return;
-      s->values.push_back(at::linalg_vector_norm(t, std::numeric_limits<double>::infinity(), std::nullopt, false,
-                                                 at::kFloat));
+      // A view of an input holds the input's values (an operator's own result returned as a
+      // view, as linear's on 3-D input, is counted).
+      if (t.is_view() && std::find(op->inputs.begin(), op->inputs.end(), t.storage().unsafeGetStorageImpl()) !=
+                             op->inputs.end())
+        return;
+      const double inf = std::numeric_limits<double>::infinity();
+      s->values.push_back(t.scalar_type() == at::kDouble
+                              ? at::linalg_vector_norm(t, inf)  // (fp32 would narrow it)
+                              : at::linalg_vector_norm(t, inf, std::nullopt, false, at::kFloat));
       s->keys.push_back(slot * ForwardPeakTable::kinds + forward_kind(t.scalar_type()));
       if (!s->reached[static_cast<size_t>(slot)]) {
         s->reached[static_cast<size_t>(slot)] = 1;
@@ -179,8 +202,9 @@ TRAINKIT_INLINE void forward_op_ends(const at::RecordFunction& fn, at::ObserverC
       else if (out.isTensorList())
         for (const auto& t : out.toTensorVector()) count(t);
     }
-  } catch (const std::exception& e) {
-    if (s->error.empty()) s->error = std::string("after ") + fn.name() + ": " + e.what();
+  } catch (const std::exception& e) {  // (out of memory among them: the forward goes on, its replay too)
+    ++s->missed;
+    if (s->error.empty()) s->error = std::string("after ") + fn.name() + ": " + first_line_of(e);
   }
 }
 
@@ -256,13 +280,9 @@ TRAINKIT_INLINE std::int64_t ForwardPeaks::outputs_recorded() const {
 
 TRAINKIT_INLINE ForwardPeakTable ForwardPeaks::take() {
   auto& s = *state_;
-  if (!s.error.empty()) {
-    const std::string error = std::exchange(s.error, std::string());
-    s.values.clear();
-    s.keys.clear();
-    throw std::runtime_error("ForwardPeaks: recording the forward's peaks failed " + error);
-  }
   ForwardPeakTable table;
+  table.missed = std::exchange(s.missed, 0);
+  table.error = std::exchange(s.error, std::string());
   table.modules = s.modules;
   table.peaks.assign(s.modules.size() * ForwardPeakTable::kinds, -1.0);
   table.forward_order = std::move(s.forward_order);
@@ -273,10 +293,10 @@ TRAINKIT_INLINE ForwardPeakTable ForwardPeaks::take() {
   for (const auto& [device, indices] : by_device) {
     std::vector<torch::Tensor> group;
     for (const auto i : indices) group.push_back(s.values[i]);
-    const auto host = torch::stack(group).cpu();
-    const float* v = host.data_ptr<float>();
+    const auto host = torch::stack(group).to(at::kDouble).cpu();  // (fp32, and fp64 outputs' own)
+    const double* v = host.data_ptr<double>();
     for (size_t j = 0; j < indices.size(); ++j)
-      value[indices[j]] = std::isfinite(v[j]) ? static_cast<double>(v[j]) : std::numeric_limits<double>::infinity();
+      value[indices[j]] = std::isfinite(v[j]) ? v[j] : std::numeric_limits<double>::infinity();
   }
   for (size_t i = 0; i < value.size(); ++i) {  // (in the forward's order)
     double& peak = table.peaks.at(static_cast<size_t>(s.keys[i]));

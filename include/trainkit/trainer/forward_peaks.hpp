@@ -13,9 +13,10 @@
 /// observer (at::RecordFunction, the profiler's): while a Recording lives, a thread-local
 /// callback sees each operator the forward calls, with its inputs and outputs. Only the
 /// outermost operators count (an operator another one calls, autocast's casts included, is
-/// part of its caller's output), and outputs that are views of another tensor are skipped
-/// (their values are their base's). Each counted output adds one reduction, max |x| in fp32 on
-/// its device (`linalg_vector_norm(x, inf)`), kept there until take() reads them all at once.
+/// part of its caller's output), and outputs that are views of an input are skipped (their
+/// values are the input's). Each counted output adds one reduction, max |x| in fp32 (fp64
+/// outputs: in fp64) on its device (`linalg_vector_norm(x, inf)`), kept there until take()
+/// reads them all at once.
 ///
 /// Which module an operator's output belongs to: the module that owns a parameter among its
 /// inputs (`linear(x, W, b)` is W's Linear's); an operator without parameter inputs belongs to
@@ -61,6 +62,10 @@ struct ForwardPeakTable {
   std::vector<std::int64_t> forward_order;
   /// The module of the forward's first output that was not finite (-1: none on this rank).
   std::int64_t origin = -1;
+  /// Outputs this rank did not measure (the reduction failed: out of memory...), and why the
+  /// first did not; text() says so. The forward itself goes on.
+  std::int64_t missed = 0;
+  std::string error;
 
   double peak(size_t module, int kind) const { return peaks.at(module * kinds + static_cast<size_t>(kind)); }
   bool any() const;
@@ -119,7 +124,8 @@ class ForwardPeaks {
   /// Outputs counted since the last take() (host value).
   std::int64_t outputs_recorded() const;
   /// The peaks since the last take() (one host read per device the outputs were on), and a
-  /// fresh start. Throws if recording failed (an error in the observer is kept, not lost).
+  /// fresh start. An output whose reduction failed is counted in `missed`, not thrown: the
+  /// forward went on, and ranks must all reach their log window's collective.
   ForwardPeakTable take();
 
  private:
