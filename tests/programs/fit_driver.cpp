@@ -1,10 +1,10 @@
 // fit_driver: a tiny training program driven by tk::fit, for the process-level tests of the fit
 // loop (tests/unit/test_fit_process.cpp): SIGKILL at random instants, SIGTERM, resume.
 //
-//   fit_driver --model-dir DIR [--set K=V]... [--sleep-ms MS] [--raise EPOCH:INDEX[:COUNT]]
-//   fit_driver --bench-checkpoint HIDDEN --model-dir DIR     (times CheckpointManager::save)
+//   fit_driver --model-dir DIR [--set K=V]... [--sleep-ms MS] [--raise EPOCH:INDEX[:COUNT]] [--hidden H]
+//   fit_driver --bench-checkpoint HIDDEN --model-dir DIR     (times a checkpoint, blocking and in the background)
 //
-// Trains a 2-layer MLP with dropout (FP16Dynamic, Accumulate<2>, ClipNorm, AdamW) on a fixed
+// Trains a 2-layer MLP (hidden width H, 16 by default: --hidden makes checkpoints as large as wanted) with dropout (FP16Dynamic, Accumulate<2>, ClipNorm, AdamW) on a fixed
 // regression set, 7 micro-batches per epoch, the batch of (epoch, index) drawn from a generator
 // seeded by (RNG_SEED, epoch). On completion prints "final-hash <hex>": an FNV-1a hash of the
 // parameters, the optimizer's moments, the loss scale and the step counters. Exit status 0 when
@@ -19,6 +19,7 @@
 #include <cinttypes>
 #include <csignal>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,27 +53,55 @@ std::uint64_t fnv1a(std::uint64_t h, const torch::Tensor& t) {
   return h;
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// Times a checkpoint's cost to the training loop: a micro-step without a save; save()
+// (blocking: the loop waits for the file); save_in_background() (the pause), the writer
+// thread's time, and the micro-steps run while it writes.
 int bench_checkpoint(int hidden, const std::string& dir) {
+  using Ms = std::chrono::duration<double, std::milli>;
   torch::manual_seed(0);
   Mlp model(hidden);
   Trainer trainer(model, tk::AdamW{1e-3});
+  const auto x = torch::randn({12, 8}), y = torch::randn({12, 3});
+  const auto step = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    trainer.micro_step([&] { return torch::mse_loss(model(x), y); });
+    return Ms(std::chrono::steady_clock::now() - t0).count();
+  };
   tk::CheckpointManager checkpoints(dir, "bench", 2);
   checkpoints.create_directory();
-  std::vector<double> ms;
+  std::vector<double> plain, blocking, pause, writer, during;
+  for (int i = 0; i < 20; ++i) plain.push_back(step());
+  tk::LoopState state;
   for (int i = 0; i < 7; ++i) {
-    tk::LoopState state;
     state.position = {i + 1, 0};
     const auto t0 = std::chrono::steady_clock::now();
-    const auto path = checkpoints.save(trainer, state, true);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    checkpoints.save(trainer, state, true);
+    blocking.push_back(Ms(std::chrono::steady_clock::now() - t0).count());
+    step();
   }
-  std::sort(ms.begin(), ms.end());
+  std::size_t bytes = 0;
+  for (int i = 0; i < 7; ++i) {
+    state.position = {i + 8, 0};
+    const auto t0 = std::chrono::steady_clock::now();
+    checkpoints.save_in_background(trainer, state, true);
+    pause.push_back(Ms(std::chrono::steady_clock::now() - t0).count());
+    std::optional<tk::CheckpointManager::Written> done;
+    while (!(done = checkpoints.background_done())) during.push_back(step());
+    writer.push_back(done->seconds * 1e3);
+    bytes = done->bytes;
+  }
   const auto t0 = std::chrono::steady_clock::now();
-  const bool ok = tk::CheckpointManager::is_complete(checkpoints.epoch_path(6));
-  const double check_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("parameters %lld  file %.1f MB  save median %.1f ms (min %.1f, max %.1f)  integrity check %.1f ms (%s)\n",
-              static_cast<long long>(trainer.parameters().numel()),
-              static_cast<double>(trainer.parameters().numel()) * 4 * 3 / 1e6, ms[3], ms[0], ms[6], check_ms,
+  const bool ok = tk::CheckpointManager::is_complete(checkpoints.epoch_path(13));
+  const double check_ms = Ms(std::chrono::steady_clock::now() - t0).count();
+  std::printf("parameters %lld  file %.1f MB  micro-step %.2f ms  save (blocking) %.1f ms  background: pause %.1f ms, "
+              "writer %.1f ms, %zu micro-steps during the writes at %.2f ms  integrity check %.1f ms (%s)\n",
+              static_cast<long long>(trainer.parameters().numel()), static_cast<double>(bytes) / 1e6, median(plain),
+              median(blocking), median(pause), median(writer), during.size(), median(during), check_ms,
               ok ? "complete" : "DAMAGED");
   return 0;
 }
@@ -83,13 +112,15 @@ int main(int argc, char** argv) {
   try {
     torch::set_num_threads(1);  // deterministic and cheap: the model is tiny
     const auto cl = tk::CommandLine::parse(argc, argv);
-    int sleep_ms = 0;
+    int sleep_ms = 0, hidden = 16;
     std::int64_t raise_epoch = -1, raise_index = -1, raise_count = 1;
     for (size_t i = 0; i < cl.rest.size(); ++i) {
       const std::string a = cl.rest[i];
       const bool has_value = i + 1 < cl.rest.size();
       if (a == "--sleep-ms" && has_value) {
         sleep_ms = std::stoi(cl.rest[++i]);
+      } else if (a == "--hidden" && has_value) {
+        hidden = std::stoi(cl.rest[++i]);
       } else if (a == "--raise" && has_value) {
         long long e = -1, x = -1, n = 1;
         if (std::sscanf(cl.rest[++i].c_str(), "%lld:%lld:%lld", &e, &x, &n) < 2) throw std::runtime_error("--raise EPOCH:INDEX[:COUNT]");
@@ -107,7 +138,7 @@ int main(int argc, char** argv) {
     const tk::FitOptions options = tk::FitOptions(plan.fit).progress(false);
     torch::manual_seed(static_cast<std::uint64_t>(options.seed()));
 
-    Mlp model(16);
+    Mlp model(hidden);
     Trainer trainer(model, tk::AdamW{1e-2}, plan.trainer_options);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
     const auto x = torch::randn({96, 8}, gen);

@@ -60,7 +60,8 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of the TRAIN section, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 51);  // VL-BERT's 28 TRAIN keys and trainkit's 23
+  CHECK(t.size() == 52);  // VL-BERT's 28 TRAIN keys and trainkit's 24
+  CHECK(t["CHECKPOINT_BACKGROUND"] == true);
   CHECK(t["ZERO_STAGE"] == 0);
   CHECK(t["OVERLAP_REDUCTION"] == true);
   CHECK(t["NO_DECAY"] == json::array());

@@ -295,4 +295,77 @@ TEST_CASE("RESUME without a checkpoint is an error; a damaged newest checkpoint 
   CHECK(final_hash(resumed.out) == final_hash(ref.out));
 }
 
+
+namespace {
+
+/// The names in `dir` of checkpoint files being written (`<name>.tmp.<pid>`).
+std::vector<std::string> temporaries(const std::string& dir) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (auto* e = ::readdir(d))
+      if (std::string(e->d_name).find(".ckpt.tmp.") != std::string::npos) out.push_back(e->d_name);
+    ::closedir(d);
+  }
+  return out;
+}
+
+/// Waits until the process, started when `complete` checkpoints were in `dir`, has written one
+/// more and is writing the next (a temporary of its own). False when it ended first.
+bool wait_for_second_write(pid_t pid, const std::string& dir, size_t complete, double seconds) {
+  const std::string own = ".tmp." + std::to_string(pid);
+  const auto until = Clock::now() + std::chrono::duration<double>(seconds);
+  bool wrote = false;
+  while (Clock::now() < until) {
+    if (::waitpid(pid, nullptr, WNOHANG) == pid) return false;
+    if (!wrote) wrote = tk::CheckpointManager(dir).list().size() > complete || complete >= 2;
+    if (wrote)
+      for (const auto& t : temporaries(dir))
+        if (t.find(own) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE("SIGKILL while a checkpoint is written in the background, at 10 instants: the previous one stays whole, and the run resumes exactly") {
+  // Checkpoints of 22 MB (hidden 150000: 1.8 million parameters and AdamW's two moments), written
+  // on the loop's writer thread (TRAIN.CHECKPOINT_BACKGROUND, on by default) while training goes
+  // on. Each run is killed 0-18 ms after its writer began a checkpoint (after one it completed),
+  // and the next run resumes from the newest complete one.
+  const std::vector<std::string> big = {"--hidden", "150000", "--set", "TRAIN.END_EPOCH=14"};
+  TempDir ref_dir, ref_logs;
+  const Finished ref = run(arguments(ref_dir.path, big), ref_logs.path);
+  REQUIRE(ref.status == 0);
+  REQUIRE(final_hash(ref.out).size() == 16);
+  CHECK(read_file(ref_dir / "model-log.txt").find("MiB in ") != std::string::npos);  // (in the background, said so)
+
+  TempDir dir, logs;
+  int during = 0;
+  for (int i = 0; i < 10; ++i) {
+    CAPTURE(i);
+    const size_t complete = tk::CheckpointManager(dir.path).list().size();
+    const pid_t pid = start(arguments(dir.path, big), logs.path);
+    const bool writing = wait_for_second_write(pid, dir.path, complete, 120);
+    if (!writing) {  // (it ended first: the run is complete)
+      CHECK(wait_for(pid) == 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2 * i));
+    ::kill(pid, SIGKILL);
+    REQUIRE(wait_for(pid) == 128 + SIGKILL);
+    for (const auto& t : temporaries(dir.path))
+      if (t.find(".tmp." + std::to_string(pid)) != std::string::npos) ++during;  // killed inside the write
+    CHECK(check_checkpoints(dir.path) >= 1);  // every file under a final name complete, one at least
+  }
+  MESSAGE(during << " of 10 SIGKILLs landed inside a background write");
+  CHECK(during >= 5);
+  const Finished last = run(arguments(dir.path, big), logs.path);
+  CAPTURE(last.err);
+  CHECK(last.status == 0);
+  CHECK(final_hash(last.out) == final_hash(ref.out));
+  check_checkpoints(dir.path);
+  CHECK(temporaries(dir.path).empty());  // the killed runs' temporaries removed by the retention
+}
+
 }  // namespace test_fit_process

@@ -4,7 +4,7 @@
 /// unless TRAIN.RESUME_CHANGES is allow).
 ///
 /// Free to change on resume: how long (TRAIN.END_EPOCH, BEGIN_EPOCH), how often and where
-/// (LOG_FREQUENT, VAL_FREQUENT, CHECKPOINT_FREQUENT, TRAIN.CHECKPOINT_KEEP, OUTPUT_PATH), how
+/// (LOG_FREQUENT, VAL_FREQUENT, CHECKPOINT_FREQUENT, TRAIN.CHECKPOINT_KEEP, CHECKPOINT_BACKGROUND, OUTPUT_PATH), how
 /// to resume (TRAIN.RESUME, AUTO_RESUME, RESUME_CHANGES), on which devices (GPUS, DIST_TIMEOUT,
 /// DIST_HEARTBEAT, NUM_WORKERS_PER_GPU), how much memory (TRAIN.MEMORY_BUDGET, PIECE_ITEMS: pieces of a
 /// micro-batch change rounding, not the step), evaluation (VAL.*, TEST.*), reporting (TRAIN.LOSS_LOGGERS,

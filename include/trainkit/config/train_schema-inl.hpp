@@ -164,6 +164,10 @@ TRAINKIT_INLINE Schema train_schema() {
       "data parallel: reduce the gradient bucket by bucket during the backward that closes a window (with ZERO_STAGE 2 "
       "during every backward), as the gradients become ready; false: after the backward");
   s.integer("CHECKPOINT_KEEP", 3).min(1).doc("complete checkpoints kept (plus the best)");
+  s.boolean("CHECKPOINT_BACKGROUND", true)
+      .doc("write checkpoint files on a thread while training goes on (the loop pauses only to put the file in host "
+           "memory; a failed write stops the run at the next micro-batch, naming the file; the last checkpoint is "
+           "complete before the run ends); false: the loop waits for each file");
   s.add("MEMORY_BUDGET", Field::either({Field::number(0).min(0), Field::string("").transform(parse_memory_budget)}, 0.0))
       .doc("memory for training (0: no plan): a fraction of the device's memory (0.8, \"80%\"), or bytes (\"12GiB\"); "
            "the largest piece of each micro-batch that fits is measured and planned, the optimizer step unchanged "

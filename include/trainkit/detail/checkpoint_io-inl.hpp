@@ -25,6 +25,25 @@ TRAINKIT_INLINE TemporaryFile::~TemporaryFile() {
 }
 
 TRAINKIT_INLINE void write_archive_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
+  write_atomically(path, [&](const std::function<size_t(const void*, size_t)>& sink) { archive.save_to(sink); });
+}
+
+TRAINKIT_INLINE void write_bytes_atomically(const std::string& bytes, const std::string& path) {
+  write_atomically(path, [&](const std::function<size_t(const void*, size_t)>& sink) { sink(bytes.data(), bytes.size()); });
+}
+
+TRAINKIT_INLINE std::string archive_bytes(torch::serialize::OutputArchive& archive, std::size_t expected) {
+  std::string bytes;
+  bytes.reserve(expected);
+  archive.save_to([&](const void* data, size_t n) -> size_t {
+    bytes.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  return bytes;
+}
+
+TRAINKIT_INLINE void write_atomically(const std::string& path,
+                                      const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce) {
   const auto dir = directory_of(path);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
@@ -42,7 +61,7 @@ TRAINKIT_INLINE void write_archive_atomically(torch::serialize::OutputArchive& a
   // throws from its destructor on a failed write (a full disk), which terminates the process.
   // This writer never reports a failure to LibTorch; it keeps the first error for below.
   int error = 0;
-  archive.save_to([&](const void* data, size_t n) -> size_t {
+  produce([&](const void* data, size_t n) -> size_t {
     const char* p = static_cast<const char*>(data);
     for (size_t left = n; left > 0 && error == 0;) {
       const ssize_t k = ::write(fd, p, left);

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -40,7 +41,16 @@ class TemporaryFile {
   bool released_ = false;
 };
 
+/// The file `path` written atomically from what `produce` hands its sink (the bytes in order).
+void write_atomically(const std::string& path,
+                      const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce);
 void write_archive_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
+/// An archive's file, already serialized (archive_bytes), written atomically: a background
+/// checkpoint's writer thread.
+void write_bytes_atomically(const std::string& bytes, const std::string& path);
+/// The bytes of `archive`'s file, in memory: its tensors' values as they are now. `expected`:
+/// the size to reserve (the previous file's: no copy as the string grows).
+std::string archive_bytes(torch::serialize::OutputArchive& archive, std::size_t expected = 0);
 
 /// A shape as LibTorch prints it ("[2, 3]"), for messages.
 std::string shape_string(c10::IntArrayRef sizes);

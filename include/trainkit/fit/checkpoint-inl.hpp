@@ -3,6 +3,10 @@
 /// by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
 #include <trainkit/fit/checkpoint.hpp>
 
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 namespace trainkit {
 
 TRAINKIT_INLINE void LoopState::save(torch::serialize::OutputArchive& a, const std::string& path) const {
@@ -171,24 +175,99 @@ TRAINKIT_INLINE std::vector<CheckpointFile> CheckpointManager::list() const {
   return files;
 }
 
+TRAINKIT_INLINE void CheckpointManager::fill(torch::serialize::OutputArchive& archive, const AnyTrainer& trainer,
+                                             const LoopState& state, const std::string& path,
+                                             const std::vector<CallbackState>& callbacks) {
+  trainer.save(archive);
+  state.save(archive, path);
+  for (const auto& c : callbacks) {
+    torch::serialize::OutputArchive nested;
+    c.save(nested);
+    archive.write("fit.callback." + c.name, nested);
+  }
+}
+
 TRAINKIT_INLINE std::string CheckpointManager::save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                                                     const std::vector<CallbackState>& callbacks) {
   const std::string path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
   try {
     torch::serialize::OutputArchive archive;
-    trainer.save(archive);
-    state.save(archive, path);
-    for (const auto& c : callbacks) {
-      torch::serialize::OutputArchive nested;
-      c.save(nested);
-      archive.write("fit.callback." + c.name, nested);
-    }
+    fill(archive, trainer, state, path, callbacks);
     detail::write_archive_atomically(archive, path);
   } catch (const std::exception& e) {
     throw CheckpointError(e.what());
   }
   prune(state.best_path);
   return path;
+}
+
+namespace detail {
+struct BackgroundWrite {
+  std::thread thread;
+  std::atomic<bool> done{false};
+  CheckpointManager::Written written;
+  std::string error;  // set by the thread before `done`
+};
+}  // namespace detail
+
+TRAINKIT_INLINE std::string CheckpointManager::save_in_background(const AnyTrainer& trainer, const LoopState& state,
+                                                                  bool epoch_end,
+                                                                  const std::vector<CallbackState>& callbacks) {
+  wait_background();
+  const std::string path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
+  std::string bytes;
+  try {
+    torch::serialize::OutputArchive archive;
+    fill(archive, trainer, state, path, callbacks);
+    bytes = detail::archive_bytes(archive, last_bytes_ + last_bytes_ / 8);
+    last_bytes_ = bytes.size();
+  } catch (const std::exception& e) {
+    throw CheckpointError("cannot write checkpoint '" + path + "': " + e.what());
+  }
+  auto job = std::make_unique<detail::BackgroundWrite>();
+  job->written = {path, bytes.size(), 0.0};
+  detail::BackgroundWrite* j = job.get();
+  job->thread = std::thread([this, j, bytes = std::move(bytes), best = state.best_path] {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      detail::write_bytes_atomically(bytes, j->written.path);
+      prune(best);
+    } catch (const std::exception& e) {
+      j->error = e.what();
+    } catch (...) {
+      j->error = "cannot write checkpoint '" + j->written.path + "': an unknown error";
+    }
+    j->written.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    j->done.store(true, std::memory_order_release);
+  });
+  background_ = std::move(job);
+  return path;
+}
+
+TRAINKIT_INLINE CheckpointManager::Written CheckpointManager::join_background() {
+  background_->thread.join();
+  const auto job = std::move(background_);
+  if (!job->error.empty()) throw CheckpointError(job->error + " (written in the background)");
+  return job->written;
+}
+
+TRAINKIT_INLINE std::optional<CheckpointManager::Written> CheckpointManager::background_done() {
+  if (!background_ || !background_->done.load(std::memory_order_acquire)) return std::nullopt;
+  return join_background();
+}
+
+TRAINKIT_INLINE std::optional<CheckpointManager::Written> CheckpointManager::wait_background() {
+  if (!background_) return std::nullopt;
+  return join_background();
+}
+
+TRAINKIT_INLINE CheckpointManager::~CheckpointManager() {
+  if (!background_) return;
+  try {
+    join_background();
+  } catch (const std::exception& e) {
+    std::cerr << "trainkit: " << e.what() << std::endl;
+  }
 }
 
 TRAINKIT_INLINE void CheckpointManager::prune(const std::string& best_path) const {

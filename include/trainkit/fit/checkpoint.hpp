@@ -53,6 +53,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -158,10 +159,18 @@ class DirectoryLock {
   int fd_ = -1;
 };
 
+namespace detail {
+struct BackgroundWrite;
+}
+
 class CheckpointManager {
  public:
   /// `keep` >= 1: complete checkpoints kept besides the best.
   CheckpointManager(std::string directory, std::string prefix = "model", std::int64_t keep = 3);
+  /// Waits for a background write in flight (its error, if any, said on stderr).
+  ~CheckpointManager();
+  CheckpointManager(const CheckpointManager&) = delete;
+  CheckpointManager& operator=(const CheckpointManager&) = delete;
 
   const std::string& directory() const { return directory_; }
   const std::string& prefix() const { return prefix_; }
@@ -183,6 +192,26 @@ class CheckpointManager {
   /// files already written stay.
   std::string save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                    const std::vector<CallbackState>& callbacks = {});
+
+  /// save() with the file written on a thread of its own (FitOptions::background_checkpoints).
+  /// Waits for the previous background write first (throwing its error). Then the checkpoint's
+  /// file is made in host memory, from the state as it is now (training may change it as soon
+  /// as this returns): the only pause. A thread writes it, atomically as save() does, and
+  /// applies the retention rule; the path returned is complete once background_done() or
+  /// wait_background() has returned it. Throws CheckpointError naming the file.
+  std::string save_in_background(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+                                 const std::vector<CallbackState>& callbacks = {});
+  /// A background write, finished.
+  struct Written {
+    std::string path;
+    std::size_t bytes = 0;
+    double seconds = 0;  ///< the thread's time: the file, its flush to disk, the rename, retention
+  };
+  /// The background write, when it finished since the last call (never waits); throws
+  /// CheckpointError naming the file when it failed (the previous checkpoints are intact).
+  std::optional<Written> background_done();
+  /// The background write in flight, waited for; as background_done().
+  std::optional<Written> wait_background();
 
   /// Deletes all but the newest `keep` checkpoints and `best_path`, and stale temporary files.
   void prune(const std::string& best_path = {}) const;
@@ -237,8 +266,16 @@ class CheckpointManager {
   // kill(pid, 0): ESRCH means no such process; EPERM means it exists (another user's).
   static bool process_is_gone(pid_t pid);
 
+  // The archive of a checkpoint: the trainer's, the loop's and the callbacks' records.
+  static void fill(torch::serialize::OutputArchive& archive, const AnyTrainer& trainer, const LoopState& state,
+                   const std::string& path, const std::vector<CallbackState>& callbacks);
+  // The background write, joined: its result, or its error thrown.
+  Written join_background();
+
   std::string directory_, prefix_;
   std::int64_t keep_;
+  std::unique_ptr<detail::BackgroundWrite> background_;  // the write in flight (or finished, not yet taken)
+  std::size_t last_bytes_ = 0;                           // the last background file's size (reserved for the next)
 };
 
 }  // namespace trainkit

@@ -192,6 +192,7 @@ class FitLoop {
         }
         asked.stop |= signals.received() != 0;
         if (r.window_closed) held_.clear();  // (a loss of terms: the window's micro-batches)
+        if (writes()) background_checked(/*wait=*/false);  // (an atomic load, unless one finished)
         // 3. After a window: a log window logs, and the ranks agree there on stops and
         //    checkpoints, in the collective that logging does anyway.
         Requests agreed;
@@ -592,14 +593,34 @@ class FitLoop {
     state_.metrics = !single() && state_.position.index > 0 ? Metrics::from_totals(logged_) : metrics_;
     state_.logged = logged_;
     try {
-      const auto path = checkpoints_.save(trainer_, state_, epoch_end, callbacks_.state);
-      result_.checkpoints.push_back(path);
-      log_->report("checkpoint '" + path + "' written");
+      if (options_.background_checkpoints()) {
+        background_checked(/*wait=*/true);  // (the previous one complete, or its error)
+        result_.checkpoints.push_back(checkpoints_.save_in_background(trainer_, state_, epoch_end, callbacks_.state));
+      } else {
+        result_.checkpoints.push_back(checkpoints_.save(trainer_, state_, epoch_end, callbacks_.state));
+        log_->report("checkpoint '" + result_.checkpoints.back() + "' written");
+      }
     } catch (const CheckpointError& e) {
       throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + ", micro-batch " +
                             std::to_string(state_.position.index) + " (optimizer step " +
                             std::to_string(trainer_.windows()) + "): " + e.what());
     }
+  }
+
+  // A background checkpoint that finished (with `wait`: the one in flight, waited for) is said
+  // written; one that failed stops the run here, naming the file (the checkpoints before it
+  // are complete).
+  void background_checked(bool wait) {
+    std::optional<CheckpointManager::Written> done;
+    try {
+      done = wait ? checkpoints_.wait_background() : checkpoints_.background_done();
+    } catch (const CheckpointError& e) {
+      throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + " (optimizer step " +
+                            std::to_string(trainer_.windows()) + "): " + e.what());
+    }
+    if (done)
+      log_->report("checkpoint '" + done->path + "' written (" + detail::short_number(static_cast<double>(done->bytes) / (1 << 20)) +
+                   " MiB in " + detail::short_number(done->seconds) + " s, in the background)");
   }
 
   // The checkpoint's resolved configuration against this run's: a key that changes the
@@ -656,6 +677,7 @@ class FitLoop {
   }
 
   FitResult finish() {
+    if (writes()) background_checked(/*wait=*/true);  // the run's checkpoints complete before it returns
     log_->finish(state_.position.epoch, state_.position.index);
     FitResult r = result_;
     r.position = state_.position;
@@ -672,8 +694,8 @@ class FitLoop {
   Task<Batch>& task_;
   const FitOptions& options_;
   Callbacks callbacks_;
-  CheckpointManager checkpoints_;
-  std::unique_ptr<DirectoryLock> lock_;  // held while this run writes into output_path
+  std::unique_ptr<DirectoryLock> lock_;  // held while this run writes into output_path (released after:)
+  CheckpointManager checkpoints_;        // (destroyed first: a background write in flight completes)
   std::optional<RunLog> log_;            // made once the directory exists
   PieceRunner<Batch> pieces_;            // micro-batches as pieces; the replay after out-of-memory
   std::string finished_;                 // why a callback finished training ("": it goes on); in checkpoints

@@ -25,6 +25,11 @@ struct FitOptions {
   TORCH_ARG(std::int64_t, val_frequent) = 1;           ///< validate every N epochs
   TORCH_ARG(std::int64_t, checkpoint_frequent) = 1;    ///< checkpoint every N epochs
   TORCH_ARG(std::int64_t, checkpoint_keep) = 3;        ///< newest checkpoints kept, plus the best
+  /// Checkpoint files written by a thread while training goes on (TRAIN.CHECKPOINT_BACKGROUND):
+  /// the loop pauses only to put the checkpoint's file in host memory
+  /// (CheckpointManager::save_in_background). A failed write stops the run at the next
+  /// micro-batch, naming the file; the run's last checkpoint is complete before fit returns.
+  TORCH_ARG(bool, background_checkpoints) = true;
   TORCH_ARG(bool, resume) = false;                     ///< TRAIN.RESUME
   TORCH_ARG(bool, auto_resume) = true;                 ///< TRAIN.AUTO_RESUME
   TORCH_ARG(std::int64_t, seed) = -1;                  ///< the run's seed (recorded, checked on resume)

@@ -80,7 +80,7 @@ ScheduleOptions plan_schedule(const nlohmann::json& t, std::int64_t end_epoch);
 
 /// The fit loop's options (OUTPUT_PATH, MODEL_PREFIX, LOG_FREQUENT, VAL_FREQUENT,
 /// CHECKPOINT_FREQUENT, NUM_WORKERS_PER_GPU, RNG_SEED; TRAIN's BEGIN_EPOCH, END_EPOCH,
-/// CHECKPOINT_KEEP, NONFINITE_PATIENCE, FORWARD_PEAKS, RESUME_CHANGES, RESUME, AUTO_RESUME, MEMORY_BUDGET).
+/// CHECKPOINT_KEEP, CHECKPOINT_BACKGROUND, NONFINITE_PATIENCE, FORWARD_PEAKS, RESUME_CHANGES, RESUME, AUTO_RESUME, MEMORY_BUDGET).
 FitOptions plan_fit(const nlohmann::json& top, std::optional<std::int64_t> seed);
 
 }  // namespace detail
