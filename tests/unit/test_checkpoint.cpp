@@ -241,6 +241,97 @@ TEST_CASE("another trainer type or other shapes: refused with the file's name, n
   }
 }
 
+namespace {
+
+// Every record of `a` is in `b`, equal (tensors, values and nested archives); returns the
+// tensors compared. (Files, not bytes: a blocking save writes a view's whole storage once, a
+// staged one its own copy.)
+int check_same_records(torch::serialize::InputArchive& a, torch::serialize::InputArchive& b) {
+  auto ka = a.keys(), kb = b.keys();
+  std::sort(ka.begin(), ka.end());
+  std::sort(kb.begin(), kb.end());
+  CHECK(ka == kb);
+  int tensors = 0;
+  for (const auto& key : ka) {
+    CAPTURE(key);
+    torch::Tensor ta, tb;
+    if (a.try_read(key, ta, /*is_buffer=*/true)) {
+      REQUIRE(b.try_read(key, tb, /*is_buffer=*/true));
+      CHECK(torch::equal(ta, tb));
+      ++tensors;
+      continue;
+    }
+    torch::serialize::InputArchive na, nb;
+    if (a.try_read(key, na)) {
+      REQUIRE(b.try_read(key, nb));
+      tensors += check_same_records(na, nb);
+      continue;
+    }
+    c10::IValue va, vb;
+    REQUIRE(a.try_read(key, va));
+    REQUIRE(b.try_read(key, vb));
+    std::ostringstream sa, sb;
+    sa << va;
+    sb << vb;
+    if (key != "fit.path") CHECK(sa.str() == sb.str());  // (the file's own name)
+  }
+  return tensors;
+}
+
+// A staged checkpoint of `trainer` written after `change` ran, against a blocking save before it:
+// the same records. Returns whether the records were staged as copies.
+template <class Trainer>
+bool staged_equals_blocking(Trainer& trainer, const std::function<void()>& change,
+                            const std::vector<tk::CallbackState>& callbacks = {}) {
+  TempDir a, b;
+  tk::CheckpointManager blocking(a.path, "model", 5), background(b.path, "model", 5);
+  blocking.save(trainer, state_at(1), true, callbacks);
+  auto staged = background.stage(trainer, state_at(1), true, callbacks);
+  const bool copied = staged.copied();
+  change();
+  staged.write();
+  torch::serialize::InputArchive ra, rb;
+  ra.load_from(a / "model-0000.ckpt");
+  rb.load_from(b / "model-0000.ckpt");
+  CHECK(check_same_records(ra, rb) >= 8);
+  return copied;
+}
+
+}  // namespace
+
+TEST_CASE("a staged checkpoint is the state as it was staged, whatever training does before it is written") {
+  SUBCASE("trainkit's optimizer: the records are copies") {
+    Trained t;
+    t.steps(2);
+    CHECK(staged_equals_blocking(t.trainer, [&] { t.steps(3); }));
+  }
+  SUBCASE("master weights") {
+    testing::TinyMlp model = make_mlp(22, 8, 16, 3);
+    tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>> trainer{model, tk::AdamW{1e-2}};
+    testing::Regression data = testing::regression(32);
+    const auto steps = [&](int n) {
+      for (int i = 0; i < n; ++i) trainer.micro_step([&] { return torch::mse_loss(model(data.x), data.y); });
+    };
+    steps(2);
+    CHECK(staged_equals_blocking(trainer, [&] { steps(3); }));
+  }
+  SUBCASE("a torch::optim optimizer, or a callback's state: serialized when staged") {
+    testing::TinyMlp model = make_mlp(23, 8, 16, 3);
+    tk::Trainer<> trainer{model, std::make_shared<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-2))};
+    testing::Regression data = testing::regression(32);
+    const auto steps = [&](int n) {
+      for (int i = 0; i < n; ++i) trainer.micro_step([&] { return torch::mse_loss(model(data.x), data.y); });
+    };
+    steps(2);
+    CHECK(!staged_equals_blocking(trainer, [&] { steps(3); }));
+    Trained t;
+    auto ema = torch::ones({4});
+    const tk::CallbackState state{"ema", [&](torch::serialize::OutputArchive& a) { a.write("ema", ema); },
+                                  [](torch::serialize::InputArchive&) {}};
+    CHECK(!staged_equals_blocking(t.trainer, [&] { ema.mul_(3); }, {state}));
+  }
+}
+
 TEST_CASE("a full disk: a clear error naming the file and the step; the old checkpoints stay byte-identical") {
   // Blocking, the write's error stops the loop where it writes; in the background, at the
   // first micro-batch after the thread found it (or at the run's end, which waits for it).

@@ -165,7 +165,7 @@ TRAINKIT_INLINE Schema train_schema() {
       "during every backward), as the gradients become ready; false: after the backward");
   s.integer("CHECKPOINT_KEEP", 3).min(1).doc("complete checkpoints kept (plus the best)");
   s.boolean("CHECKPOINT_BACKGROUND", true)
-      .doc("write checkpoint files on a thread while training goes on (the loop pauses only to put the file in host "
+      .doc("write checkpoint files on a thread while training goes on (the loop pauses only to copy the state to host "
            "memory; a failed write stops the run at the next micro-batch, naming the file; the last checkpoint is "
            "complete before the run ends); false: the loop waits for each file");
   s.add("MEMORY_BUDGET", Field::either({Field::number(0).min(0), Field::string("").transform(parse_memory_budget)}, 0.0))

@@ -99,8 +99,55 @@ TRAINKIT_INLINE std::runtime_error missing_record(const std::string& key) {
   return std::runtime_error("checkpoint has no record '" + key + "'");
 }
 
+namespace staging {
+struct State {
+  bool active = false, incomplete = false;
+  std::vector<c10::Device> copying;  // devices whose streams carry copies not waited for
+};
+TRAINKIT_INLINE State& state() {
+  thread_local State s;
+  return s;
+}
+}  // namespace staging
+
+TRAINKIT_INLINE StagedWrites::StagedWrites()
+    : was_active_(staging::state().active), was_incomplete_(staging::state().incomplete) {
+  staging::state() = {true, false, {}};
+}
+
+TRAINKIT_INLINE StagedWrites::~StagedWrites() { staging::state() = {was_active_, was_incomplete_, {}}; }
+
+TRAINKIT_INLINE void StagedWrites::wait() const {
+  auto& copying = staging::state().copying;
+  for (const auto& device : copying) {
+    const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+    impl->synchronizeStream(impl->getStream(device));
+  }
+  copying.clear();
+}
+
+TRAINKIT_INLINE bool StagedWrites::complete() const { return !staging::state().incomplete; }
+
+TRAINKIT_INLINE bool StagedWrites::active() { return staging::state().active; }
+
+TRAINKIT_INLINE void StagedWrites::cannot_stage() {
+  if (staging::state().active) staging::state().incomplete = true;
+}
+
 TRAINKIT_INLINE void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key,
                                   const torch::Tensor& tensor) {
+  if (StagedWrites::active() && tensor.defined()) {
+    torch::NoGradGuard no_grad;
+    // A device tensor: copied asynchronously into pinned memory (_to_copy pins the target of a
+    // non-blocking copy from CUDA), waited for by StagedWrites::wait, once per device.
+    const bool device = !tensor.is_cpu();
+    if (device) {
+      auto& copying = staging::state().copying;
+      if (std::find(copying.begin(), copying.end(), tensor.device()) == copying.end()) copying.push_back(tensor.device());
+    }
+    archive.write(key, tensor.detach().to(torch::kCPU, /*non_blocking=*/device, /*copy=*/true), /*is_buffer=*/true);
+    return;
+  }
   archive.write(key, tensor, /*is_buffer=*/true);
 }
 

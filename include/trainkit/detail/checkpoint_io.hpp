@@ -7,8 +7,11 @@
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/zip_check.hpp>
 
+#include <c10/core/Device.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/serialize/archive.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -17,6 +20,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -57,8 +61,36 @@ std::string shape_string(c10::IntArrayRef sizes);
 
 std::runtime_error missing_record(const std::string& key);
 
-/// Writes a tensor record. As a buffer: the tensor read back never requires grad.
+/// Writes a tensor record. As a buffer: the tensor read back never requires grad. Inside a
+/// StagedWrites scope, a copy of it on the host.
 void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key, const torch::Tensor& tensor);
+
+/// RAII: while it lives, write_tensor on this thread writes a host copy of each tensor, not the
+/// tensor: an archive filled in the scope holds the state as it was, whatever changes it later
+/// (a checkpoint serialized and written by another thread while training goes on; wait()
+/// before the state changes). A record
+/// that cannot be copied so (the nested archive of a torch::optim optimizer, which writes its
+/// own tensors) calls cannot_stage(): the scope is then not complete(), and its archive must be
+/// serialized before the state changes.
+class StagedWrites {
+ public:
+  StagedWrites();
+  ~StagedWrites();
+  StagedWrites(const StagedWrites&) = delete;
+  StagedWrites& operator=(const StagedWrites&) = delete;
+  bool complete() const;
+  /// Waits for the copies: a CUDA tensor's is asynchronous, into pinned host memory, on its
+  /// device's current stream; this synchronizes each such stream once (the one host sync of
+  /// the copies). Before the state may change.
+  void wait() const;
+  /// Whether a scope is active on this thread.
+  static bool active();
+  /// A record of the scope's archive holds references to the live state.
+  static void cannot_stage();
+
+ private:
+  bool was_active_, was_incomplete_;
+};
 
 /// A tensor record of an archive, as a new tensor (InputArchive::read into a defined tensor
 /// would set_() it in place).

@@ -214,23 +214,15 @@ TRAINKIT_INLINE std::string CheckpointManager::save_in_background(const AnyTrain
                                                                   bool epoch_end,
                                                                   const std::vector<CallbackState>& callbacks) {
   wait_background();
-  const std::string path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
-  std::string bytes;
-  try {
-    torch::serialize::OutputArchive archive;
-    fill(archive, trainer, state, path, callbacks);
-    bytes = detail::archive_bytes(archive, last_bytes_ + last_bytes_ / 8);
-    last_bytes_ = bytes.size();
-  } catch (const std::exception& e) {
-    throw CheckpointError("cannot write checkpoint '" + path + "': " + e.what());
-  }
+  auto staged = std::make_shared<Staged>(stage(trainer, state, epoch_end, callbacks));
+  const std::string path = staged->path();
   auto job = std::make_unique<detail::BackgroundWrite>();
-  job->written = {path, bytes.size(), 0.0};
+  job->written = {staged->path(), 0, 0.0};
   detail::BackgroundWrite* j = job.get();
-  job->thread = std::thread([this, j, bytes = std::move(bytes), best = state.best_path] {
+  job->thread = std::thread([this, j, staged, expected = last_bytes_ + last_bytes_ / 8, best = state.best_path] {
     const auto t0 = std::chrono::steady_clock::now();
     try {
-      detail::write_bytes_atomically(bytes, j->written.path);
+      j->written.bytes = staged->write(expected);
       prune(best);
     } catch (const std::exception& e) {
       j->error = e.what();
@@ -244,9 +236,37 @@ TRAINKIT_INLINE std::string CheckpointManager::save_in_background(const AnyTrain
   return path;
 }
 
+TRAINKIT_INLINE CheckpointManager::Staged CheckpointManager::stage(const AnyTrainer& trainer, const LoopState& state,
+                                                                  bool epoch_end,
+                                                                  const std::vector<CallbackState>& callbacks) const {
+  Staged s;
+  s.path_ = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
+  try {
+    s.archive_ = std::make_unique<torch::serialize::OutputArchive>();
+    bool copied = false;
+    {
+      detail::StagedWrites copies;
+      fill(*s.archive_, trainer, state, s.path_, callbacks);
+      copies.wait();
+      copied = copies.complete() && callbacks.empty();  // (a callback writes its own records)
+    }
+    if (!copied) s.bytes_ = detail::archive_bytes(*std::exchange(s.archive_, nullptr));
+  } catch (const std::exception& e) {
+    throw CheckpointError("cannot write checkpoint '" + s.path_ + "': " + e.what());
+  }
+  return s;
+}
+
+TRAINKIT_INLINE std::size_t CheckpointManager::Staged::write(std::size_t expected) {
+  if (archive_) bytes_ = detail::archive_bytes(*std::exchange(archive_, nullptr), expected);
+  detail::write_bytes_atomically(bytes_, path_);
+  return bytes_.size();
+}
+
 TRAINKIT_INLINE CheckpointManager::Written CheckpointManager::join_background() {
   background_->thread.join();
   const auto job = std::move(background_);
+  if (job->written.bytes > 0) last_bytes_ = job->written.bytes;
   if (!job->error.empty()) throw CheckpointError(job->error + " (written in the background)");
   return job->written;
 }

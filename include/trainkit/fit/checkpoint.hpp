@@ -193,12 +193,35 @@ class CheckpointManager {
   std::string save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                    const std::vector<CallbackState>& callbacks = {});
 
+  /// A checkpoint ready to be written: the state as it was at stage(), whatever changes it
+  /// afterwards. Its records are host copies of the state's tensors (detail::StagedWrites),
+  /// serialized by write(); where a record cannot be copied so (callbacks' states, a
+  /// torch::optim optimizer's), the whole file was serialized at stage() instead.
+  class Staged {
+   public:
+    const std::string& path() const { return path_; }
+    /// The records are copies, serialized by write() (false: serialized at stage()).
+    bool copied() const { return archive_ != nullptr; }
+    /// Serializes the records (reserving `expected` bytes) when not done yet and writes the
+    /// file atomically, as save() does. Any thread. Returns the file's size.
+    std::size_t write(std::size_t expected = 0);
+
+   private:
+    friend class CheckpointManager;
+    std::string path_;
+    std::unique_ptr<torch::serialize::OutputArchive> archive_;
+    std::string bytes_;
+  };
+  Staged stage(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+               const std::vector<CallbackState>& callbacks = {}) const;
+
   /// save() with the file written on a thread of its own (FitOptions::background_checkpoints).
-  /// Waits for the previous background write first (throwing its error). Then the checkpoint's
-  /// file is made in host memory, from the state as it is now (training may change it as soon
-  /// as this returns): the only pause. A thread writes it, atomically as save() does, and
-  /// applies the retention rule; the path returned is complete once background_done() or
-  /// wait_background() has returned it. Throws CheckpointError naming the file.
+  /// Waits for the previous background write first (throwing its error), then stage()s the
+  /// checkpoint: the only pause, a copy of the state to host memory (training may change the
+  /// state as soon as this returns). A thread serializes and writes it, atomically as save()
+  /// does, and applies the retention rule; the path returned is complete once
+  /// background_done() or wait_background() has returned it. Throws CheckpointError naming
+  /// the file.
   std::string save_in_background(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                                  const std::vector<CallbackState>& callbacks = {});
   /// A background write, finished.

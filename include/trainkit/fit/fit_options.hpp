@@ -26,8 +26,7 @@ struct FitOptions {
   TORCH_ARG(std::int64_t, checkpoint_frequent) = 1;    ///< checkpoint every N epochs
   TORCH_ARG(std::int64_t, checkpoint_keep) = 3;        ///< newest checkpoints kept, plus the best
   /// Checkpoint files written by a thread while training goes on (TRAIN.CHECKPOINT_BACKGROUND):
-  /// the loop pauses only to put the checkpoint's file in host memory
-  /// (CheckpointManager::save_in_background). A failed write stops the run at the next
+  /// the loop pauses only to copy the state to host memory (CheckpointManager::save_in_background). A failed write stops the run at the next
   /// micro-batch, naming the file; the run's last checkpoint is complete before fit returns.
   TORCH_ARG(bool, background_checkpoints) = true;
   TORCH_ARG(bool, resume) = false;                     ///< TRAIN.RESUME

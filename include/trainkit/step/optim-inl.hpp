@@ -117,6 +117,7 @@ TRAINKIT_INLINE void TorchOptimizer::step(const std::vector<ParamGroup>& groups,
 TRAINKIT_INLINE void TorchOptimizer::save(torch::serialize::OutputArchive& archive) const {
   torch::serialize::OutputArchive nested;
   optimizer_->save(nested);
+  detail::StagedWrites::cannot_stage();  // (its records are the optimizer's own tensors)
   archive.write("optim.torch", nested);
 }
 

@@ -63,7 +63,7 @@ TRAINKIT_INLINE void TrainerCore::write_meta(torch::serialize::OutputArchive& ar
 
 TRAINKIT_INLINE void TrainerCore::write_buffers(torch::serialize::OutputArchive& archive) const {
   torch::NoGradGuard no_grad;
-  for (const auto& b : module_->named_buffers(true)) archive.write("model.buffer." + b.key(), b.value(), /*is_buffer=*/true);
+  for (const auto& b : module_->named_buffers(true)) write_tensor(archive, "model.buffer." + b.key(), b.value());
 }
 
 TRAINKIT_INLINE void TrainerCore::write_counters(torch::serialize::OutputArchive& archive) const {
