@@ -300,10 +300,37 @@ bool staged_equals_blocking(Trainer& trainer, const std::function<void()>& chang
 }  // namespace
 
 TEST_CASE("a staged checkpoint is the state as it was staged, whatever training does before it is written") {
-  SUBCASE("trainkit's optimizer: the records are copies") {
+  SUBCASE("trainkit's optimizer, inside a window: the records are copies") {
     Trained t;
-    t.steps(2);
+    t.steps(3);  // (Accumulate<2>: a window open, its gradient and loss in the file)
     CHECK(staged_equals_blocking(t.trainer, [&] { t.steps(3); }));
+  }
+  SUBCASE("a model with buffers (batch norm's running statistics)") {
+    torch::manual_seed(24);
+    torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::BatchNorm1d(16), torch::nn::Linear(16, 3));
+    tk::Trainer<> trainer{model, tk::AdamW{1e-2}};
+    testing::Regression data = testing::regression(32);
+    const auto steps = [&](int n) {
+      for (int i = 0; i < n; ++i) trainer.micro_step([&] { return torch::mse_loss(model->forward(data.x), data.y); });
+    };
+    steps(2);
+    CHECK(staged_equals_blocking(trainer, [&] { steps(3); }));
+  }
+  SUBCASE("on a GPU: the copies asynchronous into pinned memory, waited for once") {
+    if (!torch::cuda::is_available()) {
+      MESSAGE("skipped: no CUDA device (the device copies run where one is)");
+      return;
+    }
+    testing::TinyMlp model = make_mlp(25, 8, 16, 3);
+    model->to(torch::kCUDA);
+    tk::Trainer<> trainer{model, tk::AdamW{1e-2}};
+    testing::Regression data = testing::regression(32);
+    const auto x = data.x.cuda(), y = data.y.cuda();
+    const auto steps = [&](int n) {
+      for (int i = 0; i < n; ++i) trainer.micro_step([&] { return torch::mse_loss(model(x), y); });
+    };
+    steps(2);
+    CHECK(staged_equals_blocking(trainer, [&] { steps(3); }));
   }
   SUBCASE("master weights") {
     testing::TinyMlp model = make_mlp(22, 8, 16, 3);

@@ -24,17 +24,17 @@ TRAINKIT_INLINE TemporaryFile::~TemporaryFile() {
   if (!released_) ::unlink(path_.c_str());
 }
 
-TRAINKIT_INLINE void write_archive_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
-  write_atomically(path, [&](const std::function<size_t(const void*, size_t)>& sink) { archive.save_to(sink); });
+TRAINKIT_INLINE std::size_t write_archive_atomically(torch::serialize::OutputArchive& archive, const std::string& path) {
+  return write_atomically(path, [&](const std::function<size_t(const void*, size_t)>& sink) { archive.save_to(sink); });
 }
 
-TRAINKIT_INLINE void write_bytes_atomically(const std::string& bytes, const std::string& path) {
-  write_atomically(path, [&](const std::function<size_t(const void*, size_t)>& sink) { sink(bytes.data(), bytes.size()); });
+TRAINKIT_INLINE std::size_t write_bytes_atomically(const std::string& bytes, const std::string& path) {
+  return write_atomically(path,
+                          [&](const std::function<size_t(const void*, size_t)>& sink) { sink(bytes.data(), bytes.size()); });
 }
 
-TRAINKIT_INLINE std::string archive_bytes(torch::serialize::OutputArchive& archive, std::size_t expected) {
+TRAINKIT_INLINE std::string archive_bytes(torch::serialize::OutputArchive& archive) {
   std::string bytes;
-  bytes.reserve(expected);
   archive.save_to([&](const void* data, size_t n) -> size_t {
     bytes.append(static_cast<const char*>(data), n);
     return n;
@@ -42,8 +42,8 @@ TRAINKIT_INLINE std::string archive_bytes(torch::serialize::OutputArchive& archi
   return bytes;
 }
 
-TRAINKIT_INLINE void write_atomically(const std::string& path,
-                                      const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce) {
+TRAINKIT_INLINE std::size_t write_atomically(
+    const std::string& path, const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce) {
   const auto dir = directory_of(path);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
@@ -61,7 +61,9 @@ TRAINKIT_INLINE void write_atomically(const std::string& path,
   // throws from its destructor on a failed write (a full disk), which terminates the process.
   // This writer never reports a failure to LibTorch; it keeps the first error for below.
   int error = 0;
+  std::size_t written = 0;
   produce([&](const void* data, size_t n) -> size_t {
+    written += n;
     const char* p = static_cast<const char*>(data);
     for (size_t left = n; left > 0 && error == 0;) {
       const ssize_t k = ::write(fd, p, left);
@@ -87,6 +89,7 @@ TRAINKIT_INLINE void write_atomically(const std::string& path,
                              "': " + std::strerror(errno));
   tmp.release();
   fsync_path(dir, true);
+  return written;
 }
 
 TRAINKIT_INLINE std::string shape_string(c10::IntArrayRef sizes) {
@@ -110,12 +113,14 @@ TRAINKIT_INLINE State& state() {
 }
 }  // namespace staging
 
-TRAINKIT_INLINE StagedWrites::StagedWrites()
-    : was_active_(staging::state().active), was_incomplete_(staging::state().incomplete) {
-  staging::state() = {true, false, {}};
-}
+struct StagedWrites::Outer {
+  staging::State state;
+};
 
-TRAINKIT_INLINE StagedWrites::~StagedWrites() { staging::state() = {was_active_, was_incomplete_, {}}; }
+TRAINKIT_INLINE StagedWrites::StagedWrites()
+    : outer_(std::make_unique<Outer>(Outer{std::exchange(staging::state(), staging::State{true, false, {}})})) {}
+
+TRAINKIT_INLINE StagedWrites::~StagedWrites() { staging::state() = std::move(outer_->state); }
 
 TRAINKIT_INLINE void StagedWrites::wait() const {
   auto& copying = staging::state().copying;

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <fcntl.h>
 #include <functional>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -45,16 +46,15 @@ class TemporaryFile {
   bool released_ = false;
 };
 
-/// The file `path` written atomically from what `produce` hands its sink (the bytes in order).
-void write_atomically(const std::string& path,
-                      const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce);
-void write_archive_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
-/// An archive's file, already serialized (archive_bytes), written atomically: a background
-/// checkpoint's writer thread.
-void write_bytes_atomically(const std::string& bytes, const std::string& path);
-/// The bytes of `archive`'s file, in memory: its tensors' values as they are now. `expected`:
-/// the size to reserve (the previous file's: no copy as the string grows).
-std::string archive_bytes(torch::serialize::OutputArchive& archive, std::size_t expected = 0);
+/// The file `path` written atomically from what `produce` hands its sink (the bytes in order);
+/// returns its size.
+std::size_t write_atomically(const std::string& path,
+                             const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce);
+std::size_t write_archive_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
+/// An archive's file, already serialized (archive_bytes), written atomically.
+std::size_t write_bytes_atomically(const std::string& bytes, const std::string& path);
+/// The bytes of `archive`'s file, in memory: its tensors' values as they are now.
+std::string archive_bytes(torch::serialize::OutputArchive& archive);
 
 /// A shape as LibTorch prints it ("[2, 3]"), for messages.
 std::string shape_string(c10::IntArrayRef sizes);
@@ -75,7 +75,7 @@ void write_tensor(torch::serialize::OutputArchive& archive, const std::string& k
 class StagedWrites {
  public:
   StagedWrites();
-  ~StagedWrites();
+  ~StagedWrites();  // (the enclosing scope's state back: scopes nest)
   StagedWrites(const StagedWrites&) = delete;
   StagedWrites& operator=(const StagedWrites&) = delete;
   bool complete() const;
@@ -89,7 +89,8 @@ class StagedWrites {
   static void cannot_stage();
 
  private:
-  bool was_active_, was_incomplete_;
+  struct Outer;
+  std::unique_ptr<Outer> outer_;
 };
 
 /// A tensor record of an archive, as a new tensor (InputArchive::read into a defined tensor

@@ -189,6 +189,7 @@ TRAINKIT_INLINE void CheckpointManager::fill(torch::serialize::OutputArchive& ar
 
 TRAINKIT_INLINE std::string CheckpointManager::save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                                                     const std::vector<CallbackState>& callbacks) {
+  wait_background();
   const std::string path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
   try {
     torch::serialize::OutputArchive archive;
@@ -219,10 +220,10 @@ TRAINKIT_INLINE std::string CheckpointManager::save_in_background(const AnyTrain
   auto job = std::make_unique<detail::BackgroundWrite>();
   job->written = {staged->path(), 0, 0.0};
   detail::BackgroundWrite* j = job.get();
-  job->thread = std::thread([this, j, staged, expected = last_bytes_ + last_bytes_ / 8, best = state.best_path] {
+  job->thread = std::thread([this, j, staged, best = state.best_path] {
     const auto t0 = std::chrono::steady_clock::now();
     try {
-      j->written.bytes = staged->write(expected);
+      j->written.bytes = staged->write();
       prune(best);
     } catch (const std::exception& e) {
       j->error = e.what();
@@ -257,16 +258,14 @@ TRAINKIT_INLINE CheckpointManager::Staged CheckpointManager::stage(const AnyTrai
   return s;
 }
 
-TRAINKIT_INLINE std::size_t CheckpointManager::Staged::write(std::size_t expected) {
-  if (archive_) bytes_ = detail::archive_bytes(*std::exchange(archive_, nullptr), expected);
-  detail::write_bytes_atomically(bytes_, path_);
-  return bytes_.size();
+TRAINKIT_INLINE std::size_t CheckpointManager::Staged::write() {
+  if (archive_) return detail::write_archive_atomically(*std::exchange(archive_, nullptr), path_);
+  return detail::write_bytes_atomically(std::exchange(bytes_, std::string()), path_);
 }
 
 TRAINKIT_INLINE CheckpointManager::Written CheckpointManager::join_background() {
   background_->thread.join();
   const auto job = std::move(background_);
-  if (job->written.bytes > 0) last_bytes_ = job->written.bytes;
   if (!job->error.empty()) throw CheckpointError(job->error + " (written in the background)");
   return job->written;
 }

@@ -189,7 +189,8 @@ class CheckpointManager {
   /// Writes a checkpoint of `trainer`, `state` and the callbacks' states (epoch_end: named
   /// after the completed epoch state.position.epoch - 1; else after the position), then
   /// applies the retention rule. Returns the path. Throws CheckpointError naming the file;
-  /// files already written stay.
+  /// files already written stay. Waits for a background write in flight first (its error
+  /// thrown): one file at a time.
   std::string save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                    const std::vector<CallbackState>& callbacks = {});
 
@@ -202,9 +203,10 @@ class CheckpointManager {
     const std::string& path() const { return path_; }
     /// The records are copies, serialized by write() (false: serialized at stage()).
     bool copied() const { return archive_ != nullptr; }
-    /// Serializes the records (reserving `expected` bytes) when not done yet and writes the
-    /// file atomically, as save() does. Any thread. Returns the file's size.
-    std::size_t write(std::size_t expected = 0);
+    /// Writes the file atomically, as save() does, serializing the records into it (no copy of
+    /// the file in memory) when they were not serialized at stage(). Any thread, once. Returns
+    /// the file's size.
+    std::size_t write();
 
    private:
     friend class CheckpointManager;
@@ -298,7 +300,6 @@ class CheckpointManager {
   std::string directory_, prefix_;
   std::int64_t keep_;
   std::unique_ptr<detail::BackgroundWrite> background_;  // the write in flight (or finished, not yet taken)
-  std::size_t last_bytes_ = 0;                           // the last background file's size (reserved for the next)
 };
 
 }  // namespace trainkit

@@ -592,9 +592,9 @@ class FitLoop {
     state_.total_batch = options_.total_batch();
     state_.metrics = !single() && state_.position.index > 0 ? Metrics::from_totals(logged_) : metrics_;
     state_.logged = logged_;
+    if (options_.background_checkpoints()) background_checked(/*wait=*/true);  // (the previous one, or its error)
     try {
       if (options_.background_checkpoints()) {
-        background_checked(/*wait=*/true);  // (the previous one complete, or its error)
         result_.checkpoints.push_back(checkpoints_.save_in_background(trainer_, state_, epoch_end, callbacks_.state));
       } else {
         result_.checkpoints.push_back(checkpoints_.save(trainer_, state_, epoch_end, callbacks_.state));
