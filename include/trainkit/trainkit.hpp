@@ -28,4 +28,5 @@
 #include <trainkit/fit/callbacks.hpp>
 #include <trainkit/fit/loss_loggers.hpp>
 #include <trainkit/trainer/recompute.hpp>
+#include <trainkit/trainer/unit.hpp>
 #include <trainkit/fit/memory.hpp>

@@ -12,6 +12,7 @@
 #include <torch/serialize/archive.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -64,6 +65,21 @@ std::runtime_error missing_record(const std::string& key);
 /// Writes a tensor record. As a buffer: the tensor read back never requires grad. Inside a
 /// StagedWrites scope, a copy of it on the host.
 void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key, const torch::Tensor& tensor);
+
+/// Background checkpoint writes in flight, and a second stop signal's wish to exit: the signal
+/// handler (fit/stop_signals.hpp) exits at once when no write is in flight, else leaves the exit
+/// to the writer, which takes it when its file is complete (a checkpoint the loop already took
+/// is not lost to the second signal). Lock-free atomics, safe in a signal handler; sequentially
+/// consistent, so that of "handler: set `exit_signal`, read `writing`" and "writer: decrement
+/// `writing`, read `exit_signal`" at least one sees the other.
+struct ExitAfterWrites {
+  std::atomic<int> writing{0};
+  std::atomic<int> exit_signal{0};
+};
+inline ExitAfterWrites& exit_after_writes() {
+  static ExitAfterWrites state;
+  return state;
+}
 
 /// RAII: while it lives, write_tensor on this thread writes a host copy of each tensor, not the
 /// tensor: an archive filled in the scope holds the state as it was, whatever changes it later

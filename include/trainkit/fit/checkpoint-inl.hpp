@@ -220,6 +220,7 @@ TRAINKIT_INLINE std::string CheckpointManager::save_in_background(const AnyTrain
   auto job = std::make_unique<detail::BackgroundWrite>();
   job->written = {staged->path(), 0, 0.0};
   detail::BackgroundWrite* j = job.get();
+  detail::exit_after_writes().writing.fetch_add(1);  // (before the thread: a second signal waits for it)
   job->thread = std::thread([this, j, staged, best = state.best_path] {
     const auto t0 = std::chrono::steady_clock::now();
     try {
@@ -232,6 +233,9 @@ TRAINKIT_INLINE std::string CheckpointManager::save_in_background(const AnyTrain
     }
     j->written.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     j->done.store(true, std::memory_order_release);
+    auto& writes = detail::exit_after_writes();
+    if (writes.writing.fetch_sub(1) == 1)
+      if (const int sig = writes.exit_signal.load(); sig != 0) ::_exit(128 + sig);  // (a second signal came)
   });
   background_ = std::move(job);
   return path;

@@ -12,6 +12,14 @@ TRAINKIT_INLINE void write_stderr(const char* text, std::size_t size) {
 
 TRAINKIT_INLINE void on_stop_signal(int sig) {
   if (stop_signal_received != 0) {
+    auto& writes = exit_after_writes();
+    writes.exit_signal.store(sig);
+    if (writes.writing.load() > 0) {  // (the writer exits once its file is complete)
+      static const char msg[] =
+          "\ntrainkit: second signal: exiting now, without a checkpoint (once the one being written is complete)\n";
+      write_stderr(msg, sizeof msg - 1);
+      return;
+    }
     static const char msg[] = "\ntrainkit: second signal: exiting now, without a checkpoint\n";
     write_stderr(msg, sizeof msg - 1);
     ::_exit(128 + sig);
@@ -27,6 +35,7 @@ TRAINKIT_INLINE void on_stop_signal(int sig) {
 TRAINKIT_INLINE StopSignals::StopSignals(bool install)
     : installed_(install) {
   stop_signal_received = 0;
+  exit_after_writes().exit_signal.store(0);
   if (!installed_) return;
   struct sigaction action {};
   action.sa_handler = &on_stop_signal;
