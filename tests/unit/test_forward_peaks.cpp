@@ -265,6 +265,49 @@ TEST_CASE("fit, 2 micro-batches per window: every micro-batch of a log window is
   CHECK(!at::hasThreadLocalCallbacks());
 }
 
+namespace {
+struct Rows {
+  torch::Tensor x;
+};
+}  // namespace
+
+TEST_CASE("fit: a micro-batch replayed after out-of-memory leaves no record of its failed attempt") {
+  testing::TempDir dir;
+  Net model;
+  tk::Trainer<> trainer{model, tk::SGD{0.01}};
+  bool thrown = false;
+  tk::Task<Rows> task;
+  task.batches_per_epoch = [](std::int64_t) { return std::int64_t{4}; };
+  task.batch = [](std::int64_t, std::int64_t index) { return Rows{inputs(index)}; };
+  task.items = [](const Rows& b) { return b.x.size(0); };
+  task.split = [](const Rows& b, std::int64_t parts) {
+    std::vector<Rows> out;
+    for (const auto& c : b.x.chunk(parts)) out.push_back({c});
+    return out;
+  };
+  task.loss = [&](const Rows& b, tk::Metrics&) {
+    if (!thrown && b.x.size(0) == 6) {  // micro-batch 0, whole: an output of 'a' far past the others, then out of memory
+      thrown = true;
+      model->a(b.x * 1e4);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (test hook)");
+    }
+    return model(b.x).pow(2).mean();
+  };
+  const auto r = tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(1).log_frequent(1)
+                                            .progress(false).handle_signals(false).forward_peaks(true));
+  CHECK(thrown);
+  CHECK(r.replays == 1);
+  const std::string scalars = read_file(dir.path + "/model-scalars.jsonl");
+  const std::string tag = "\"tag\":\"forward-peak/a\",\"value\":";
+  size_t found = 0;
+  for (size_t at = scalars.find(tag); at != std::string::npos; at = scalars.find(tag, at + 1), ++found) {
+    const double peak = std::stod(scalars.substr(at + tag.size()));
+    CHECK(peak > 0);
+    CHECK(peak < 100);  // (the failed attempt's was over 1e3)
+  }
+  CHECK(found == 4);
+}
+
 TEST_CASE("fit, FP16: a forward that overflows in one layer is warned about and named in the patience stop") {
   testing::TempDir dir;
   Net model(1e5);

@@ -397,6 +397,8 @@ class FitLoop {
   // 2. One micro-batch through the trainer (whole or in pieces), its loss and metrics added to
   // the epoch's means.
   MicroStepResult micro_step(const Batch& batch, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
+    batch_mark_ = log_->forward_mark();  // (a replay drops what the failed attempt recorded)
+    if (trainer_.window_position() == 0) window_mark_ = batch_mark_;
     const std::int64_t items = task_.items ? task_.items(batch) : -1;
     log_->samples(items);  // (-1: no count, the micro-batch is the unit)
     MicroStepResult r;
@@ -503,6 +505,7 @@ class FitLoop {
   std::int64_t replay_window(const std::exception& e, std::int64_t epoch, std::int64_t index, std::int64_t batches) {
     const std::int64_t first = pieces_.replay(e, epoch, index, batches);  // throws when it cannot
     const WindowSums& sums = first == index && trainer_.reduces_each_micro_batch() ? batch_sums_ : window_sums_;
+    log_->forward_discard(first == index ? batch_mark_ : window_mark_);
     metrics_ = sums.metrics;
     log_->restore(sums.counts);
     replaying_ = trainer_.window_position() == 0;  // the window opens again: its counts are the trainer's
@@ -697,6 +700,7 @@ class FitLoop {
   std::unique_ptr<DirectoryLock> lock_;  // held while this run writes into output_path (released after:)
   CheckpointManager checkpoints_;        // (destroyed first: a background write in flight completes)
   std::optional<RunLog> log_;            // made once the directory exists
+  ForwardPeaks::Mark window_mark_, batch_mark_;  // the forward's records at the window's and the micro-batch's start
   PieceRunner<Batch> pieces_;            // micro-batches as pieces; the replay after out-of-memory
   std::string finished_;                 // why a callback finished training ("": it goes on); in checkpoints
   LoopState state_;

@@ -92,6 +92,12 @@ class RunLog {
   ForwardPeaks::Recording record_forward(std::int64_t window) {
     return forward_peaks_ && logs_window(window) ? forward_peaks_->record() : ForwardPeaks::Recording();
   }
+  /// The forward's records so far, and those after a mark dropped (a window or a micro-batch
+  /// replayed after out-of-memory: the failed attempt's outputs are not the run's).
+  ForwardPeaks::Mark forward_mark() const { return forward_peaks_ ? forward_peaks_->mark() : ForwardPeaks::Mark(); }
+  void forward_discard(const ForwardPeaks::Mark& m) {
+    if (forward_peaks_) forward_peaks_->discard_since(m);
+  }
   /// What happened on this rank alone (an out-of-memory replay): said as say() does on the
   /// writing rank, on stderr with the rank on the others.
   void say_local(const std::string& text);

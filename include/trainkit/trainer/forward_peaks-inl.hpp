@@ -278,6 +278,22 @@ TRAINKIT_INLINE std::int64_t ForwardPeaks::outputs_recorded() const {
   return static_cast<std::int64_t>(state_->values.size());
 }
 
+TRAINKIT_INLINE ForwardPeaks::Mark ForwardPeaks::mark() const {
+  return {state_->values.size(), state_->forward_order.size()};
+}
+
+TRAINKIT_INLINE void ForwardPeaks::discard_since(const Mark& m) {
+  auto& s = *state_;
+  if (m.outputs < s.values.size()) {
+    s.values.resize(m.outputs);
+    s.keys.resize(m.outputs);
+  }
+  while (s.forward_order.size() > m.reached) {
+    s.reached[static_cast<size_t>(s.forward_order.back())] = 0;
+    s.forward_order.pop_back();
+  }
+}
+
 TRAINKIT_INLINE ForwardPeakTable ForwardPeaks::take() {
   auto& s = *state_;
   ForwardPeakTable table;

@@ -123,6 +123,14 @@ class ForwardPeaks {
 
   /// Outputs counted since the last take() (host value).
   std::int64_t outputs_recorded() const;
+  /// Where the records stand, to drop what follows (a forward that failed and runs again: the
+  /// fit loop's replay after out-of-memory).
+  struct Mark {
+    std::size_t outputs = 0, reached = 0;
+  };
+  Mark mark() const;
+  /// The records after `m` dropped (none when take() came between).
+  void discard_since(const Mark& m);
   /// The peaks since the last take() (one host read per device the outputs were on), and a
   /// fresh start. An output whose reduction failed is counted in `missed`, not thrown: the
   /// forward went on, and ranks must all reach their log window's collective.
