@@ -19,8 +19,6 @@
 #include <cinttypes>
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <thread>
@@ -55,26 +53,6 @@ std::uint64_t fnv1a(std::uint64_t h, const torch::Tensor& t) {
   return h;
 }
 
-// A field of /proc/self/status (VmRSS, VmHWM), in MB; -1 where unreadable.
-double status_mb(const char* field) {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (!f) return -1;
-  char line[256];
-  double kb = -1;
-  const std::size_t n = std::strlen(field);
-  while (std::fgets(line, sizeof line, f))
-    if (std::strncmp(line, field, n) == 0 && line[n] == ':') kb = std::atof(line + n + 1);
-  std::fclose(f);
-  return kb < 0 ? -1 : kb * 1024 / 1e6;
-}
-// The peak resident memory restarts from the current one (Linux: clear_refs 5).
-void reset_peak() {
-  if (std::FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
-    std::fputs("5", f);
-    std::fclose(f);
-  }
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -99,8 +77,11 @@ int bench_checkpoint(int hidden, const std::string& dir) {
   std::vector<double> plain, blocking, pause, writer, during;
   for (int i = 0; i < 20; ++i) plain.push_back(step());
   tk::LoopState state;
-  const double rss_blocking = status_mb("VmRSS");
-  reset_peak();
+  // Peak resident memory above the resident memory before each phase (tk::PeakMemory: VmHWM).
+  const tk::PeakMemory peak(torch::kCPU);
+  const auto rss_mb = [] { return tk::detail::proc_status_bytes("VmRSS") / 1e6; };
+  const double rss_blocking = rss_mb();
+  peak.reset();
   for (int i = 0; i < 7; ++i) {
     state.position = {i + 1, 0};
     const auto t0 = std::chrono::steady_clock::now();
@@ -108,9 +89,9 @@ int bench_checkpoint(int hidden, const std::string& dir) {
     blocking.push_back(Ms(std::chrono::steady_clock::now() - t0).count());
     step();
   }
-  const double peak_blocking = status_mb("VmHWM") - rss_blocking;
-  const double rss_background = status_mb("VmRSS");
-  reset_peak();
+  const double peak_blocking = peak.bytes() / 1e6 - rss_blocking;
+  const double rss_background = rss_mb();
+  peak.reset();
   std::size_t bytes = 0;
   for (int i = 0; i < 7; ++i) {
     state.position = {i + 8, 0};
@@ -122,7 +103,7 @@ int bench_checkpoint(int hidden, const std::string& dir) {
     writer.push_back(done->seconds * 1e3);
     bytes = done->bytes;
   }
-  const double peak_background = status_mb("VmHWM") - rss_background;
+  const double peak_background = peak.bytes() / 1e6 - rss_background;
   const auto t0 = std::chrono::steady_clock::now();
   const bool ok = tk::CheckpointManager::is_complete(checkpoints.epoch_path(13));
   const double check_ms = Ms(std::chrono::steady_clock::now() - t0).count();

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -108,6 +109,14 @@ struct TempDir {
   }
   std::string operator/(const std::string& name) const { return path + "/" + name; }
 };
+
+/// A file's whole text ("" when it cannot be read).
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
 
 /// std::cerr into a string for the scope.
 struct CaptureStderr {

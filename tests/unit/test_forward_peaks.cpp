@@ -199,13 +199,6 @@ TEST_CASE("an overflow in one layer's half forward is named where it begins") {
 
 namespace {
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 size_t count_of(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
@@ -236,10 +229,10 @@ TEST_CASE("fit: the peaks of each log window's forward are logged, none between,
     Net model;
     tk::Trainer<> trainer{model, tk::SGD{0.01}};
     CHECK(fit_run(trainer, model, dir.path, on).empty());
-    const std::string scalars = read_file(dir.path + "/model-scalars.jsonl");
+    const std::string scalars = testing::read_text(dir.path + "/model-scalars.jsonl");
     // 16 windows, LOG_FREQUENT 4: 4 log windows.
     CHECK(count_of(scalars, "\"forward-peak/block.query\"") == (on ? 4u : 0u));
-    CHECK(count_of(read_file(dir.path + "/model-log.txt"), ": forward peaks: largest |output| per module") ==
+    CHECK(count_of(testing::read_text(dir.path + "/model-log.txt"), ": forward peaks: largest |output| per module") ==
           (on ? 4u : 0u));
   }
 }
@@ -297,7 +290,7 @@ TEST_CASE("fit: a micro-batch replayed after out-of-memory leaves no record of i
                                             .progress(false).handle_signals(false).forward_peaks(true));
   CHECK(thrown);
   CHECK(r.replays == 1);
-  const std::string scalars = read_file(dir.path + "/model-scalars.jsonl");
+  const std::string scalars = testing::read_text(dir.path + "/model-scalars.jsonl");
   const std::string tag = "\"tag\":\"forward-peak/a\",\"value\":";
   size_t found = 0;
   for (size_t at = scalars.find(tag); at != std::string::npos; at = scalars.find(tag, at + 1), ++found) {
@@ -321,7 +314,7 @@ TEST_CASE("fit, FP16: a forward that overflows in one layer is warned about and 
   CHECK(stopped.find("; the forward's output is first not finite in a;") != std::string::npos);
   CHECK(err.text.str().find("optimizer step 4: the forward's output is first not finite in a (every module after it") !=
         std::string::npos);
-  CHECK(read_file(dir.path + "/model-scalars.jsonl").find("\"tag\":\"forward-peak/a\",\"value\":\"Infinity\"") !=
+  CHECK(testing::read_text(dir.path + "/model-scalars.jsonl").find("\"tag\":\"forward-peak/a\",\"value\":\"Infinity\"") !=
         std::string::npos);
 }
 

@@ -157,13 +157,6 @@ std::pair<std::string, std::string> fit_run(Trainer& trainer, Chain& model, cons
   return {stopped, err.text.str()};
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 }  // namespace
 
 TEST_CASE("FP16 static: a patience stop before the diagnosis was on waits one watched window, then names where") {
@@ -183,7 +176,7 @@ TEST_CASE("FP16 static: a patience stop before the diagnosis was on waits one wa
         std::string::npos);
   CHECK(trainer.skipped_steps().item<std::int64_t>() == 5);
   CHECK(!trainer.watches_nonfinite());  // (the run log turned it off as the stop left: no hook stays)
-  const std::string scalars = read_file(dir.path + "/model-scalars.jsonl");
+  const std::string scalars = testing::read_text(dir.path + "/model-scalars.jsonl");
   CHECK(scalars.find("\"nonfinite/l1\"") != std::string::npos);
   CHECK(scalars.find("nonfinite/mid") == std::string::npos);
 }
@@ -262,7 +255,7 @@ TEST_CASE("FP16 dynamic: the scale's start-up search is not watched nor named") 
   CHECK(stopped.empty());
   CHECK(trainer.skipped_steps().item<std::int64_t>() > 0);  // (not comparing nothing: there were skips)
   CHECK(said.find("non-finite gradients in") == std::string::npos);
-  CHECK(read_file(dir.path + "/model-scalars.jsonl").find("nonfinite/") == std::string::npos);
+  CHECK(testing::read_text(dir.path + "/model-scalars.jsonl").find("nonfinite/") == std::string::npos);
 }
 
 }  // namespace test_nonfinite_names

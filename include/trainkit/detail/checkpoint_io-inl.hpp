@@ -103,24 +103,15 @@ TRAINKIT_INLINE std::runtime_error missing_record(const std::string& key) {
 }
 
 namespace staging {
-struct State {
-  bool active = false, incomplete = false;
-  std::vector<c10::Device> copying;  // devices whose streams carry copies not waited for
-};
-TRAINKIT_INLINE State& state() {
-  thread_local State s;
+TRAINKIT_INLINE StagingState& state() {
+  thread_local StagingState s;
   return s;
 }
 }  // namespace staging
 
-struct StagedWrites::Outer {
-  staging::State state;
-};
+TRAINKIT_INLINE StagedWrites::StagedWrites() : outer_(std::exchange(staging::state(), StagingState{true, false, {}})) {}
 
-TRAINKIT_INLINE StagedWrites::StagedWrites()
-    : outer_(std::make_unique<Outer>(Outer{std::exchange(staging::state(), staging::State{true, false, {}})})) {}
-
-TRAINKIT_INLINE StagedWrites::~StagedWrites() { staging::state() = std::move(outer_->state); }
+TRAINKIT_INLINE StagedWrites::~StagedWrites() { staging::state() = std::move(outer_); }
 
 TRAINKIT_INLINE void StagedWrites::wait() const {
   auto& copying = staging::state().copying;

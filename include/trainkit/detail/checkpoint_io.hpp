@@ -17,7 +17,6 @@
 #include <cstring>
 #include <fcntl.h>
 #include <functional>
-#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -88,6 +87,12 @@ inline ExitAfterWrites& exit_after_writes() {
 /// that cannot be copied so (the nested archive of a torch::optim optimizer, which writes its
 /// own tensors) calls cannot_stage(): the scope is then not complete(), and its archive must be
 /// serialized before the state changes.
+/// What a StagedWrites scope holds for its thread.
+struct StagingState {
+  bool active = false, incomplete = false;
+  std::vector<c10::Device> copying;  // devices whose streams carry copies not waited for
+};
+
 class StagedWrites {
  public:
   StagedWrites();
@@ -105,8 +110,7 @@ class StagedWrites {
   static void cannot_stage();
 
  private:
-  struct Outer;
-  std::unique_ptr<Outer> outer_;
+  StagingState outer_;  // the enclosing scope's, put back at the end
 };
 
 /// A tensor record of an archive, as a new tensor (InputArchive::read into a defined tensor
