@@ -8,6 +8,7 @@
 //   build/benchmarks/sharding                        # both tables: every configuration, W processes each
 //   build/benchmarks/sharding --table memory|overlap --windows 6 --accumulate 4 --layers 16 --width 1024 --repeat 3
 //                             --bucket-mib 25 (DataParallel's bucket)
+//   build/benchmarks/sharding --table checkpoint --layers 8 --repeat 3
 //   (a configuration's processes: --child 1 with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 //
 // SHARDING_TRACE=1 in the environment: each rank prints its high-water mark and resident memory
@@ -21,6 +22,15 @@
 // gradient, "left at launch" the mean share of the backward's gradient still to come when a
 // bucket was launched (what its reduction could hide behind; --no-decay 0: no such group).
 //
+// The checkpoint table: stage 2, FP32, AdamW, 1, 2 and 4 processes; a checkpoint written as one
+// file gathered on rank 0 (TRAIN.CHECKPOINT_FORMAT: single) or as a set, every rank its own file
+// (sharded), blocking or in the background. "pause" is the time the loop waits in save() (in the
+// background: the copy of the state); "written" the time from save() until the checkpoint is
+// complete on disk (rank 0: the file, or the set's index); "window during" the median window
+// while the write is in flight, against "window" alone; "peak" the process's high-water mark
+// while saving above its resident memory before (VmHWM after clear_refs), rank 0 and the
+// largest of the other ranks; "files" the checkpoint's bytes on disk. Medians of --repeat.
+//
 // Per rank: "held" is the bytes of every tensor the trainer holds between optimizer steps (the
 // model's parameters and gradients, the masters, the optimizer's state, the reduced slices;
 // each storage counted once), per parameter, next to ZeRO's formula for it; "peak" is the
@@ -29,6 +39,7 @@
 // 1 MiB, so that glibc gives freed blocks back rather than keeping its high-water mark). "window" is the
 // median time of an optimizer step's window after the first, in ms, and its ratio to the
 // replicated run of the same world size and precision. The median over --repeat launches.
+#include <trainkit/fit/checkpoint.hpp>
 #include <trainkit/parallel/data_parallel.hpp>
 #include <trainkit/trainer/trainer.hpp>
 
@@ -46,7 +57,9 @@
 #include <string>
 #include <vector>
 
+#include <ftw.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -59,8 +72,8 @@ namespace {
 struct Settings {
   std::int64_t layers = 16, width = 1024, batch = 8, overlap_batch = 32, windows = 6, accumulate = 1, repeat = 3;
   std::int64_t bucket_mib = 25;  // DataParallel's bucket (25 MiB, DDP's default)
-  std::string precision = "fp32", table = "both";
-  int stage = 0, overlap = 1, no_decay = 1;
+  std::string precision = "fp32", table = "both", format = "single";
+  int stage = 0, overlap = 1, no_decay = 1, background = 0;
   std::string out;
 };
 
@@ -92,6 +105,64 @@ std::int64_t distinct_bytes(const std::vector<torch::Tensor>& tensors) {
   return bytes;
 }
 
+double median_of(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The checkpoint table's figures of one rank: one save after the windows of `alone`, then
+// `s.windows` windows while it is written (every rank runs as many: they are collectives).
+template <class Trainer, class Window>
+int checkpoint_child(const Settings& s, tk::ProcessGroup& group, Trainer& trainer, Window&& window,
+                     const std::vector<double>& alone) {
+  tk::CheckpointManager checkpoints(s.out + ".ckpt", "bench", 1);
+  checkpoints.set_format(s.format == "sharded" ? tk::CheckpointFormat::sharded : tk::CheckpointFormat::single);
+  checkpoints.create_directory();
+  tk::LoopState state;
+  state.position = {1, 0};
+  const bool saves = group.is_main() || checkpoints.writes_set(trainer);
+  const std::int64_t before = status_bytes("VmRSS:");
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const auto start = std::chrono::steady_clock::now();
+  const auto since = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count(); };
+  if (!saves) {
+    torch::serialize::OutputArchive discarded;
+    trainer.save(discarded);  // (the gather to rank 0)
+  } else if (s.background) {
+    checkpoints.save_in_background(trainer, state, true);
+  } else {
+    checkpoints.save(trainer, state, true);
+  }
+  const double pause = since();
+  double written = s.background ? -1 : pause;
+  std::vector<double> during;
+  for (std::int64_t w = 0; w < s.windows; ++w) {
+    const double ms = window();
+    if (written < 0) during.push_back(ms);
+    if (written < 0 && (!saves || checkpoints.background_done())) written = since();
+  }
+  if (written < 0) {
+    checkpoints.wait_background();
+    written = since();
+  }
+  const double peak = static_cast<double>(status_bytes("VmHWM:") - before) / 1e6;
+  double bytes = 0;
+  if (group.is_main()) {
+    const std::string name = checkpoints.epoch_path(0);
+    std::vector<std::string> files{name};
+    if (tk::detail::ShardSource::is_index(name)) files = tk::detail::ShardSource(name).files(), files.push_back(name);
+    for (const auto& f : files) {
+      struct stat st {};
+      if (::stat(f.c_str(), &st) == 0) bytes += static_cast<double>(st.st_size) / 1e6;
+    }
+  }
+  std::ofstream(s.out + ".rank" + std::to_string(group.rank()))
+      << pause << " " << written << " " << median_of(during) << " " << median_of({alone.begin() + 1, alone.end()}) << " "
+      << peak << " " << bytes << "\n";
+  return 0;
+}
+
 template <class Trainer>
 int child(const Settings& s) {
   const std::int64_t baseline = status_bytes("VmRSS:");
@@ -121,6 +192,11 @@ int child(const Settings& s) {
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
     mark("window");
   }
+  if (s.table == "checkpoint") return checkpoint_child(s, group, trainer, [&] {
+      const auto start = std::chrono::steady_clock::now();
+      for (std::int64_t m = 0; m < s.accumulate; ++m) trainer.micro_step([&] { return model->forward(x).square().mean(); });
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    }, ms);
   std::vector<torch::Tensor> held;
   for (const auto& p : model->parameters()) held.insert(held.end(), {p, p.grad()});
   held.push_back(trainer.parameters());
@@ -145,8 +221,37 @@ struct Result {
   double held = 0, peak = 0, ms = 0, in_backward = 0, left = 0;
 };
 
+void run_ranks(const std::string& self, const Settings& s, int world, int port);
+
 // W processes of this program for one configuration; rank 0's figures.
 Result launch(const std::string& self, const Settings& s, int world, int port) {
+  run_ranks(self, s, world, port);
+  Result r;
+  std::ifstream(s.out + ".rank0") >> r.held >> r.peak >> r.ms >> r.in_backward >> r.left;
+  return r;
+}
+
+// The checkpoint table's figures: rank 0's, and the largest peak of the other ranks.
+struct SaveResult {
+  double pause = 0, written = 0, during = 0, alone = 0, peak = 0, peak_others = 0, bytes = 0;
+};
+SaveResult launch_save(const std::string& self, const Settings& s, int world, int port) {
+  const std::string dir = s.out + ".ckpt";
+  ::nftw(dir.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+  run_ranks(self, s, world, port);
+  SaveResult r;
+  for (int rank = 0; rank < world; ++rank) {
+    SaveResult x;
+    std::ifstream(s.out + ".rank" + std::to_string(rank)) >> x.pause >> x.written >> x.during >> x.alone >> x.peak >> x.bytes;
+    if (rank == 0) r = x;
+    else r.peak_others = std::max(r.peak_others, x.peak);
+  }
+  return r;
+}
+
+// W processes of this program for one configuration, run to their end.
+void run_ranks(const std::string& self, const Settings& s, int world, int port) {
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     std::vector<std::string> env;
@@ -157,7 +262,9 @@ Result launch(const std::string& self, const Settings& s, int world, int port) {
                            // threshold would otherwise keep the per-window temporaries of Gloo's
                            // worker threads in their arenas, and "peak" would measure glibc.
                            "MALLOC_MMAP_THRESHOLD_=1048576"});
-    std::vector<std::string> args{self, "--child", "1", "--precision", s.precision, "--stage", std::to_string(s.stage),
+    std::vector<std::string> args{self, "--child", "1", "--table", s.table, "--format", s.format,
+                                  "--background", std::to_string(s.background),
+                                  "--precision", s.precision, "--stage", std::to_string(s.stage),
                                   "--layers", std::to_string(s.layers), "--width", std::to_string(s.width),
                                   "--batch", std::to_string(s.batch), "--windows", std::to_string(s.windows),
                                   "--accumulate", std::to_string(s.accumulate), "--overlap", std::to_string(s.overlap),
@@ -178,9 +285,6 @@ Result launch(const std::string& self, const Settings& s, int world, int port) {
     waitpid(pid, &status, 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) throw std::runtime_error("a rank failed");
   }
-  Result r;
-  std::ifstream(s.out + ".rank0") >> r.held >> r.peak >> r.ms >> r.in_backward >> r.left;
-  return r;
 }
 
 double formula(const std::string& precision, int stage, int world) {
@@ -208,6 +312,8 @@ int main(int argc, char** argv) {
       else if (k == "--overlap") s.overlap = std::stoi(v);
       else if (k == "--overlap-batch") s.overlap_batch = std::stoll(v);
       else if (k == "--table") s.table = v;
+      else if (k == "--format") s.format = v;
+      else if (k == "--background") s.background = std::stoi(v);
       else if (k == "--bucket-mib") s.bucket_mib = std::stoll(v);
       else if (k == "--no-decay") s.no_decay = std::stoi(v);
       else if (k == "--repeat") s.repeat = std::stoll(v);
@@ -244,7 +350,7 @@ int main(int argc, char** argv) {
       return m;
     };
     const double millions = static_cast<double>(s.layers * (s.width * s.width + s.width)) / 1e6;
-    if (s.table != "overlap") {
+    if (s.table == "both" || s.table == "memory") {
       std::printf("%lld x Linear(%lld, %lld): %.1f M parameters, batch %lld, N = %lld, AdamW, %lld windows, "
                   "%lld MiB buckets, median of %lld\n",
                   static_cast<long long>(s.layers), static_cast<long long>(s.width), static_cast<long long>(s.width),
@@ -269,7 +375,7 @@ int main(int argc, char** argv) {
         }
       }
     }
-    if (s.table != "memory") {
+    if (s.table == "both" || s.table == "overlap") {
       std::printf("\nOverlap: FP32, %.1f M parameters%s, batch %lld per process, N = %lld, %lld MiB buckets, 2 processes, "
                   "median of %lld\n",
                   millions, s.no_decay ? " (biases in a group of their own: NO_DECAY)" : "",
@@ -291,6 +397,36 @@ int main(int argc, char** argv) {
                     100.0 * (off - on.ms) / std::max(off - alone, 1e-9), 100.0 * on.in_backward, 100.0 * on.left);
         std::fflush(stdout);
       }
+    }
+    if (s.table == "checkpoint") {
+      std::printf("Checkpoints: FP32, stage 2, %.1f M parameters, AdamW, batch %lld, %lld MiB buckets, %lld windows while "
+                  "writing, median of %lld\n",
+                  millions, static_cast<long long>(s.batch), static_cast<long long>(s.bucket_mib),
+                  static_cast<long long>(s.windows), static_cast<long long>(s.repeat));
+      std::printf("| W | format | write | pause ms | written ms | window alone ms | window during ms | peak MB rank 0 | "
+                  "peak MB other ranks | files MB |\n|---|---|---|---|---|---|---|---|---|---|\n");
+      for (const int world : {1, 2, 4})
+        for (const std::string format : {"single", "sharded"})
+          for (const int background : {0, 1}) {
+            Settings run = s;
+            run.stage = 2;
+            run.format = format;
+            run.background = background;
+            std::vector<SaveResult> runs;
+            for (std::int64_t k = 0; k < run.repeat; ++k) runs.push_back(launch_save(path, run, world, ++port));
+            SaveResult m;
+            for (double SaveResult::*field : {&SaveResult::pause, &SaveResult::written, &SaveResult::during, &SaveResult::alone,
+                                              &SaveResult::peak, &SaveResult::peak_others, &SaveResult::bytes}) {
+              std::vector<double> v;
+              for (const auto& r : runs) v.push_back(r.*field);
+              m.*field = median_of(v);
+            }
+            std::printf("| %d | %s | %s | %.1f | %.1f | %.1f | %.1f | %.0f | %s | %.0f |\n", world,
+                        format == "single" ? "one file" : "set", background ? "background" : "blocking", m.pause, m.written,
+                        m.alone, background ? m.during : 0.0, m.peak,
+                        world > 1 ? std::to_string(static_cast<long long>(m.peak_others)).c_str() : "-", m.bytes);
+            std::fflush(stdout);
+          }
     }
     return 0;
   } catch (const std::exception& e) {

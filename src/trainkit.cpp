@@ -11,7 +11,9 @@
 #include <trainkit/config/text-inl.hpp>
 #include <trainkit/config/train_schema-inl.hpp>
 #include <trainkit/detail/checkpoint_io-inl.hpp>
+#include <trainkit/detail/checkpoint_set-inl.hpp>
 #include <trainkit/detail/flat_layout-inl.hpp>
+#include <trainkit/detail/record_shards-inl.hpp>
 #include <trainkit/detail/rng_state-inl.hpp>
 #include <trainkit/detail/zip_check-inl.hpp>
 #include <trainkit/fit/callbacks-inl.hpp>

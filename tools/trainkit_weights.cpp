@@ -22,7 +22,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: trainkit-weights inspect FILE\n"
     "       trainkit-weights convert IN OUT [--dtype float32|float16|bfloat16] [--rename OLD->NEW ...]\n"
-    "FILE and IN: a trainkit checkpoint, a .safetensors file or a PyTorch state_dict (torch.save);\n"
+    "FILE and IN: a trainkit checkpoint (a file, or a set's index), a .safetensors file or a PyTorch state_dict (torch.save);\n"
     "OUT: .safetensors, or .pt/.pth/.bin for a state_dict that torch.load(weights_only=True) opens.\n";
 
 struct UsageError : std::runtime_error {
@@ -32,7 +32,13 @@ struct UsageError : std::runtime_error {
 int inspect(const std::string& path) {
   const auto format = tk::weights_format(path);
   const tk::NamedTensors weights = tk::read_weights(path);
-  std::cout << path << ": " << tk::to_string(format) << ", " << weights.size() << " tensors\n";
+  std::cout << path << ": " << tk::to_string(format);
+  if (tk::detail::ShardSource::is_index(path)) {
+    const tk::detail::ShardSource set(path);
+    std::cout << " set (" << set.files().size() << " files besides the index, written by " << set.world_size()
+              << (set.world_size() == 1 ? " rank)" : " ranks)");
+  }
+  std::cout << ", " << weights.size() << " tensors\n";
   std::int64_t elements = 0, bytes = 0;
   for (const auto& [name, t] : weights) {
     std::cout << "  " << name << "  " << c10::toString(t.scalar_type()) << " " << tk::detail::shape_string(t.sizes()) << "\n";

@@ -10,11 +10,14 @@
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
 //       [--save PATH]                              a checkpoint at the end (rank 0 writes it; sharded,
 //                                                  every rank sends its slices)
+//       [--save-set DIR]                           also a checkpoint set at the end, DIR/set-0000.ckpt
+//                                                  (CheckpointFormat::sharded: every rank writes its file)
+//       [--checkpoint-format auto|single|sharded]  with --fit: FitOptions::checkpoint_format
 //       [--sharding 0|1|2]                         TrainerOptions::sharding (none, optimizer, gradients)
 //       [--overlap 0|1]                            TrainerOptions::overlap_reduction (default 1)
 //       [--flush 1]                                windows may end with the epoch (a partial window,
 //                                                  trainer.flush()): --samples/--batch/--accum need not divide
-//       [--fit DIR]                                train 2 epochs with tk::fit, output DIR/rank<r>
+//       [--fit DIR]                                train 2 epochs with tk::fit, output DIR/rank<r> (sharded: DIR)
 //       [--resume 1]                               with --fit: every rank's output is DIR itself (rank 0
 //                                                  writes), resumed from its newest checkpoint
 //                                                  (AUTO_RESUME); --sleep-ms slows each micro-batch
@@ -67,7 +70,8 @@ namespace tk = trainkit;
 namespace {
 
 struct Args {
-  std::string out, load, load_rank1, save, fit, precision = "fp32", model = "mlp", reduce = "auto";
+  std::string out, load, load_rank1, save, save_set, fit, precision = "fp32", model = "mlp", reduce = "auto";
+  std::string checkpoint_format = "auto";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
@@ -103,7 +107,7 @@ Args parse(int argc, char** argv) {
   take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume), take("oom-index", a.oom_index);
   take("cap-rank", a.cap_rank), take("cap", a.cap), take("width", a.width), take("dropout", a.dropout);
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
-  take("forward-peaks", a.forward_peaks);
+  take("forward-peaks", a.forward_peaks), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -286,11 +290,13 @@ int run(const Args& a) {
     };
     const auto result = tk::fit(trainer, task,
                                 tk::FitOptions()
-                                    .output_path(a.resume ? a.fit : a.fit + "/rank" + std::to_string(rank))
+                                    // (a sharded update writes a set: every rank into one directory)
+                                    .output_path(a.resume || a.sharding > 0 ? a.fit : a.fit + "/rank" + std::to_string(rank))
                                     .end_epoch(2)
                                     .log_frequent(a.log_frequent)
                                     .nonfinite_patience(a.patience)
                                     .forward_peaks(a.forward_peaks != 0)
+                                    .checkpoint_format(tk::checkpoint_format_of(a.checkpoint_format))
                                     .auto_resume(a.resume != 0)
                                     .handle_signals(false)
                                     .progress(false));
@@ -330,6 +336,14 @@ int run(const Args& a) {
   const auto training_calls = counter->all_reduce_calls - calls_before;
   const auto training_bytes = counter->all_reduce_bytes - bytes_before;
   if (!a.save.empty() && (group.is_main() || trainer.saves_collectively())) trainer.save(a.save);
+  if (!a.save_set.empty()) {
+    tk::CheckpointManager set(a.save_set, "set");
+    set.set_format(tk::CheckpointFormat::sharded);
+    set.create_directory();
+    tk::LoopState state;
+    state.position = {1, 0};
+    set.save(trainer, state, /*epoch_end=*/true);
+  }
 
   // The flat fp32 parameters (the masters with master weights). Sharded master weights hold
   // only their slices of the masters: the model's half parameters in fp32, back to back, stand

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -132,6 +133,37 @@ inline bool file_exists(const std::string& path) {
 inline long file_size(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0 ? static_cast<long>(st.st_size) : -1;
+}
+
+/// Every tensor record of a checkpoint (one file, or a set's index), by name.
+inline std::map<std::string, torch::Tensor> checkpoint_tensors(const std::string& path) {
+  torch::serialize::InputArchive archive;
+  const auto set = tk::detail::open_checkpoint_file(archive, path);
+  std::map<std::string, torch::Tensor> out;
+  if (set)
+    for (const auto& key : set->records()) out[key] = set->read(key);
+  for (const auto& key : archive.keys()) {
+    torch::Tensor t;
+    if (archive.try_read(key, t, /*is_buffer=*/true)) out[key] = t;
+  }
+  return out;
+}
+
+/// Whether `a` and `b` hold the same names, shapes, dtypes and bits (the first difference said).
+inline bool same_tensors(const std::map<std::string, torch::Tensor>& a, const std::map<std::string, torch::Tensor>& b) {
+  for (const auto& [key, t] : a) {
+    const auto it = b.find(key);
+    if (it == b.end() || t.scalar_type() != it->second.scalar_type() || !torch::equal(t, it->second)) {
+      MESSAGE("record " << key << (it == b.end() ? " is missing" : " differs"));
+      return false;
+    }
+  }
+  for (const auto& [key, t] : b)
+    if (!a.count(key)) {
+      MESSAGE("record " << key << " is only in the second");
+      return false;
+    }
+  return true;
 }
 
 }  // namespace testing

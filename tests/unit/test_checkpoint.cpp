@@ -8,6 +8,7 @@
 #include <trainkit/io/weights.hpp>
 
 #include <csignal>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -473,6 +474,118 @@ TEST_CASE("every reader refuses a checkpoint with one flipped byte, naming the f
   // ... and the weights loader (NETWORK.PARTIAL_PRETRAIN), which loaded it without a word before.
   CHECK_THROWS_WITH_AS(tk::load_weights(*fresh.model, path), doctest::Contains(said.c_str()), std::runtime_error);
   CHECK(torch::equal(testing::flat(*fresh.model), before));
+}
+
+TEST_CASE("a checkpoint set: the records of one file; damage refused naming the file, or the previous set used; "
+          "crashes and retention leave no stray file") {
+  TempDir one, dir;
+  Trained t;
+  t.steps(3);  // (Accumulate<2>: a window open, its gradient and loss in the set)
+  tk::CheckpointManager single(one.path, "model", 3), set(dir.path, "model", 2);
+  set.set_format(tk::CheckpointFormat::sharded);
+  CHECK(set.writes_set(t.trainer));
+  CHECK_FALSE(single.writes_set(t.trainer));  // (automatic: one process shards nothing)
+  const auto file = single.save(t.trainer, state_at(0, 3), false);
+  const auto first = set.save(t.trainer, state_at(0, 3), false);
+  const auto shard = [](const std::string& index) { return index + ".00000-of-00001.safetensors"; };
+  REQUIRE(tk::detail::ShardSource::is_index(first));
+  CHECK(names_in(dir.path) == std::vector<std::string>{"model-0000-000003.ckpt", "model-0000-000003.ckpt.00000-of-00001.safetensors",
+                                                       "model-0000-000003.ckpt.records"});
+  const auto tensors = testing::checkpoint_tensors(file);
+  CHECK(tensors.size() >= 10);
+  CHECK(testing::same_tensors(testing::checkpoint_tensors(first), tensors));
+  std::string why;
+  CHECK(tk::CheckpointManager::is_complete(first, &why));
+  CHECK(why.empty());
+
+  SUBCASE("resumed: the trainer's state, as from the file") {
+    Trained fresh, from_file;
+    const auto loaded = set.resume_newest(fresh.trainer);
+    REQUIRE(loaded);
+    CHECK(loaded->path == first);
+    CHECK(loaded->state.position == tk::FitPosition{0, 3});
+    single.load(from_file.trainer, file);
+    CHECK(torch::equal(testing::flat(*fresh.model), testing::flat(*from_file.model)));
+    fresh.steps(1), from_file.steps(1);  // (the open window's gradient came along)
+    CHECK(torch::equal(testing::flat(*fresh.model), testing::flat(*from_file.model)));
+    CHECK(fresh.trainer.windows() == from_file.trainer.windows());
+  }
+  SUBCASE("written in the background: the state at the pause") {
+    t.steps(1);
+    const auto reference = testing::checkpoint_tensors(single.save(t.trainer, state_at(0, 4), false));
+    const auto staged = set.save_in_background(t.trainer, state_at(0, 4), false);
+    t.steps(3);
+    const auto written = set.wait_background();
+    REQUIRE(written);
+    CHECK(written->path == staged);
+    CHECK(written->bytes == static_cast<std::size_t>(testing::file_size(staged) + testing::file_size(shard(staged)) +
+                                                     testing::file_size(staged + ".records")));
+    CHECK(testing::same_tensors(testing::checkpoint_tensors(staged), reference));
+  }
+  SUBCASE("a flipped byte in a rank's file: refused naming it, the trainer unchanged") {
+    std::string bytes = read_bytes(shard(first));
+    std::uint64_t header = 0;
+    std::memcpy(&header, bytes.data(), 8);
+    const auto at = 8 + header + 2;  // (in the first record: a parameter, which every reader reads)
+    bytes[at] = static_cast<char>(bytes[at] ^ 0x5a);
+    write_bytes(shard(first), bytes);
+    Trained fresh;
+    const auto before = testing::flat(*fresh.model);
+    const std::string said = "checkpoint '" + shard(first) + "' is damaged: ";
+    CHECK_THROWS_WITH_AS(set.resume_newest(fresh.trainer), doctest::Contains(said.c_str()), std::runtime_error);
+    CHECK_THROWS_WITH_AS(fresh.trainer.load(first), doctest::Contains("CRC-32"), std::runtime_error);
+    CHECK(torch::equal(testing::flat(*fresh.model), before));
+    CHECK(fresh.trainer.windows() == 0);
+    CHECK_THROWS_WITH_AS(tk::load_weights(*fresh.model, first), doctest::Contains(said.c_str()), std::runtime_error);
+    CHECK_FALSE(tk::CheckpointManager::is_complete(first, &why));
+    CHECK(why.find(shard(first)) != std::string::npos);
+  }
+  SUBCASE("a flipped byte in the index, or a file missing: the set skipped, said, the previous one used") {
+    t.steps(2);
+    const auto second = set.save(t.trainer, state_at(0, 5), false);
+    for (const bool index : {true, false}) {
+      CAPTURE(index);
+      const std::string damaged = index ? second : shard(second);
+      const std::string bytes = read_bytes(damaged);
+      if (index) {
+        std::string flipped = bytes;
+        const auto at = flipped.find("\"elements\": ") + 12;
+        flipped[at] = static_cast<char>(flipped[at] ^ 0x01);
+        write_bytes(damaged, flipped);
+      } else {
+        ::unlink(damaged.c_str());
+      }
+      std::ostringstream report;
+      const auto opened = set.open_newest(report);
+      REQUIRE(opened);
+      CHECK(opened->path == first);
+      CHECK(report.str().find("skipping checkpoint '" + second + "'") != std::string::npos);
+      CHECK(report.str().find(index ? "its index fails its CRC-32" : "cannot be opened") != std::string::npos);
+      write_bytes(damaged, bytes);
+    }
+  }
+  SUBCASE("killed between a set's files and its index: never loaded; removed by the next save, as retention removes whole sets") {
+    // A later set's files without an index, and a killed writer's temporary.
+    write_bytes(dir / "model-0000-000007.ckpt.00000-of-00002.safetensors", read_bytes(shard(first)));
+    write_bytes(dir / "model-0000-000007.ckpt.records", read_bytes(first + ".records"));
+    write_bytes(dir / "model-0000-000007.ckpt.00001-of-00002.safetensors.tmp.999999999", "left by a killed process");
+    const auto opened = set.open_newest();
+    REQUIRE(opened);
+    CHECK(opened->path == first);
+    // A save before their position leaves them (they could be another rank's, in flight) ...
+    t.steps(2);
+    set.save(t.trainer, state_at(0, 5), false);
+    CHECK(names_in(dir.path).size() == 9);
+    // ... the next ones after it remove them, and keep 2 whole sets.
+    for (const std::int64_t index : {9, 11}) {
+      t.steps(2);
+      set.save(t.trainer, state_at(0, index), false);
+    }
+    CHECK(names_in(dir.path) == std::vector<std::string>{
+                                    "model-0000-000009.ckpt", "model-0000-000009.ckpt.00000-of-00001.safetensors",
+                                    "model-0000-000009.ckpt.records", "model-0000-000011.ckpt",
+                                    "model-0000-000011.ckpt.00000-of-00001.safetensors", "model-0000-000011.ckpt.records"});
+  }
 }
 
 }  // namespace test_checkpoint

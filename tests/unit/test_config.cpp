@@ -60,8 +60,9 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of the TRAIN section, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 52);  // VL-BERT's 28 TRAIN keys and trainkit's 24
+  CHECK(t.size() == 53);  // VL-BERT's 28 TRAIN keys and trainkit's 25
   CHECK(t["CHECKPOINT_BACKGROUND"] == true);
+  CHECK(t["CHECKPOINT_FORMAT"] == "auto");
   CHECK(t["ZERO_STAGE"] == 0);
   CHECK(t["OVERLAP_REDUCTION"] == true);
   CHECK(t["NO_DECAY"] == json::array());

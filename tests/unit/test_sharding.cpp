@@ -10,11 +10,13 @@
 #include <trainkit/run/plan.hpp>
 
 #include <chrono>
+#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include <dirent.h>
 #include <signal.h>
 
 namespace test_sharding {  // this file's names, apart from those of the files it shares a unity batch with
@@ -23,17 +25,12 @@ namespace {
 
 using namespace trainkit_testing::dist_driver;
 
-// The tensor records of a checkpoint whose key starts with one of `prefixes`.
+// The tensor records of a checkpoint (a file or a set) whose key starts with one of `prefixes`.
 std::map<std::string, torch::Tensor> records(const std::string& path, const std::vector<std::string>& prefixes) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
   std::map<std::string, torch::Tensor> out;
-  for (const auto& key : archive.keys()) {
-    bool wanted = false;
-    for (const auto& p : prefixes) wanted |= key.rfind(p, 0) == 0;
-    torch::Tensor t;
-    if (wanted && archive.try_read(key, t, /*is_buffer=*/true)) out[key] = t;
-  }
+  for (auto& [key, t] : testing::checkpoint_tensors(path))
+    for (const auto& p : prefixes)
+      if (key.rfind(p, 0) == 0) out[key] = t;
   return out;
 }
 
@@ -248,6 +245,49 @@ TEST_CASE("a sharded checkpoint resumes at any world size, its state bit for bit
   }
 }
 
+TEST_CASE("a checkpoint set: each rank writes its own slices, and any world size and stage loads it bit for bit") {
+  testing::TempDir dir;
+  const std::vector<std::string> common{"--model", "mlp-ln", "--batch", "4", "--accum", "2", "--precision", "fp16master",
+                                        "--bucket-bytes", "256", "--overflow-rank", "0", "--overflow-window", "2"};
+  const std::string single = dir / "a.ckpt", set = dir / "set/set-0000.ckpt";
+  run_ranks(2, dir / "a", with(common, {"--steps", "5", "--sharding", "2", "--save", single, "--save-set", dir / "set"}));
+  const auto saved = records(single, kState);
+  // The same records as the file gathered on rank 0; rank 1's file holds its share of them.
+  CHECK(equal_records(records(set, kState), saved));
+  const auto size = [](const std::string& p) { return static_cast<double>(testing::read_text(p).size()); };
+  const double rank0 = size(set + ".00000-of-00002.safetensors"), rank1 = size(set + ".00001-of-00002.safetensors");
+  CHECK(rank1 > 0.3 * (rank0 + rank1));
+  CHECK(rank1 < 0.7 * (rank0 + rank1));
+  CHECK(testing::file_exists(set + ".records"));
+  for (const auto& [world, stage] : std::vector<std::pair<int, std::string>>{{1, "0"}, {2, "0"}, {3, "1"}, {4, "2"}}) {
+    SUBCASE(("loaded by " + std::to_string(world) + " rank(s), stage " + stage).c_str()) {
+      const std::string again = dir / "again.ckpt";
+      const auto args = with(common, {"--steps", "5", "--sharding", stage, "--load", set, "--save", again});
+      if (world == 1) run_one(dir / "b", args);
+      else run_ranks(world, dir / "b", args);
+      CHECK(equal_records(records(again, kState), saved));
+    }
+  }
+  SUBCASE("a flipped byte in a rank's file, or in the index, is refused, naming the file") {
+    for (const std::string damaged : {set + ".00001-of-00002.safetensors", set}) {
+      CAPTURE(damaged);
+      const std::string bytes = testing::read_text(damaged);
+      {
+        std::string flipped = bytes;
+        const auto at = damaged == set ? flipped.find("\"offset\"") + 10 : flipped.size() - 3;
+        flipped[at] = static_cast<char>(flipped[at] ^ 0x01);
+        std::ofstream(damaged, std::ios::binary | std::ios::trunc) << flipped;
+      }
+      auto c = spawn(driver_args(dir / "bad", with(common, {"--steps", "5", "--load", set})), {}, dir / "bad.log");
+      CHECK(wait_exit(c, 120) != 0);
+      const std::string err = slurp(c.err);
+      INFO(err);
+      CHECK(err.find("checkpoint '" + damaged + "' is damaged") != std::string::npos);
+      std::ofstream(damaged, std::ios::binary | std::ios::trunc) << bytes;
+    }
+  }
+}
+
 TEST_CASE("a sharded fit killed with SIGKILL resumes from its last checkpoint as if never stopped") {
   testing::TempDir dir;
   const std::vector<std::string> fit{"--steps", "0", "--batch", "4", "--accum", "2", "--bucket-bytes", "256",
@@ -272,6 +312,21 @@ TEST_CASE("a sharded fit killed with SIGKILL resumes from its last checkpoint as
   CHECK_FALSE(testing::file_exists(dir / "killed-out/model-0001.ckpt"));
   run_ranks(2, dir / "resumed", with_fit("killed-out", {"--resume", "1"}));
   CHECK(slurp(dir / "resumed.log0.out").find("fit wrote 1 checkpoints") != std::string::npos);
+  // Checkpoint sets (stage 2): every file of one belongs to a set whose index is in place (the
+  // killed run's half-written set of epoch 1, if any, was written again or removed).
+  int members = 0;
+  DIR* out = ::opendir((dir / "killed-out").c_str());
+  REQUIRE(out != nullptr);
+  while (const dirent* e = ::readdir(out)) {
+    const std::string name = e->d_name;
+    const auto at = name.find(".ckpt.");
+    if (at == std::string::npos) continue;
+    CAPTURE(name);
+    CHECK(testing::file_exists(dir / ("killed-out/" + name.substr(0, at + 5))));
+    ++members;
+  }
+  ::closedir(out);
+  CHECK(members == 6);  // (2 sets: 2 ranks' files and the records each)
   for (int r = 0; r < 2; ++r) CHECK(torch::equal(params(dir / "resumed", r), params(dir / "straight", r)));
 }
 

@@ -168,6 +168,11 @@ TRAINKIT_INLINE Schema train_schema() {
       .doc("write checkpoint files on a thread while training goes on (the loop pauses only to copy the state to host "
            "memory; a failed write stops the run at the next micro-batch, naming the file; the last checkpoint is "
            "complete before the run ends); false: the loop waits for each file");
+  s.string("CHECKPOINT_FORMAT", "auto").one_of({"auto", "single", "sharded"})
+      .doc("how checkpoints are written: single, one file (a sharded update is gathered to the main rank); sharded, a "
+           "set: each rank writes its own slices to a safetensors file, and the main rank an index (JSON) once every "
+           "file is in place, which any world size and stage loads, each rank reading only what it needs; auto: "
+           "sharded when ZERO_STAGE shards the update over several ranks, else single");
   s.add("MEMORY_BUDGET", Field::either({Field::number(0).min(0), Field::string("").transform(parse_memory_budget)}, 0.0))
       .doc("memory for training (0: no plan): a fraction of the device's memory (0.8, \"80%\"), or bytes (\"12GiB\"); "
            "the largest piece of each micro-batch that fits is measured and planned, the optimizer step unchanged "

@@ -130,37 +130,73 @@ TRAINKIT_INLINE void StagedWrites::cannot_stage() {
   if (staging::state().active) staging::state().incomplete = true;
 }
 
+// A host copy of `tensor`: inside a StagedWrites scope a device tensor's is asynchronous, into
+// pinned memory (_to_copy pins the target of a non-blocking copy from CUDA), waited for by
+// StagedWrites::wait, once per device.
+TRAINKIT_INLINE torch::Tensor host_copy(const torch::Tensor& tensor) {
+  torch::NoGradGuard no_grad;
+  const bool device = !tensor.is_cpu();
+  const bool staged = StagedWrites::active() && device;
+  if (staged) {
+    auto& copying = staging::state().copying;
+    if (std::find(copying.begin(), copying.end(), tensor.device()) == copying.end()) copying.push_back(tensor.device());
+  }
+  return tensor.detach().to(torch::kCPU, /*non_blocking=*/staged, /*copy=*/true);
+}
+
+TRAINKIT_INLINE void write_piece(const std::string& record, c10::IntArrayRef shape, std::int64_t offset,
+                                 const torch::Tensor& piece) {
+  auto* scope = ShardedWrites::active();
+  TORCH_CHECK(scope != nullptr, "write_piece outside a ShardedWrites scope");
+  scope->add({record, shape.vec(), offset, host_copy(piece.reshape({-1}))});
+}
+
 TRAINKIT_INLINE void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key,
                                   const torch::Tensor& tensor) {
+  if (const auto* scope = ShardedWrites::active(); scope != nullptr && tensor.defined()) {
+    if (scope->main()) write_piece(key, tensor.sizes(), 0, tensor);
+    return;
+  }
   if (StagedWrites::active() && tensor.defined()) {
-    torch::NoGradGuard no_grad;
-    // A device tensor: copied asynchronously into pinned memory (_to_copy pins the target of a
-    // non-blocking copy from CUDA), waited for by StagedWrites::wait, once per device.
-    const bool device = !tensor.is_cpu();
-    if (device) {
-      auto& copying = staging::state().copying;
-      if (std::find(copying.begin(), copying.end(), tensor.device()) == copying.end()) copying.push_back(tensor.device());
-    }
-    archive.write(key, tensor.detach().to(torch::kCPU, /*non_blocking=*/device, /*copy=*/true), /*is_buffer=*/true);
+    archive.write(key, host_copy(tensor), /*is_buffer=*/true);
     return;
   }
   archive.write(key, tensor, /*is_buffer=*/true);
 }
 
+TRAINKIT_INLINE bool try_read_tensor(torch::serialize::InputArchive& archive, const std::string& key, torch::Tensor& out) {
+  if (const auto* source = ShardReads::of(archive); source != nullptr && source->has(key)) {
+    out = source->read(key);
+    return true;
+  }
+  torch::Tensor t;
+  if (!archive.try_read(key, t, /*is_buffer=*/true)) return false;
+  out = t;
+  return true;
+}
+
 TRAINKIT_INLINE torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key) {
   torch::Tensor t;
-  if (!archive.try_read(key, t, /*is_buffer=*/true)) throw missing_record(key);
+  if (!try_read_tensor(archive, key, t)) throw missing_record(key);
   return t;
+}
+
+TRAINKIT_INLINE std::optional<std::vector<std::int64_t>> tensor_shape(torch::serialize::InputArchive& archive,
+                                                                       const std::string& key) {
+  if (const auto* source = ShardReads::of(archive); source != nullptr && source->has(key)) return source->shape(key);
+  torch::Tensor t;
+  if (!archive.try_read(key, t, /*is_buffer=*/true)) return std::nullopt;
+  return t.sizes().vec();
 }
 
 TRAINKIT_INLINE bool read_into_if_present(torch::serialize::InputArchive& archive, const std::string& key,
                                           const torch::Tensor& target) {
-  torch::Tensor saved;
-  if (!archive.try_read(key, saved, /*is_buffer=*/true)) return false;
-  if (saved.sizes() != target.sizes())
-    throw std::runtime_error("checkpoint record '" + key + "' has shape " + shape_string(saved.sizes()) +
+  const auto shape = tensor_shape(archive, key);
+  if (!shape) return false;
+  if (c10::IntArrayRef(*shape) != target.sizes())
+    throw std::runtime_error("checkpoint record '" + key + "' has shape " + shape_string(*shape) +
                              ", this run needs " + shape_string(target.sizes()));
-  target.copy_(saved);
+  target.copy_(read_tensor(archive, key));
   return true;
 }
 

@@ -5,6 +5,7 @@
 // Records are read and written through the helpers below, so that a missing record or one of
 // the wrong shape is reported by its name, the same way everywhere.
 #include <trainkit/detail/inline.hpp>
+#include <trainkit/detail/record_shards.hpp>
 #include <trainkit/detail/zip_check.hpp>
 
 #include <c10/core/Device.h>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <fcntl.h>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -62,8 +64,13 @@ std::string shape_string(c10::IntArrayRef sizes);
 std::runtime_error missing_record(const std::string& key);
 
 /// Writes a tensor record. As a buffer: the tensor read back never requires grad. Inside a
-/// StagedWrites scope, a copy of it on the host.
+/// StagedWrites scope, a copy of it on the host. Inside a ShardedWrites scope, to the scope's
+/// pieces on the main rank (whole), and nowhere on the others.
 void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key, const torch::Tensor& tensor);
+/// Inside a ShardedWrites scope: elements [offset, offset + piece.numel()) of the flattened
+/// record `record` of shape `shape`, from `piece` (1-D), copied to the host (inside a
+/// StagedWrites scope asynchronously from a device, waited for by its wait()).
+void write_piece(const std::string& record, c10::IntArrayRef shape, std::int64_t offset, const torch::Tensor& piece);
 
 /// Background checkpoint writes in flight, and a second stop signal's wish to exit: the signal
 /// handler (fit/stop_signals.hpp) exits at once when no write is in flight, else leaves the exit
@@ -114,8 +121,13 @@ class StagedWrites {
 };
 
 /// A tensor record of an archive, as a new tensor (InputArchive::read into a defined tensor
-/// would set_() it in place).
+/// would set_() it in place). The tensor records of an archive opened with a ShardReads scope
+/// come from its set's files (so do those of the helpers below).
 torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key);
+/// read_tensor() into `out` when the record exists; false when it does not.
+bool try_read_tensor(torch::serialize::InputArchive& archive, const std::string& key, torch::Tensor& out);
+/// The shape of a tensor record, or std::nullopt when there is none (a set's without reading it).
+std::optional<std::vector<std::int64_t>> tensor_shape(torch::serialize::InputArchive& archive, const std::string& key);
 
 /// Copies a tensor record into `target`, which keeps its storage, dtype and device (const as
 /// in Tensor::copy_: the handle stays, the values change). Returns false, changing nothing,
@@ -134,19 +146,6 @@ c10::IValue read_value(torch::serialize::InputArchive& archive, const std::strin
 
 /// The first line of an exception's message (c10::Error's without its backtrace).
 std::string first_line_of(const std::exception& e);
-
-/// A checkpoint whose bytes fail the archive check (truncated, a record's CRC-32 wrong).
-class DamagedArchive : public std::runtime_error {
- public:
-  DamagedArchive(const std::string& path, std::string damage)
-      : std::runtime_error("checkpoint '" + path + "' is damaged: " + damage + "; nothing was loaded from it"),
-        damage_(std::move(damage)) {}
-  /// What is wrong, without the file's name.
-  const std::string& damage() const { return damage_; }
-
- private:
-  std::string damage_;
-};
 
 /// Opens a checkpoint for reading. Every path that reads one (Trainer::load, resume,
 /// tk::load_weights, PARTIAL_PRETRAIN) comes here, so every one refuses a damaged file: the

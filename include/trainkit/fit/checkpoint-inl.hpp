@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <random>
 #include <thread>
 
 namespace trainkit {
@@ -187,9 +188,14 @@ TRAINKIT_INLINE void CheckpointManager::fill(torch::serialize::OutputArchive& ar
   }
 }
 
-TRAINKIT_INLINE std::string CheckpointManager::save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+TRAINKIT_INLINE bool CheckpointManager::writes_set(const AnyTrainer& trainer) const {
+  return format_ == CheckpointFormat::sharded || (format_ == CheckpointFormat::automatic && trainer.saves_collectively());
+}
+
+TRAINKIT_INLINE std::string CheckpointManager::save(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                                                     const std::vector<CallbackState>& callbacks) {
   wait_background();
+  if (writes_set(trainer)) return save_set(trainer, state, epoch_end, callbacks);
   const std::string path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
   try {
     torch::serialize::OutputArchive archive;
@@ -198,7 +204,7 @@ TRAINKIT_INLINE std::string CheckpointManager::save(const AnyTrainer& trainer, c
   } catch (const std::exception& e) {
     throw CheckpointError(e.what());
   }
-  prune(state.best_path);
+  prune(state.best_path, path);
   return path;
 }
 
@@ -206,15 +212,147 @@ namespace detail {
 struct BackgroundWrite {
   std::thread thread;
   std::atomic<bool> done{false};
+  std::atomic<bool> cancel{false};  // a set's main rank stops waiting for the other ranks' files
   CheckpointManager::Written written;
   std::string error;  // set by the thread before `done`
 };
+
+struct StagedSet {
+  std::string path;
+  std::uint64_t token = 0;
+  std::int64_t rank = 0, world = 1;
+  bool main = true;
+  std::vector<RecordChunk> chunks;       // this rank's pieces
+  CheckpointManager::Staged records;     // the main rank's other records
+  // This rank's files (the main rank: the records too). Returns their size.
+  std::size_t write() {
+    std::size_t bytes = write_shard(path, rank, world, token, chunks);
+    if (main) bytes += records.write();
+    return bytes;
+  }
+};
+
+// A save's token: what tells its files from an earlier attempt's at the same name (48 bits: a
+// double carries it exactly through the ranks' all-reduce).
+TRAINKIT_INLINE std::uint64_t fresh_token() {
+  std::random_device device;
+  const auto now = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return ((static_cast<std::uint64_t>(device()) << 16 ^ now ^ static_cast<std::uint64_t>(::getpid()) << 32) &
+          ((std::uint64_t{1} << 48) - 1)) | 1;
+}
 }  // namespace detail
 
-TRAINKIT_INLINE std::string CheckpointManager::save_in_background(const AnyTrainer& trainer, const LoopState& state,
+TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& trainer, const LoopState& state,
+                                                               bool epoch_end, const std::vector<CallbackState>& callbacks,
+                                                               bool copies) const {
+  auto& replicas = trainer.replicas();
+  detail::StagedSet s;
+  s.path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
+  s.rank = replicas.rank();
+  s.world = replicas.world_size();
+  s.main = replicas.is_main();
+  // The main rank's token for the save, and whether every rank names the same directory (a
+  // set's files meet in one), in one all-reduce.
+  const auto place = static_cast<double>(std::hash<std::string>{}(directory_) & ((std::uint64_t{1} << 48) - 1));
+  std::vector<double> agreed{s.main ? static_cast<double>(detail::fresh_token()) : 0.0, place, -place};
+  replicas.all_reduce(agreed, Reduce::max);
+  s.token = static_cast<std::uint64_t>(agreed[0]);
+  if (agreed[1] != -agreed[2])
+    throw CheckpointError("cannot write checkpoint '" + s.path + "': the ranks name different output directories (this "
+                          "rank's is '" + directory_ + "'); a checkpoint set's files meet in one directory that every "
+                          "rank shares: give every rank the same OUTPUT_PATH, or TRAIN.CHECKPOINT_FORMAT: single");
+  try {
+    auto archive = std::make_unique<torch::serialize::OutputArchive>();
+    bool copied = true;
+    {
+      std::optional<detail::StagedWrites> staged;
+      if (copies) staged.emplace();
+      {
+        detail::ShardedWrites pieces(s.main);
+        if (s.main) fill(*archive, trainer, state, s.path, callbacks);
+        else trainer.save(*archive);  // (this rank's pieces; its other records are the main rank's)
+        s.chunks = pieces.take();
+      }
+      if (staged) {
+        staged->wait();
+        copied = staged->complete() && callbacks.empty();  // (a callback writes its own records)
+      }
+    }
+    if (s.main) {
+      s.records.path_ = detail::records_path(s.path);
+      if (copied) s.records.archive_ = std::move(archive);
+      else s.records.bytes_ = detail::archive_bytes(*archive);
+    }
+  } catch (const std::exception& e) {
+    throw CheckpointError("cannot write checkpoint '" + s.path + "': " + e.what());
+  }
+  return s;
+}
+
+TRAINKIT_INLINE std::string CheckpointManager::save_set(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+                                                        const std::vector<CallbackState>& callbacks) {
+  auto s = stage_set(trainer, state, epoch_end, callbacks, /*copies=*/false);
+  std::string error;
+  try {
+    s.write();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // Every rank learns whether every file is in place: no rank reports a checkpoint that will
+  // never exist.
+  std::vector<double> failed{error.empty() ? 0.0 : 1.0};
+  trainer.replicas().all_reduce(failed, Reduce::sum);
+  if (!error.empty()) throw CheckpointError(error);
+  if (failed[0] > 0)
+    throw CheckpointError("cannot write checkpoint '" + s.path + "': " + std::to_string(static_cast<long long>(failed[0])) +
+                          " other rank(s) could not write their files (each says why); the previous checkpoints are intact");
+  if (!s.main) return s.path;
+  try {
+    const std::atomic<bool> never{false};
+    detail::write_index(s.path, s.world, s.token, never, set_timeout_s_);
+  } catch (const std::exception& e) {
+    throw CheckpointError(e.what());
+  }
+  prune(state.best_path, s.path);
+  return s.path;
+}
+
+TRAINKIT_INLINE std::string CheckpointManager::save_set_in_background(AnyTrainer& trainer, const LoopState& state,
+                                                                      bool epoch_end,
+                                                                      const std::vector<CallbackState>& callbacks) {
+  auto staged = std::make_shared<detail::StagedSet>(stage_set(trainer, state, epoch_end, callbacks, /*copies=*/true));
+  auto job = std::make_unique<detail::BackgroundWrite>();
+  job->written = {staged->path, 0, 0.0};
+  detail::BackgroundWrite* j = job.get();
+  detail::exit_after_writes().writing.fetch_add(1);
+  job->thread = std::thread([this, j, staged, best = state.best_path] {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      j->written.bytes = staged->write();
+      if (staged->main) {
+        j->written.bytes = detail::write_index(staged->path, staged->world, staged->token, j->cancel, set_timeout_s_);
+        prune(best, staged->path);
+      }
+    } catch (const std::exception& e) {
+      j->error = e.what();
+    } catch (...) {
+      j->error = "cannot write checkpoint '" + j->written.path + "': an unknown error";
+    }
+    j->written.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    j->done.store(true, std::memory_order_release);
+    auto& writes = detail::exit_after_writes();
+    if (writes.writing.fetch_sub(1) == 1)
+      if (const int sig = writes.exit_signal.load(); sig != 0) ::_exit(128 + sig);  // (a second signal came)
+  });
+  background_ = std::move(job);
+  return staged->path;
+}
+
+TRAINKIT_INLINE std::string CheckpointManager::save_in_background(AnyTrainer& trainer, const LoopState& state,
                                                                   bool epoch_end,
                                                                   const std::vector<CallbackState>& callbacks) {
   wait_background();
+  if (writes_set(trainer)) return save_set_in_background(trainer, state, epoch_end, callbacks);
   auto staged = std::make_shared<Staged>(stage(trainer, state, epoch_end, callbacks));
   const std::string path = staged->path();
   auto job = std::make_unique<detail::BackgroundWrite>();
@@ -225,7 +363,7 @@ TRAINKIT_INLINE std::string CheckpointManager::save_in_background(const AnyTrain
     const auto t0 = std::chrono::steady_clock::now();
     try {
       j->written.bytes = staged->write();
-      prune(best);
+      prune(best, staged->path());
     } catch (const std::exception& e) {
       j->error = e.what();
     } catch (...) {
@@ -286,6 +424,7 @@ TRAINKIT_INLINE std::optional<CheckpointManager::Written> CheckpointManager::wai
 
 TRAINKIT_INLINE CheckpointManager::~CheckpointManager() {
   if (!background_) return;
+  background_->cancel.store(true);  // (a set's other ranks may be gone)
   try {
     join_background();
   } catch (const std::exception& e) {
@@ -293,40 +432,100 @@ TRAINKIT_INLINE CheckpointManager::~CheckpointManager() {
   }
 }
 
-TRAINKIT_INLINE void CheckpointManager::prune(const std::string& best_path) const {
+TRAINKIT_INLINE void CheckpointManager::prune(const std::string& best_path, const std::string& written) const {
   const auto files = list();
   const std::size_t keep = static_cast<std::size_t>(keep_);
   for (std::size_t i = 0; i + keep < files.size(); ++i)
-    if (files[i].path != best_path) ::unlink(files[i].path.c_str());
-  remove_stale_temporaries();
+    if (files[i].path != best_path) remove_checkpoint(files[i].path);
+  CheckpointFile last;
+  const bool bounded = !written.empty() && parse_name(written.substr(written.find_last_of('/') + 1), last);
+  remove_stale_temporaries(bounded ? std::optional<FitPosition>(last.resume_at()) : std::nullopt);
+  if (!bounded) return;
+  // Files of sets whose index was never written (a crash between a set's files and its index),
+  // up to the one just written: later ones may be in flight on other ranks.
+  DIR* dir = ::opendir(directory_.c_str());
+  if (dir == nullptr) return;
+  std::vector<std::string> orphans;
+  while (const dirent* e = ::readdir(dir)) {
+    const std::string set = set_of(e->d_name);
+    CheckpointFile f;
+    if (set.empty() || !parse_name(set, f) || last.resume_at() < f.resume_at()) continue;
+    struct stat st {};
+    if (::stat((directory_ + "/" + set).c_str(), &st) != 0) orphans.push_back(directory_ + "/" + e->d_name);
+  }
+  ::closedir(dir);
+  for (const auto& p : orphans) ::unlink(p.c_str());
+}
+
+TRAINKIT_INLINE void CheckpointManager::remove_checkpoint(const std::string& path) const {
+  const bool set = detail::ShardSource::is_index(path);
+  ::unlink(path.c_str());  // (a set no longer exists once its index is gone)
+  if (!set) return;
+  const std::string name = path.substr(path.find_last_of('/') + 1);
+  DIR* dir = ::opendir(directory_.c_str());
+  if (dir == nullptr) return;
+  std::vector<std::string> members;
+  while (const dirent* e = ::readdir(dir))
+    if (set_of(e->d_name) == name) members.push_back(directory_ + "/" + e->d_name);
+  ::closedir(dir);
+  for (const auto& p : members) ::unlink(p.c_str());
+}
+
+TRAINKIT_INLINE std::string CheckpointManager::set_of(const std::string& name) const {
+  const std::string records = ".ckpt.records";
+  if (name.size() > records.size() && name.compare(name.size() - records.size(), records.size(), records) == 0)
+    return name.substr(0, name.size() - records.size() + 5);
+  // "<set>.ckpt.RRRRR-of-WWWWW.safetensors"
+  const std::string tail = ".safetensors";
+  const auto at = name.rfind(".ckpt.");
+  if (at == std::string::npos || name.size() < tail.size() ||
+      name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
+    return "";
+  const std::string middle = name.substr(at + 6, name.size() - tail.size() - at - 6);
+  const auto of = middle.find("-of-");
+  auto digits = [](const std::string& d) {
+    return !d.empty() && std::all_of(d.begin(), d.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  if (of == std::string::npos || !digits(middle.substr(0, of)) || !digits(middle.substr(of + 4))) return "";
+  return name.substr(0, at + 5);
 }
 
 TRAINKIT_INLINE CheckpointManager::Opened CheckpointManager::open(const std::string& path) const {
-  Opened o{path, {}, {}};
-  if (const std::string why = open_checkpoint(o.archive, path); !why.empty())
+  Opened o{path, {}, {}, {}};
+  if (const std::string why = open_checkpoint(o.archive, path, &o.shards); !why.empty())
     throw std::runtime_error("checkpoint '" + path + "': " + why);
-  o.state = LoopState::read(o.archive);
+  o.state = read_state(o);
   return o;
 }
 
 TRAINKIT_INLINE std::optional<CheckpointManager::Opened> CheckpointManager::open_newest(std::ostream& report) const {
   const auto files = list();
   for (auto it = files.rbegin(); it != files.rend(); ++it) {
-    Opened o{it->path, {}, {}};
-    if (const std::string why = open_checkpoint(o.archive, it->path); !why.empty()) {
+    Opened o{it->path, {}, {}, {}};
+    if (const std::string why = open_checkpoint(o.archive, it->path, &o.shards); !why.empty()) {
       report << "trainkit: skipping checkpoint '" << it->path << "': " << why;
       report << (std::next(it) != files.rend() ? "; trying the previous one\n" : "; no older checkpoint\n");
       continue;
     }
-    o.state = LoopState::read(o.archive);
+    o.state = read_state(o);
     return o;
   }
   return std::nullopt;
 }
 
+TRAINKIT_INLINE LoopState CheckpointManager::read_state(Opened& opened) {
+  std::optional<detail::ShardReads> set;
+  if (opened.shards) set.emplace(opened.archive, *opened.shards);
+  return LoopState::read(opened.archive);
+}
+
 TRAINKIT_INLINE std::vector<std::string> CheckpointManager::restore(Opened& opened, AnyTrainer& trainer,
                                                                     const std::vector<CallbackState>& callbacks) const {
-  detail::load_or_restore(trainer, opened.archive, opened.path);
+  {
+    std::optional<detail::ShardReads> set;
+    if (opened.shards) set.emplace(opened.archive, *opened.shards);
+    detail::load_or_restore(trainer, opened.archive, opened.path);
+  }
   std::vector<std::string> missing;
   for (const auto& c : callbacks) {
     torch::serialize::InputArchive nested;
@@ -352,15 +551,19 @@ TRAINKIT_INLINE std::optional<CheckpointManager::Loaded> CheckpointManager::resu
 
 TRAINKIT_INLINE bool CheckpointManager::is_complete(const std::string& path, std::string* why) {
   torch::serialize::InputArchive archive;
-  const std::string what = open_checkpoint(archive, path);
+  std::shared_ptr<detail::ShardSource> shards;
+  std::string what = open_checkpoint(archive, path, &shards);
+  if (what.empty() && shards) what = shards->verify();
   if (why) *why = what;
   return what.empty();
 }
 
 TRAINKIT_INLINE std::string CheckpointManager::open_checkpoint(torch::serialize::InputArchive& archive,
-                                                               const std::string& path) {
+                                                               const std::string& path,
+                                                               std::shared_ptr<detail::ShardSource>* shards) {
   try {
-    detail::read_archive(archive, path);
+    auto set = detail::open_checkpoint_file(archive, path);
+    if (shards) *shards = std::move(set);
     c10::IValue v;
     if (!archive.try_read("meta.trainer", v)) return "not a trainkit checkpoint (no meta.trainer record)";
     if (!archive.try_read("fit.epoch", v)) return "not written by the fit loop (no fit.epoch record)";
@@ -395,19 +598,25 @@ TRAINKIT_INLINE bool CheckpointManager::parse_name(const std::string& name, Chec
   return true;
 }
 
-TRAINKIT_INLINE void CheckpointManager::remove_stale_temporaries() const {
+TRAINKIT_INLINE void CheckpointManager::remove_stale_temporaries(std::optional<FitPosition> up_to) const {
   DIR* dir = ::opendir(directory_.c_str());
   if (dir == nullptr) return;
   std::vector<std::string> stale;
-  const std::string head = prefix_ + "-", marker = ".ckpt.tmp.";
+  // "<checkpoint>.tmp.<pid>", and a set's files' "<checkpoint>.<member>.tmp.<pid>".
+  const std::string head = prefix_ + "-", marker = ".tmp.";
   while (const dirent* e = ::readdir(dir)) {
     const std::string name = e->d_name;
-    const auto at = name.find(marker);
-    if (name.compare(0, head.size(), head) != 0 || at == std::string::npos) continue;
+    const auto at = name.rfind(marker);
+    if (name.compare(0, head.size(), head) != 0 || at == std::string::npos || name.find(".ckpt") > at) continue;
     const std::string pid = name.substr(at + marker.size());
     if (pid.empty() || pid.size() > 10 || !std::all_of(pid.begin(), pid.end(), [](char c) { return c >= '0' && c <= '9'; }))
       continue;
     if (!process_is_gone(static_cast<pid_t>(std::stoll(pid)))) continue;
+    // A set's file: another rank's, perhaps on another machine (whose pids mean nothing here),
+    // still writing a later set; only those up to the set just written are done with.
+    CheckpointFile f;
+    if (const std::string set = set_of(name.substr(0, at)); !set.empty())
+      if (!up_to || !parse_name(set, f) || *up_to < f.resume_at()) continue;
     stale.push_back(directory_ + "/" + name);
   }
   ::closedir(dir);

@@ -36,6 +36,7 @@
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/trainer/any_trainer.hpp>
 #include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/checkpoint_set.hpp>
 #include <trainkit/detail/zip_check.hpp>
 #include <trainkit/fit/metrics.hpp>
 
@@ -159,8 +160,23 @@ class DirectoryLock {
   int fd_ = -1;
 };
 
+/// How a checkpoint is written (TRAIN.CHECKPOINT_FORMAT).
+enum class CheckpointFormat {
+  automatic,  ///< a set when the update is sharded over several ranks, else one file
+  single,     ///< one file: the main rank gathers the sharded state and writes it
+  sharded,    ///< a set: every rank writes its own pieces (one rank: a set of one file)
+};
+/// TRAIN.CHECKPOINT_FORMAT's names: "auto", "single", "sharded".
+inline CheckpointFormat checkpoint_format_of(const std::string& name) {
+  if (name == "single") return CheckpointFormat::single;
+  if (name == "sharded") return CheckpointFormat::sharded;
+  if (name == "auto") return CheckpointFormat::automatic;
+  throw std::invalid_argument("checkpoint format '" + name + "': use auto, single or sharded");
+}
+
 namespace detail {
 struct BackgroundWrite;
+struct StagedSet;
 }
 
 class CheckpointManager {
@@ -174,6 +190,13 @@ class CheckpointManager {
 
   const std::string& directory() const { return directory_; }
   const std::string& prefix() const { return prefix_; }
+  CheckpointFormat format() const { return format_; }
+  void set_format(CheckpointFormat format) { format_ = format; }
+  /// Whether a checkpoint of `trainer` is a set (docs/design/checkpoints.md, "Sharded sets"):
+  /// then every rank calls save() / save_in_background(), each writing its own file, and the
+  /// main rank the index; else the main rank alone calls them (a sharded trainer's other ranks
+  /// call trainer.save(archive) for the gather).
+  bool writes_set(const AnyTrainer& trainer) const;
 
   /// The file name of the checkpoint written after epoch `epoch` completed.
   std::string epoch_path(std::int64_t epoch) const;
@@ -191,7 +214,7 @@ class CheckpointManager {
   /// applies the retention rule. Returns the path. Throws CheckpointError naming the file;
   /// files already written stay. Waits for a background write in flight first (its error
   /// thrown): one file at a time.
-  std::string save(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+  std::string save(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                    const std::vector<CallbackState>& callbacks = {});
 
   /// A checkpoint ready to be written: the state as it was at stage(), whatever changes it
@@ -224,7 +247,7 @@ class CheckpointManager {
   /// does, and applies the retention rule; the path returned is complete once
   /// background_done() or wait_background() has returned it. Throws CheckpointError naming
   /// the file.
-  std::string save_in_background(const AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+  std::string save_in_background(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                                  const std::vector<CallbackState>& callbacks = {});
   /// A background write, finished.
   struct Written {
@@ -238,14 +261,18 @@ class CheckpointManager {
   /// The background write in flight, waited for; as background_done().
   std::optional<Written> wait_background();
 
-  /// Deletes all but the newest `keep` checkpoints and `best_path`, and stale temporary files.
-  void prune(const std::string& best_path = {}) const;
+  /// Deletes all but the newest `keep` checkpoints and `best_path` (a set's files with its
+  /// index, the index first), stale temporary files, and the files of sets whose index was
+  /// never written (a crash) up to the position of `written`, the checkpoint just written
+  /// (later ones may be in flight on other ranks).
+  void prune(const std::string& best_path = {}, const std::string& written = {}) const;
 
   /// A checkpoint opened and checked (its CRCs, the loop's records), nothing loaded yet.
   struct Opened {
     std::string path;
     LoopState state;
-    torch::serialize::InputArchive archive;
+    torch::serialize::InputArchive archive;  ///< a set's: its records file
+    std::shared_ptr<detail::ShardSource> shards;  ///< a set's tensor records (none: one file)
   };
   /// Opens `path`. Throws when the file is damaged or is not a fit checkpoint.
   Opened open(const std::string& path) const;
@@ -268,17 +295,21 @@ class CheckpointManager {
   /// open_newest() and restore() in one; std::nullopt when there is no complete checkpoint.
   std::optional<Loaded> resume_newest(AnyTrainer& trainer, std::ostream& report = std::cerr) const;
 
-  /// Whether `path` is a complete, undamaged archive written by this manager (every record
-  /// matches its CRC-32, the fit loop's records are there); `why` says what is wrong when not.
-  /// Reads the whole file.
+  /// Whether `path` is a complete, undamaged checkpoint written by this manager (every record
+  /// matches its CRC-32, a set's every file and chunk too, the fit loop's records are there);
+  /// `why` says what is wrong when not. Reads every file.
   static bool is_complete(const std::string& path, std::string* why = nullptr);
 
  private:
   // Opens `path` into `archive` (its CRCs checked): "" when it is a complete fit checkpoint,
   // else what is wrong with it.
-  static std::string open_checkpoint(torch::serialize::InputArchive& archive, const std::string& path);
+  // A set's tensor records go to `shards`.
+  static std::string open_checkpoint(torch::serialize::InputArchive& archive, const std::string& path,
+                                     std::shared_ptr<detail::ShardSource>* shards = nullptr);
 
   static std::string first_line(const std::string& s);
+  // The loop's records of an opened checkpoint (a set's tensors from its files).
+  static LoopState read_state(Opened& opened);
 
   // "<prefix>-EEEE.ckpt" or "<prefix>-EEEE-IIIIII.ckpt" (digits only).
   bool parse_name(const std::string& name, CheckpointFile& f) const;
@@ -286,7 +317,8 @@ class CheckpointManager {
   // Temporary files of Trainer::save ("<name>.tmp.<pid>") whose process is gone. A temporary
   // of a live process (another job writing into this directory, which DirectoryLock refuses,
   // or this one) is never touched.
-  void remove_stale_temporaries() const;
+  // A set's files' temporaries only for sets up to `up_to` (later ones may be in flight).
+  void remove_stale_temporaries(std::optional<FitPosition> up_to) const;
 
   // kill(pid, 0): ESRCH means no such process; EPERM means it exists (another user's).
   static bool process_is_gone(pid_t pid);
@@ -297,8 +329,24 @@ class CheckpointManager {
   // The background write, joined: its result, or its error thrown.
   Written join_background();
 
+  // A set: this rank's pieces and (main rank) its other records, staged with host copies when
+  // `copies` (a background write); the main rank's token for the save agreed by every rank.
+  detail::StagedSet stage_set(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+                              const std::vector<CallbackState>& callbacks, bool copies) const;
+  std::string save_set(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+                       const std::vector<CallbackState>& callbacks);
+  std::string save_set_in_background(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
+                                     const std::vector<CallbackState>& callbacks);
+  // Deletes a checkpoint: a file, or a set (its index first).
+  void remove_checkpoint(const std::string& path) const;
+  // The set-member file `name` ("<checkpoint>.records", "<checkpoint>.<r>-of-<w>.safetensors"):
+  // its checkpoint's name, or "" when it is not one.
+  std::string set_of(const std::string& name) const;
+
   std::string directory_, prefix_;
   std::int64_t keep_;
+  CheckpointFormat format_ = CheckpointFormat::automatic;
+  double set_timeout_s_ = 1800;  // how long the main rank waits for the other ranks' files
   std::unique_ptr<detail::BackgroundWrite> background_;  // the write in flight (or finished, not yet taken)
 };
 

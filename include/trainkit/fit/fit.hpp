@@ -140,7 +140,9 @@ class FitLoop {
         pieces_(trainer, task, options.piece_items(), [this](const std::string& text) { say(text); },
                 [this](const std::string& text) {
                   if (log_) log_->say_local(text);
-                }) {}
+                }) {
+    checkpoints_.set_format(options.checkpoint_format());
+  }
 
   FitResult run() {
     StopSignals signals(options_.handle_signals());
@@ -192,7 +194,7 @@ class FitLoop {
         }
         asked.stop |= signals.received() != 0;
         if (r.window_closed) held_.clear();  // (a loss of terms: the window's micro-batches)
-        if (writes()) background_checked(/*wait=*/false);  // (an atomic load, unless one finished)
+        if (saves()) background_checked(/*wait=*/false);  // (an atomic load, unless one finished)
         // 3. After a window: a log window logs, and the ranks agree there on stops and
         //    checkpoints, in the collective that logging does anyway.
         Requests agreed;
@@ -274,6 +276,8 @@ class FitLoop {
 
   // Checkpoints, logs and messages: on the main rank only (every rank trains and resumes).
   bool writes() const { return options_.write_files() && trainer_.replicas().is_main(); }
+  // This rank calls the checkpoint manager's save: the main rank, or every rank for a set.
+  bool saves() const { return options_.write_files() && (trainer_.replicas().is_main() || checkpoints_.writes_set(trainer_)); }
   bool single() const { return trainer_.replicas().world_size() == 1; }
   void say(const std::string& text) {
     if (log_) log_->say(text);
@@ -577,8 +581,8 @@ class FitLoop {
   }
 
   void write_checkpoint(bool epoch_end) {
-    if (!writes()) {
-      // A sharded update: every rank sends its slices to the main rank's archive.
+    if (!saves()) {
+      // A sharded update in one file: every rank sends its slices to the main rank's archive.
       if (options_.write_files() && trainer_.saves_collectively()) {
         torch::serialize::OutputArchive discarded;
         trainer_.save(discarded);
@@ -680,7 +684,7 @@ class FitLoop {
   }
 
   FitResult finish() {
-    if (writes()) background_checked(/*wait=*/true);  // the run's checkpoints complete before it returns
+    if (saves()) background_checked(/*wait=*/true);  // the run's checkpoints complete before it returns
     log_->finish(state_.position.epoch, state_.position.index);
     FitResult r = result_;
     r.position = state_.position;

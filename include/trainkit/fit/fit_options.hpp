@@ -2,6 +2,8 @@
 /// The fit loop's run-time settings (FitOptions), with fluent setters as TrainerOptions.
 /// tk::RunPlan (plan.hpp) fills them from a validated configuration.
 
+#include <trainkit/fit/checkpoint.hpp>
+
 #include <torch/arg.h>
 
 #include <cstdint>
@@ -29,6 +31,10 @@ struct FitOptions {
   /// the loop pauses only to copy the state to host memory (CheckpointManager::save_in_background). A failed write stops the run at the next
   /// micro-batch, naming the file; the run's last checkpoint is complete before fit returns.
   TORCH_ARG(bool, background_checkpoints) = true;
+  /// One file per checkpoint, or a set with a file per rank and an index (TRAIN.CHECKPOINT_FORMAT;
+  /// docs/guide/checkpoints.md): automatic writes a set when the update is sharded (ZERO_STAGE
+  /// 1-2 with several ranks), so that no rank gathers the state.
+  TORCH_ARG(CheckpointFormat, checkpoint_format) = CheckpointFormat::automatic;
   TORCH_ARG(bool, resume) = false;                     ///< TRAIN.RESUME
   TORCH_ARG(bool, auto_resume) = true;                 ///< TRAIN.AUTO_RESUME
   TORCH_ARG(std::int64_t, seed) = -1;                  ///< the run's seed (recorded, checked on resume)

@@ -71,15 +71,7 @@ inline void write_file_atomically(const std::string& path, const std::string& wh
 
 // --- safetensors ------------------------------------------------------------------------------
 
-struct SafetensorsType {
-  const char* name;
-  c10::ScalarType type;
-};
-inline constexpr SafetensorsType kSafetensorsTypes[] = {
-    {"F64", c10::ScalarType::Double}, {"F32", c10::ScalarType::Float},  {"F16", c10::ScalarType::Half},
-    {"BF16", c10::ScalarType::BFloat16}, {"I64", c10::ScalarType::Long}, {"I32", c10::ScalarType::Int},
-    {"I16", c10::ScalarType::Short},  {"I8", c10::ScalarType::Char},    {"U8", c10::ScalarType::Byte},
-    {"BOOL", c10::ScalarType::Bool}};
+// (The dtype names: detail/record_shards.hpp, which checkpoint sets share.)
 
 inline bool looks_like_safetensors(const std::string& head, std::uint64_t file_size) {
   if (head.size() < 9 || file_size < 10) return false;
@@ -113,9 +105,7 @@ inline NamedTensors read_safetensors(const std::string& path) {
       const std::string dtype = entry.at("dtype").get<std::string>();
       const auto shape = entry.at("shape").get<std::vector<std::int64_t>>();
       const auto offsets = entry.at("data_offsets").get<std::vector<std::uint64_t>>();
-      c10::ScalarType type = c10::ScalarType::Undefined;
-      for (const auto& t : kSafetensorsTypes)
-        if (dtype == t.name) type = t.type;
+      const c10::ScalarType type = safetensors_scalar_type(dtype);
       if (type == c10::ScalarType::Undefined) throw bad("'" + name + "' has the dtype " + dtype + ", which trainkit does not read");
       if (offsets.size() != 2 || offsets[0] > offsets[1] || offsets[1] > data_size)
         throw bad("'" + name + "' has data_offsets outside the file's data");
@@ -141,9 +131,7 @@ inline void write_safetensors(const std::string& path, const NamedTensors& tenso
   std::vector<torch::Tensor> contiguous;
   std::uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
-    const char* dtype = nullptr;
-    for (const auto& s : kSafetensorsTypes)
-      if (t.scalar_type() == s.type) dtype = s.name;
+    const char* dtype = safetensors_dtype(t.scalar_type());
     if (dtype == nullptr)
       throw std::invalid_argument("cannot write '" + name + "' to safetensors file '" + path + "': dtype " +
                                   std::string(c10::toString(t.scalar_type())) + " has no safetensors name");

@@ -21,6 +21,7 @@
 /// load_weights copies every weight whose name (after the renames) and shape match, converting
 /// the dtype where it differs (said in the report); the others keep their values and are listed.
 #include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/checkpoint_set.hpp>
 #include <trainkit/io/weight_files.hpp>
 
 #include <torch/nn/module.h>
@@ -85,6 +86,7 @@ inline const char* to_string(WeightsFormat f) {
 inline WeightsFormat weights_format(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read weights file '" + path + "': " + std::strerror(errno));
+  if (detail::ShardSource::is_index(path)) return WeightsFormat::checkpoint;  // a checkpoint set's index
   std::string head(16, '\0');
   in.read(head.data(), static_cast<std::streamsize>(head.size()));
   head.resize(static_cast<std::size_t>(in.gcount()));
@@ -129,8 +131,12 @@ inline NamedTensors read_weights(const std::string& path) {
     case WeightsFormat::checkpoint: break;
   }
   torch::serialize::InputArchive archive;
-  detail::read_archive(archive, path);
+  const auto set = detail::open_checkpoint_file(archive, path);
   NamedTensors out;
+  if (set)
+    for (const auto& key : set->records())
+      for (const std::string prefix : {"model.param.", "model.buffer."})
+        if (key.rfind(prefix, 0) == 0) out.push_back({key.substr(prefix.size()), set->read(key)});
   for (const auto& key : archive.keys())
     for (const std::string prefix : {"model.param.", "model.buffer."})
       if (key.rfind(prefix, 0) == 0) {

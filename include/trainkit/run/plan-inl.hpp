@@ -131,6 +131,7 @@ TRAINKIT_INLINE FitOptions plan_fit(const nlohmann::json& top, std::optional<std
       .checkpoint_frequent(top["CHECKPOINT_FREQUENT"].get<std::int64_t>())
       .checkpoint_keep(train["CHECKPOINT_KEEP"].get<std::int64_t>())
       .background_checkpoints(train["CHECKPOINT_BACKGROUND"].get<bool>())
+      .checkpoint_format(checkpoint_format_of(train["CHECKPOINT_FORMAT"].get<std::string>()))
       .nonfinite_patience(train["NONFINITE_PATIENCE"].get<std::int64_t>())
       .forward_peaks(train["FORWARD_PEAKS"].get<bool>())
       .allow_resume_changes(train["RESUME_CHANGES"].get<std::string>() == "allow")

@@ -96,8 +96,7 @@ TRAINKIT_INLINE void MasterStorage::zero() {
 
 TRAINKIT_INLINE void MasterStorage::save(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
                                          const detail::UpdateRule& rule) const {
-  const auto masters = global_of(params_);
-  if (masters.defined()) write_by_name(archive, "model.param.", masters);
+  write_local_by_name(archive, "model.param.", params_);
   for (const auto& p : module.named_parameters(true))
     if (!p.value().requires_grad()) detail::write_tensor(archive, "model.param." + p.key(), p.value());
   save_state(archive, rule);
@@ -160,7 +159,7 @@ TRAINKIT_INLINE void MasterStorage::load_window(torch::serialize::InputArchive& 
   half_.allocate_if_released();
   layout_.read_into(archive, "window.gradient_half", half_.grad());
   torch::Tensor sum;  // the fp32 sum of the window's earlier micro-batches, when it has some
-  if (archive.try_read("window.gradient_sum", sum, /*is_buffer=*/true))
+  if (detail::try_read_tensor(archive, "window.gradient_sum", sum))
     layout_.unpack_into(sum, half_.summed_for_load(), "checkpoint record 'window.gradient_sum'");
   else
     half_.drop_sum();

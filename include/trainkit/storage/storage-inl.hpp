@@ -235,22 +235,43 @@ TRAINKIT_INLINE void FlatParameters::write_by_name(torch::serialize::OutputArchi
     write_tensor(archive, prefix + e.name, global.narrow(0, e.offset, e.param.numel()).view(e.param.sizes()));
 }
 
+TRAINKIT_INLINE void FlatParameters::write_local_by_name(torch::serialize::OutputArchive& archive,
+                                                         const std::string& prefix, const torch::Tensor& local) const {
+  if (ShardedWrites::active() != nullptr && partition_.sharded()) {
+    for (const auto& e : placed_)
+      for_each_piece(e, [&](std::int64_t at, std::int64_t from, std::int64_t n) {
+        write_piece(prefix + e.name, e.param.sizes(), from, local.narrow(0, at, n));
+      });
+    return;
+  }
+  const auto global = global_of(local);
+  if (global.defined()) write_by_name(archive, prefix, global);
+}
+
 TRAINKIT_INLINE void FlatParameters::read_by_name(torch::serialize::InputArchive& archive, const std::string& prefix,
                                                   const torch::Tensor& local) const {
-  std::vector<torch::Tensor> saved;
-  saved.reserve(placed_.size());
   for (const auto& e : placed_) {
-    auto t = read_tensor(archive, prefix + e.name);
-    if (t.sizes() != e.param.sizes())
-      throw std::runtime_error("checkpoint record '" + prefix + e.name + "' has shape " + shape_string(t.sizes()) +
+    const auto shape = tensor_shape(archive, prefix + e.name);
+    if (!shape) throw missing_record(prefix + e.name);
+    if (c10::IntArrayRef(*shape) != e.param.sizes())
+      throw std::runtime_error("checkpoint record '" + prefix + e.name + "' has shape " + shape_string(*shape) +
                                ", this run needs " + shape_string(e.param.sizes()));
-    saved.push_back(t.reshape({-1}));
   }
   torch::NoGradGuard no_grad;
-  for (size_t i = 0; i < placed_.size(); ++i)
-    for_each_piece(placed_[i], [&](std::int64_t at, std::int64_t from, std::int64_t n) {
-      local.narrow(0, at, n).copy_(saved[i].narrow(0, from, n));
+  if (const auto* set = ShardReads::of(archive)) {
+    // Only this rank's pieces, read from the set's files.
+    for (const auto& e : placed_)
+      for_each_piece(e, [&](std::int64_t at, std::int64_t from, std::int64_t n) {
+        set->read_range(prefix + e.name, from, n, local.narrow(0, at, n));
+      });
+    return;
+  }
+  for (const auto& e : placed_) {
+    const auto saved = read_tensor(archive, prefix + e.name).reshape({-1});
+    for_each_piece(e, [&](std::int64_t at, std::int64_t from, std::int64_t n) {
+      local.narrow(0, at, n).copy_(saved.narrow(0, from, n));
     });
+  }
 }
 
 TRAINKIT_INLINE torch::Tensor FlatParameters::global_of(const torch::Tensor& local) const {
@@ -260,18 +281,14 @@ TRAINKIT_INLINE torch::Tensor FlatParameters::global_of(const torch::Tensor& loc
 
 TRAINKIT_INLINE void FlatParameters::save_state(torch::serialize::OutputArchive& archive,
                                                 const UpdateRule& rule) const {
-  for (const auto* s : rule.flat_states()) {
-    const auto global = global_of(s->flat());
-    if (global.defined()) write_by_name(archive, "optim." + s->kind() + ".", global);
-  }
+  for (const auto* s : rule.flat_states()) write_local_by_name(archive, "optim." + s->kind() + ".", s->flat());
 }
 
 TRAINKIT_INLINE void FlatParameters::load_state(torch::serialize::InputArchive& archive, UpdateRule& rule) const {
   for (auto* s : rule.flat_states()) {
     const std::string prefix = "optim." + s->kind() + ".";
-    torch::Tensor probe;
-    if (!placed_.empty() && !archive.try_read(prefix + placed_.front().name, probe, true) &&
-        archive.try_read(prefix + "0", probe, true) && !partition_.sharded()) {
+    if (!placed_.empty() && !tensor_shape(archive, prefix + placed_.front().name) &&
+        tensor_shape(archive, prefix + "0") && !partition_.sharded()) {
       for (size_t g = 0; g < groups_.size(); ++g)
         groups_[g].layout.read_into(archive, prefix + std::to_string(g),
                                     s->flat().narrow(0, ranges_[g].begin, ranges_[g].length));
@@ -288,8 +305,7 @@ TRAINKIT_INLINE void FlatParameters::save_reduced_window(torch::serialize::Outpu
     write_tensor(archive, "snapshot.window_local", local_grad_);
     return;
   }
-  const auto global = global_of(local_grad_);
-  if (global.defined()) write_by_name(archive, "window.gradient_reduced.", global);
+  write_local_by_name(archive, "window.gradient_reduced.", local_grad_);
 }
 
 TRAINKIT_INLINE bool FlatParameters::load_reduced_window(torch::serialize::InputArchive& archive, bool snapshot,
@@ -299,8 +315,7 @@ TRAINKIT_INLINE bool FlatParameters::load_reduced_window(torch::serialize::Input
     summed_ = true;
     return true;
   }
-  torch::Tensor probe;
-  const bool reduced = !placed_.empty() && archive.try_read("window.gradient_reduced." + placed_.front().name, probe, true);
+  const bool reduced = !placed_.empty() && tensor_shape(archive, "window.gradient_reduced." + placed_.front().name);
   if (reduced != shards_gradients)
     throw std::runtime_error(std::string("it was written inside a window (PARTIAL_WINDOW: span) ") +
                              (reduced ? "with gradients sharded (TRAIN.ZERO_STAGE: 2), and this run does not shard them"
@@ -429,6 +444,17 @@ TRAINKIT_INLINE void FlatStorage::load_window(torch::serialize::InputArchive& ar
 
 TRAINKIT_INLINE void FlatStorage::save_parameters(torch::serialize::OutputArchive& archive,
                                                   torch::nn::Module& module) const {
+  if (detail::ShardedWrites::active() != nullptr && sharded()) {
+    // Every rank holds the parameters; each writes the parts its slices cover (a set's files
+    // then split the model over the ranks), the main rank the frozen ones.
+    for (const auto& e : placed_)
+      for_each_piece(e, [&](std::int64_t, std::int64_t from, std::int64_t n) {
+        detail::write_piece("model.param." + e.name, e.param.sizes(), from, params_.narrow(0, e.offset + from, n));
+      });
+    for (const auto& p : module.named_parameters(true))
+      if (!p.value().requires_grad()) detail::write_tensor(archive, "model.param." + p.key(), p.value());
+    return;
+  }
   for (const auto& p : module.named_parameters(true)) detail::write_tensor(archive, "model.param." + p.key(), p.value());
 }
 

@@ -255,9 +255,14 @@ class FlatParameters {
   /// `prefix` + name, with the parameter's shape. Views of one storage: written once.
   void write_by_name(torch::serialize::OutputArchive& archive, const std::string& prefix,
                      const torch::Tensor& global) const;
+  /// `local` (this rank's layout: the flat buffer, or its slices when sharded) as one record
+  /// per parameter: write_by_name of the buffer gathered to the main rank (a collective when
+  /// sharded), or inside a ShardedWrites scope this rank's pieces alone (no collective).
+  void write_local_by_name(torch::serialize::OutputArchive& archive, const std::string& prefix,
+                           const torch::Tensor& local) const;
   /// The records `prefix` + name into `local` (this rank's layout: the flat layout, or its
-  /// slices when sharded). Throws naming the first record that is missing or misshapen, before
-  /// anything is copied.
+  /// slices when sharded; from a set, only the byte ranges of those slices are read). Throws
+  /// naming the first record that is missing or misshapen, before anything is copied.
   void read_by_name(torch::serialize::InputArchive& archive, const std::string& prefix,
                     const torch::Tensor& local) const;
   /// The parts of parameter `e` this rank holds in its local layout: f(local offset, offset in

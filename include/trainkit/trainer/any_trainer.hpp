@@ -28,6 +28,7 @@
 /// Costs: one indirect call and one std::function call per micro-step (nanoseconds against a
 /// forward and backward); nothing per optimizer phase beyond what Trainer does.
 #include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/checkpoint_set.hpp>
 #include <trainkit/step/options.hpp>
 #include <trainkit/step/precision.hpp>
 #include <trainkit/step/replicas.hpp>
@@ -202,7 +203,9 @@ inline void AnyTrainer::save(const std::string& path) const {
 
 inline void AnyTrainer::load(const std::string& path) {
   torch::serialize::InputArchive archive;
-  detail::read_archive(archive, path);
+  const auto set = detail::open_checkpoint_file(archive, path);
+  std::optional<detail::ShardReads> reads;
+  if (set) reads.emplace(archive, *set);
   detail::load_or_restore(*this, archive, path);
 }
 

@@ -104,7 +104,7 @@ TRAINKIT_INLINE void TrainerCore::read_terms(torch::serialize::InputArchive& arc
   // The weights as the window began them (its counts over the ranks that ran it); the items
   // are the main rank's, which only this rank's reported loss reads.
   torch::Tensor saved;
-  if (!archive.try_read("window.term_items", saved, /*is_buffer=*/true)) return;
+  if (!try_read_tensor(archive, "window.term_items", saved)) return;
   const auto items = saved.to(torch::kLong).contiguous();
   terms_.items.assign(items.data_ptr<std::int64_t>(), items.data_ptr<std::int64_t>() + items.numel());
   terms_.weights = read_tensor(archive, "window.term_weights").to(device_, torch::kFloat);
@@ -168,12 +168,12 @@ TRAINKIT_INLINE void TrainerCore::check_checkpoint(torch::serialize::InputArchiv
                                   "start a new run (tk::load_weights takes its weights alone)"));
   // Every parameter and buffer of the model is in the archive with its shape.
   auto check = [&](const std::string& prefix, const std::string& key, const torch::Tensor& target) {
-    torch::Tensor saved;
-    if (!archive.try_read(prefix + key, saved, true))
+    const auto saved = tensor_shape(archive, prefix + key);
+    if (!saved)
       throw std::runtime_error(what("has no " + prefix.substr(6, prefix.size() - 7) + " '" + key +
                                     "' that the model has"));
-    if (saved.sizes() != target.sizes())
-      throw std::runtime_error(what("'" + key + "' has shape " + shape_string(saved.sizes()) + ", the model's is " +
+    if (c10::IntArrayRef(*saved) != target.sizes())
+      throw std::runtime_error(what("'" + key + "' has shape " + shape_string(*saved) + ", the model's is " +
                                     shape_string(target.sizes())));
   };
   for (const auto& p : module_->named_parameters(true)) check("model.param.", p.key(), p.value());

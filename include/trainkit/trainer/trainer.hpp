@@ -471,6 +471,8 @@ class Trainer final : public detail::TrainerCore {
       if (snapshot) storage_.restore(archive, *module_, *rule_);
       else storage_.load(archive, *module_, *rule_);
       rule_->load(archive);
+    } catch (const detail::DamagedArchive&) {
+      throw;  // (damage, not another optimizer's state)
     } catch (const std::exception& e) {
       refuse_optimizer_state(archive, prefix, e);
     }

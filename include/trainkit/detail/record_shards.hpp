@@ -1,0 +1,177 @@
+#pragma once
+/// A checkpoint's tensor records in pieces, for checkpoint sets that no rank gathers
+/// (docs/design/checkpoints.md, "Sharded sets"). Writing: inside a ShardedWrites scope,
+/// detail::write_tensor and the storages hand each rank's pieces of the records (a parameter's
+/// elements [offset, offset + n) of its flattened tensor) to the scope instead of an archive;
+/// checkpoint_set.hpp writes them to the rank's safetensors file. Reading: a ShardSource is a
+/// set's index, opened; inside a ShardReads scope the record helpers of checkpoint_io.hpp read an
+/// archive's tensor records from it, so every reader (the trainer, the storages, the policies)
+/// reads a set as it reads a single file, and a storage reads only the ranges its rank holds.
+#include <trainkit/detail/inline.hpp>
+#include <trainkit/detail/zip_check.hpp>
+
+#include <c10/core/ScalarType.h>
+#include <torch/serialize/archive.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace trainkit::detail {
+
+/// safetensors' names of the dtypes it holds.
+struct SafetensorsType {
+  const char* name;
+  c10::ScalarType type;
+};
+inline constexpr SafetensorsType kSafetensorsTypes[] = {
+    {"F64", c10::ScalarType::Double}, {"F32", c10::ScalarType::Float},  {"F16", c10::ScalarType::Half},
+    {"BF16", c10::ScalarType::BFloat16}, {"I64", c10::ScalarType::Long}, {"I32", c10::ScalarType::Int},
+    {"I16", c10::ScalarType::Short},  {"I8", c10::ScalarType::Char},    {"U8", c10::ScalarType::Byte},
+    {"BOOL", c10::ScalarType::Bool}};
+/// nullptr when safetensors has no name for `type`.
+inline const char* safetensors_dtype(c10::ScalarType type) {
+  for (const auto& t : kSafetensorsTypes)
+    if (t.type == type) return t.name;
+  return nullptr;
+}
+/// Undefined when `name` is none of safetensors' dtypes.
+inline c10::ScalarType safetensors_scalar_type(const std::string& name) {
+  for (const auto& t : kSafetensorsTypes)
+    if (name == t.name) return t.type;
+  return c10::ScalarType::Undefined;
+}
+
+/// A checkpoint whose bytes fail a check (truncated, a CRC-32 wrong, an index that does not
+/// describe its files).
+class DamagedArchive : public std::runtime_error {
+ public:
+  DamagedArchive(const std::string& path, std::string damage)
+      : std::runtime_error("checkpoint '" + path + "' is damaged: " + damage + "; nothing was loaded from it"),
+        damage_(std::move(damage)) {}
+  /// What is wrong, without the file's name.
+  const std::string& damage() const { return damage_; }
+
+ private:
+  std::string damage_;
+};
+
+/// Elements [offset, offset + data.numel()) of the flattened tensor record `record`.
+struct RecordChunk {
+  std::string record;
+  std::vector<std::int64_t> shape;  ///< the whole record's
+  std::int64_t offset = 0;
+  torch::Tensor data;  ///< 1-D, contiguous, on the host
+};
+
+/// RAII: while it lives, this thread's tensor records go to it in pieces, not to an archive
+/// (write_tensor: a whole record on the main rank, none on the others, whose archives are
+/// dropped; the storages: each rank its own slices, FlatParameters::write_local_by_name). Every
+/// rank of a run opens one around the same save, which then makes no collective of its own.
+class ShardedWrites {
+ public:
+  explicit ShardedWrites(bool main);
+  ~ShardedWrites();  // (the enclosing scope back: scopes nest)
+  ShardedWrites(const ShardedWrites&) = delete;
+  ShardedWrites& operator=(const ShardedWrites&) = delete;
+  /// The scope open on this thread, or none.
+  static ShardedWrites* active();
+  /// Whether this rank writes the records every rank holds alike.
+  bool main() const { return main_; }
+  /// A piece, already copied to the host (checkpoint_io.hpp's write_piece makes the copy).
+  void add(RecordChunk chunk) { chunks_.push_back(std::move(chunk)); }
+  std::vector<RecordChunk> take() { return std::move(chunks_); }
+
+ private:
+  bool main_;
+  std::vector<RecordChunk> chunks_;
+  ShardedWrites* outer_;
+};
+
+/// A checkpoint set's index, opened: every tensor record's dtype, shape and chunks (file, first
+/// element, byte range, CRC-32), and the files, each checked present at its recorded size. Reads
+/// byte ranges with pread; each chunk read is checked against its CRC-32 (DamagedArchive names
+/// the file).
+class ShardSource {
+ public:
+  /// Whether `path` is a set's index (a JSON object), not a single archive.
+  static bool is_index(const std::string& path);
+  /// Throws DamagedArchive naming `index` (or a file it names) when the index fails its own
+  /// CRC-32, does not parse, or names a file that is missing or of another size.
+  explicit ShardSource(std::string index);
+  ~ShardSource();
+  ShardSource(const ShardSource&) = delete;
+  ShardSource& operator=(const ShardSource&) = delete;
+
+  const std::string& index() const { return index_; }
+  /// The set's other records: a torch archive the main rank wrote.
+  const std::string& records_file() const { return records_file_; }
+  /// Ranks of the run that wrote the set.
+  std::int64_t world_size() const { return world_size_; }
+  /// Every file of the set but the index (the records file first).
+  std::vector<std::string> files() const;
+  std::vector<std::string> records() const;
+  bool has(const std::string& record) const { return records_.count(record) != 0; }
+  /// The record's shape (it must exist).
+  const std::vector<std::int64_t>& shape(const std::string& record) const { return find(record).shape; }
+  /// The whole record, on the host.
+  torch::Tensor read(const std::string& record) const;
+  /// Elements [from, from + n) of the flattened record into `out` (1-D, n elements, any device).
+  void read_range(const std::string& record, std::int64_t from, std::int64_t n, const torch::Tensor& out) const;
+  /// Reads every chunk and checks its CRC-32: "" or what is wrong, naming the file.
+  std::string verify() const;
+
+ private:
+  struct Chunk {
+    std::size_t file = 0;
+    std::int64_t offset = 0, elements = 0;
+    std::uint64_t begin = 0, end = 0;  // bytes in the file
+    std::uint32_t crc = 0;
+  };
+  struct Record {
+    c10::ScalarType dtype = c10::ScalarType::Undefined;
+    std::vector<std::int64_t> shape;
+    std::vector<Chunk> chunks;  // by offset, covering the record once
+  };
+  const Record& find(const std::string& record) const;
+  // The chunk's elements, read and checked.
+  torch::Tensor read_chunk(const std::string& record, const Record& r, const Chunk& c) const;
+
+  std::string index_, directory_, records_file_;
+  std::int64_t world_size_ = 0;
+  std::vector<std::string> files_;  // the shards, by rank
+  std::vector<int> fds_;
+  std::map<std::string, Record> records_;
+};
+
+/// RAII: while it lives, the record helpers read `archive`'s tensor records from `source`
+/// (records the set holds; the archive's own otherwise).
+class ShardReads {
+ public:
+  ShardReads(const torch::serialize::InputArchive& archive, const ShardSource& source);
+  ~ShardReads();
+  ShardReads(const ShardReads&) = delete;
+  ShardReads& operator=(const ShardReads&) = delete;
+  /// The source of `archive`'s records, or none.
+  static const ShardSource* of(const torch::serialize::InputArchive& archive);
+
+ private:
+  const torch::serialize::InputArchive* archive_;
+  const ShardSource* source_;
+  std::pair<const torch::serialize::InputArchive*, const ShardSource*> outer_;
+};
+
+/// The CRC-32 of a set's index: over the compact dump of its JSON object without the "crc32"
+/// member (a JSON object's members are sorted, so the dump is one text).
+std::uint32_t index_crc(const std::string& compact_dump);
+
+}  // namespace trainkit::detail
+
+#ifndef TRAINKIT_COMPILED_LIB
+#include <trainkit/detail/record_shards-inl.hpp>
+#endif
