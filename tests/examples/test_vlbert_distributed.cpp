@@ -73,17 +73,12 @@ void run_to_end(const std::vector<std::string>& argv, int world, const std::stri
   for (const auto& c : ranks) expect_success(c, wait_exit(c, seconds));
 }
 
-// The model's tensors of a checkpoint (Trainer::save's "model.param." / "model.buffer." records).
+// The model's tensors of a checkpoint, a file or a set (Trainer::save's "model.param." /
+// "model.buffer." records).
 std::map<std::string, torch::Tensor> model_tensors(const std::string& path) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(path);
   std::map<std::string, torch::Tensor> out;
-  for (const auto& key : archive.keys())
-    if (key.rfind("model.", 0) == 0) {
-      torch::Tensor t;
-      archive.read(key, t, /*is_buffer=*/key.rfind("model.buffer.", 0) == 0);
-      out[key] = t;
-    }
+  for (auto& [key, t] : testing::checkpoint_tensors(path))
+    if (key.rfind("model.", 0) == 0) out[key] = t;
   return out;
 }
 

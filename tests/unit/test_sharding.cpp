@@ -268,6 +268,17 @@ TEST_CASE("a checkpoint set: each rank writes its own slices, and any world size
       CHECK(equal_records(records(again, kState), saved));
     }
   }
+  SUBCASE("a damaged piece that one rank alone reads: every rank's load fails, none waits") {
+    const std::string damaged = set + ".00001-of-00002.safetensors";
+    std::string bytes = testing::read_text(damaged);
+    bytes[bytes.size() - 3] = static_cast<char>(bytes[bytes.size() - 3] ^ 0x01);  // (rank 1's last slice)
+    std::ofstream(damaged, std::ios::binary | std::ios::trunc) << bytes;
+    auto ranks = spawn_ranks(2, dir / "split", std::to_string(free_port()),
+                             with(common, {"--steps", "5", "--sharding", "2", "--load", set}));
+    for (auto& c : ranks) CHECK(wait_exit(c, 120) == 1);
+    CHECK(slurp(ranks[1].err).find("checkpoint '" + damaged + "' is damaged") != std::string::npos);
+    CHECK(slurp(ranks[0].err).find("1 other rank(s) could not load their part of it") != std::string::npos);
+  }
   SUBCASE("a flipped byte in a rank's file, or in the index, is refused, naming the file") {
     for (const std::string damaged : {set + ".00001-of-00002.safetensors", set}) {
       CAPTURE(damaged);
@@ -285,6 +296,18 @@ TEST_CASE("a checkpoint set: each rank writes its own slices, and any world size
       CHECK(err.find("checkpoint '" + damaged + "' is damaged") != std::string::npos);
       std::ofstream(damaged, std::ios::binary | std::ios::trunc) << bytes;
     }
+  }
+}
+
+TEST_CASE("a checkpoint set needs one directory that every rank shares: ranks naming different ones stop alike, "
+          "saying so") {
+  testing::TempDir dir;
+  // (--fit without --resume: each rank's own OUTPUT_PATH, dir/out/rank<r>)
+  auto ranks = spawn_ranks(2, dir / "apart", std::to_string(free_port()),
+                           {"--fit", dir / "out", "--steps", "0", "--checkpoint-format", "sharded"});
+  for (auto& c : ranks) {
+    CHECK(wait_exit(c, 120) == 1);
+    CHECK(slurp(c.err).find("the ranks name different output directories") != std::string::npos);
   }
 }
 

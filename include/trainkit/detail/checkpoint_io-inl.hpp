@@ -153,7 +153,8 @@ TRAINKIT_INLINE void write_piece(const std::string& record, c10::IntArrayRef sha
 
 TRAINKIT_INLINE void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key,
                                   const torch::Tensor& tensor) {
-  if (const auto* scope = ShardedWrites::active(); scope != nullptr && tensor.defined()) {
+  if (const auto* scope = ShardedWrites::of(archive);
+      scope != nullptr && tensor.defined() && safetensors_dtype(tensor.scalar_type()) != nullptr) {
     if (scope->main()) write_piece(key, tensor.sizes(), 0, tensor);
     return;
   }

@@ -26,12 +26,13 @@ TRAINKIT_INLINE std::string shard_path(const std::string& name, std::int64_t ran
 
 TRAINKIT_INLINE std::string records_path(const std::string& name) { return name + ".records"; }
 
-namespace sets {
-TRAINKIT_INLINE std::string hex(std::uint64_t token) {
+TRAINKIT_INLINE std::string token_text(std::uint64_t token) {
   char text[24];
   std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(token));
   return text;
 }
+
+namespace sets {
 
 TRAINKIT_INLINE std::string base_name(const std::string& path) {
   const auto slash = path.find_last_of('/');
@@ -58,11 +59,12 @@ TRAINKIT_INLINE std::optional<ShardHeader> read_header(const std::string& path, 
     ok = ::pread(fd, text.data(), n, 8) == static_cast<ssize_t>(n);
   }
   ::close(fd);
-  if (!ok) throw std::runtime_error("checkpoint shard '" + path + "' has no complete safetensors header");
-  h.header = nlohmann::json::parse(text);
+  if (!ok) return std::nullopt;  // (not a file of this save: they are renamed in whole)
+  h.header = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   h.data_begin = 8 + n;
-  const auto& meta = h.header.at("__metadata__");
-  if (meta.value("trainkit.token", std::string()) != hex(token)) return std::nullopt;  // an earlier attempt's
+  if (!h.header.is_object() || !h.header.contains("__metadata__") ||
+      h.header["__metadata__"].value("trainkit.token", std::string()) != token_text(token))
+    return std::nullopt;  // an earlier attempt's, or another file under the name
   return h;
 }
 }  // namespace sets
@@ -93,7 +95,7 @@ TRAINKIT_INLINE std::size_t write_shard(const std::string& name, std::int64_t ra
     offset += n;
   }
   header["__metadata__"] = {{"format", "pt"},
-                            {"trainkit.token", sets::hex(token)},
+                            {"trainkit.token", token_text(token)},
                             {"trainkit.rank", std::to_string(rank)},
                             {"trainkit.world_size", std::to_string(world)},
                             {"trainkit.chunks", places.dump()}};
@@ -121,6 +123,9 @@ TRAINKIT_INLINE std::size_t write_index(const std::string& name, std::int64_t wo
     std::optional<sets::ShardHeader> h;
     while (!(h = sets::read_header(path, token))) {
       if (cancel.load()) throw fail("stopped while waiting for rank " + std::to_string(r) + "'s file '" + path + "'");
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (exit_after_writes().exit_signal.load() != 0 && waited > kSetGraceAfterSignal)
+        throw fail("a second stop signal came, and rank " + std::to_string(r) + "'s file '" + path + "' is not there");
       if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_s)
         throw fail("rank " + std::to_string(r) + "'s file '" + path + "' did not appear within " +
                    std::to_string(static_cast<long long>(timeout_s)) + " s (did that rank stop, or is the directory on a file system the ranks' machines do not share?)");
@@ -155,7 +160,7 @@ TRAINKIT_INLINE std::size_t write_index(const std::string& name, std::int64_t wo
   nlohmann::json index = {{"format", "trainkit.checkpoint-set"},
                           {"version", 1},
                           {"world_size", world},
-                          {"token", sets::hex(token)},
+                          {"token", token_text(token)},
                           {"records", {{"file", sets::base_name(records)}, {"bytes", st.st_size}}},
                           {"files", files},
                           {"tensors", tensors}};
@@ -171,6 +176,9 @@ TRAINKIT_INLINE std::shared_ptr<ShardSource> open_checkpoint_file(torch::seriali
   }
   auto source = std::make_shared<ShardSource>(path);
   read_archive(archive, source->records_file());
+  c10::IValue token;
+  if (!archive.try_read("set.token", token) || !token.isString() || token.toStringRef() != source->token())
+    throw DamagedArchive(path, "its records file '" + source->records_file() + "' belongs to another save of that name");
   return source;
 }
 

@@ -27,6 +27,9 @@
 
 namespace trainkit::detail {
 
+/// A save's token as the files carry it (16 hexadecimal digits).
+std::string token_text(std::uint64_t token);
+
 /// Rank `rank`'s file of the set `name`.
 std::string shard_path(const std::string& name, std::int64_t rank, std::int64_t world);
 /// The main rank's records file of the set `name`.
@@ -43,6 +46,8 @@ std::size_t write_shard(const std::string& name, std::int64_t rank, std::int64_t
 /// without every file. Returns the set's size in bytes.
 std::size_t write_index(const std::string& name, std::int64_t world, std::uint64_t token,
                         const std::atomic<bool>& cancel, double timeout_s);
+/// (After a second stop signal, write_index waits this long for the other ranks' files.)
+inline constexpr double kSetGraceAfterSignal = 10;
 
 /// Opens the checkpoint `path` for reading into `archive`: a single archive (read_archive), or a
 /// set's index, whose records file goes into `archive` and whose tensor records the returned

@@ -28,13 +28,19 @@ TRAINKIT_INLINE std::pair<const torch::serialize::InputArchive*, const ShardSour
 }
 }  // namespace shards
 
-TRAINKIT_INLINE ShardedWrites::ShardedWrites(bool main) : main_(main), outer_(shards::current_writes()) {
+TRAINKIT_INLINE ShardedWrites::ShardedWrites(const torch::serialize::OutputArchive& archive, bool main)
+    : archive_(&archive), main_(main), outer_(shards::current_writes()) {
   shards::current_writes() = this;
 }
 
 TRAINKIT_INLINE ShardedWrites::~ShardedWrites() { shards::current_writes() = outer_; }
 
 TRAINKIT_INLINE ShardedWrites* ShardedWrites::active() { return shards::current_writes(); }
+
+TRAINKIT_INLINE ShardedWrites* ShardedWrites::of(const torch::serialize::OutputArchive& archive) {
+  auto* scope = shards::current_writes();
+  return scope != nullptr && scope->archive_ == &archive ? scope : nullptr;
+}
 
 TRAINKIT_INLINE ShardReads::ShardReads(const torch::serialize::InputArchive& archive, const ShardSource& source)
     : archive_(&archive), source_(&source), outer_(shards::current_reads()) {
@@ -82,6 +88,7 @@ TRAINKIT_INLINE ShardSource::ShardSource(std::string index) : index_(std::move(i
     if (const auto version = j.at("version").get<std::int64_t>(); version != 1)
       throw damaged("its index has version " + std::to_string(version) + ", which this trainkit does not read");
     world_size_ = j.at("world_size").get<std::int64_t>();
+    token_ = j.at("token").get<std::string>();
     const auto opened = [&](const nlohmann::json& f) {
       const std::string path = directory_ + "/" + f.at("file").get<std::string>();
       const auto bytes = f.at("bytes").get<std::uint64_t>();

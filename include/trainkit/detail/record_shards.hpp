@@ -69,18 +69,22 @@ struct RecordChunk {
   torch::Tensor data;  ///< 1-D, contiguous, on the host
 };
 
-/// RAII: while it lives, this thread's tensor records go to it in pieces, not to an archive
-/// (write_tensor: a whole record on the main rank, none on the others, whose archives are
-/// dropped; the storages: each rank its own slices, FlatParameters::write_local_by_name). Every
-/// rank of a run opens one around the same save, which then makes no collective of its own.
+/// RAII: while it lives, the tensor records of `archive` written on this thread go to it in
+/// pieces, not to the archive (write_tensor: a whole record on the main rank, none on the
+/// others, whose archives are dropped; the storages: each rank its own slices,
+/// FlatParameters::write_local_by_name). Records of other archives (a callback's nested one)
+/// and of dtypes safetensors does not hold stay in their archive. Every rank of a run opens one
+/// around the same save, which then makes no collective of its own.
 class ShardedWrites {
  public:
-  explicit ShardedWrites(bool main);
+  ShardedWrites(const torch::serialize::OutputArchive& archive, bool main);
   ~ShardedWrites();  // (the enclosing scope back: scopes nest)
   ShardedWrites(const ShardedWrites&) = delete;
   ShardedWrites& operator=(const ShardedWrites&) = delete;
   /// The scope open on this thread, or none.
   static ShardedWrites* active();
+  /// The scope open on this thread for `archive`, or none.
+  static ShardedWrites* of(const torch::serialize::OutputArchive& archive);
   /// Whether this rank writes the records every rank holds alike.
   bool main() const { return main_; }
   /// A piece, already copied to the host (checkpoint_io.hpp's write_piece makes the copy).
@@ -88,6 +92,7 @@ class ShardedWrites {
   std::vector<RecordChunk> take() { return std::move(chunks_); }
 
  private:
+  const torch::serialize::OutputArchive* archive_;
   bool main_;
   std::vector<RecordChunk> chunks_;
   ShardedWrites* outer_;
@@ -113,6 +118,8 @@ class ShardSource {
   const std::string& records_file() const { return records_file_; }
   /// Ranks of the run that wrote the set.
   std::int64_t world_size() const { return world_size_; }
+  /// The save's token: the records file and every rank's file carry it.
+  const std::string& token() const { return token_; }
   /// Every file of the set but the index (the records file first).
   std::vector<std::string> files() const;
   std::vector<std::string> records() const;
@@ -142,7 +149,7 @@ class ShardSource {
   // The chunk's elements, read and checked.
   torch::Tensor read_chunk(const std::string& record, const Record& r, const Chunk& c) const;
 
-  std::string index_, directory_, records_file_;
+  std::string index_, directory_, records_file_, token_;
   std::int64_t world_size_ = 0;
   std::vector<std::string> files_;  // the shards, by rank
   std::vector<int> fds_;

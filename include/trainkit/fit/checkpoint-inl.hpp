@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <random>
 #include <thread>
 
@@ -219,6 +220,7 @@ struct BackgroundWrite {
 
 struct StagedSet {
   std::string path;
+  std::string error;  // staging failed on this rank after the ranks agreed (the save then fails on every rank)
   std::uint64_t token = 0;
   std::int64_t rank = 0, world = 1;
   bool main = true;
@@ -251,16 +253,42 @@ TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& train
   s.rank = replicas.rank();
   s.world = replicas.world_size();
   s.main = replicas.is_main();
-  // The main rank's token for the save, and whether every rank names the same directory (a
-  // set's files meet in one), in one all-reduce.
+  const auto fail = [&](const std::string& why) { return CheckpointError("cannot write checkpoint '" + s.path + "': " + why); };
+  // The ranks agree, in two small all-reduces: on the main rank's token for the save; that they
+  // name one directory; that each sees the file the main rank has just written there (a set's
+  // files meet in a directory every rank shares).
+  const std::string probe = directory_ + "/." + prefix_ + ".set-probe";
+  std::uint64_t token = 0;
+  std::string failed_here;
+  if (s.main) {
+    token = detail::fresh_token();
+    try {
+      // A checkpoint of this name (a resume from an earlier one writes the names again) goes
+      // first, its index first: no crash may leave its index naming some of the new files.
+      remove_checkpoint(s.path);
+      detail::write_bytes_atomically(detail::token_text(token), probe);
+    } catch (const std::exception& e) {
+      failed_here = e.what();
+    }
+  }
   const auto place = static_cast<double>(std::hash<std::string>{}(directory_) & ((std::uint64_t{1} << 48) - 1));
-  std::vector<double> agreed{s.main ? static_cast<double>(detail::fresh_token()) : 0.0, place, -place};
+  std::vector<double> agreed{static_cast<double>(token), place, -place, failed_here.empty() ? 0.0 : 1.0};
   replicas.all_reduce(agreed, Reduce::max);
-  s.token = static_cast<std::uint64_t>(agreed[0]);
+  if (!failed_here.empty()) throw fail(failed_here);
+  if (agreed[3] > 0) throw fail("the main rank could not write into '" + directory_ + "' (it says why)");
   if (agreed[1] != -agreed[2])
-    throw CheckpointError("cannot write checkpoint '" + s.path + "': the ranks name different output directories (this "
-                          "rank's is '" + directory_ + "'); a checkpoint set's files meet in one directory that every "
-                          "rank shares: give every rank the same OUTPUT_PATH, or TRAIN.CHECKPOINT_FORMAT: single");
+    throw fail("the ranks name different output directories (this rank's is '" + directory_ + "'); a checkpoint "
+               "set's files meet in one directory that every rank shares: give every rank the same OUTPUT_PATH, or "
+               "set TRAIN.CHECKPOINT_FORMAT: single");
+  s.token = static_cast<std::uint64_t>(agreed[0]);
+  std::vector<double> blind{sees_probe(probe, s.token) ? 0.0 : 1.0};
+  replicas.all_reduce(blind, Reduce::sum);
+  if (s.main) ::unlink(probe.c_str());
+  if (blind[0] > 0)
+    throw fail(std::to_string(static_cast<long long>(blind[0])) + " rank(s) do not see the files the main rank writes in '" +
+               directory_ + "': a checkpoint set needs a directory every rank shares (one machine, or a shared file "
+               "system); set TRAIN.CHECKPOINT_FORMAT: single to have the main rank write one file");
+  // From here on a failure is this rank's alone: kept, and agreed on by the caller.
   try {
     auto archive = std::make_unique<torch::serialize::OutputArchive>();
     bool copied = true;
@@ -268,9 +296,13 @@ TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& train
       std::optional<detail::StagedWrites> staged;
       if (copies) staged.emplace();
       {
-        detail::ShardedWrites pieces(s.main);
-        if (s.main) fill(*archive, trainer, state, s.path, callbacks);
-        else trainer.save(*archive);  // (this rank's pieces; its other records are the main rank's)
+        detail::ShardedWrites pieces(*archive, s.main);
+        if (s.main) {
+          fill(*archive, trainer, state, s.path, callbacks);
+          detail::write_value(*archive, "set.token", detail::token_text(s.token));
+        } else {
+          trainer.save(*archive);  // (this rank's pieces; its other records are the main rank's)
+        }
         s.chunks = pieces.take();
       }
       if (staged) {
@@ -284,47 +316,73 @@ TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& train
       else s.records.bytes_ = detail::archive_bytes(*archive);
     }
   } catch (const std::exception& e) {
-    throw CheckpointError("cannot write checkpoint '" + s.path + "': " + e.what());
+    s.error = "cannot write checkpoint '" + s.path + "': " + e.what();
   }
   return s;
+}
+
+TRAINKIT_INLINE bool CheckpointManager::sees_probe(const std::string& probe, std::uint64_t token) {
+  std::ifstream in(probe, std::ios::binary);
+  std::string text;
+  std::getline(in, text);
+  return text == detail::token_text(token);
 }
 
 TRAINKIT_INLINE std::string CheckpointManager::save_set(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                                                         const std::vector<CallbackState>& callbacks) {
   auto s = stage_set(trainer, state, epoch_end, callbacks, /*copies=*/false);
-  std::string error;
-  try {
-    s.write();
-  } catch (const std::exception& e) {
-    error = e.what();
+  std::string error = s.error;
+  if (error.empty()) {
+    try {
+      s.write();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
-  // Every rank learns whether every file is in place: no rank reports a checkpoint that will
-  // never exist.
+  // Every rank learns whether every file is in place, and then whether the index is: no rank
+  // reports a checkpoint that does not exist, none waits for one that will not.
   std::vector<double> failed{error.empty() ? 0.0 : 1.0};
   trainer.replicas().all_reduce(failed, Reduce::sum);
   if (!error.empty()) throw CheckpointError(error);
   if (failed[0] > 0)
     throw CheckpointError("cannot write checkpoint '" + s.path + "': " + std::to_string(static_cast<long long>(failed[0])) +
                           " other rank(s) could not write their files (each says why); the previous checkpoints are intact");
-  if (!s.main) return s.path;
-  try {
-    const std::atomic<bool> never{false};
-    detail::write_index(s.path, s.world, s.token, never, set_timeout_s_);
-  } catch (const std::exception& e) {
-    throw CheckpointError(e.what());
+  if (s.main) {
+    try {
+      const std::atomic<bool> never{false};
+      // (every file was renamed in before the all-reduce: a short wait is for the file system)
+      detail::write_index(s.path, s.world, s.token, never, std::min(set_timeout_s_, 60.0));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
   }
-  prune(state.best_path, s.path);
+  std::vector<double> indexed{error.empty() ? 0.0 : 1.0};
+  trainer.replicas().all_reduce(indexed, Reduce::max);
+  if (!error.empty()) throw CheckpointError(error);
+  if (indexed[0] > 0)
+    throw CheckpointError("cannot write checkpoint '" + s.path + "': the main rank could not write its index (it says "
+                          "why); the previous checkpoints are intact");
+  if (s.main) prune(state.best_path, s.path);
   return s.path;
 }
 
 TRAINKIT_INLINE std::string CheckpointManager::save_set_in_background(AnyTrainer& trainer, const LoopState& state,
                                                                       bool epoch_end,
                                                                       const std::vector<CallbackState>& callbacks) {
-  auto staged = std::make_shared<detail::StagedSet>(stage_set(trainer, state, epoch_end, callbacks, /*copies=*/true));
+  // Counted from before the copy: a second stop signal now waits for this rank's file.
+  auto& writes = detail::exit_after_writes();
+  writes.writing.fetch_add(1);
+  std::shared_ptr<detail::StagedSet> staged;
+  try {
+    staged = std::make_shared<detail::StagedSet>(stage_set(trainer, state, epoch_end, callbacks, /*copies=*/true));
+    if (!staged->error.empty()) throw CheckpointError(staged->error);
+  } catch (...) {
+    writes.writing.fetch_sub(1);
+    throw;
+  }
   auto job = std::make_unique<detail::BackgroundWrite>();
   job->written = {staged->path, 0, 0.0};
   detail::BackgroundWrite* j = job.get();
-  detail::exit_after_writes().writing.fetch_add(1);
   job->thread = std::thread([this, j, staged, best = state.best_path] {
     const auto t0 = std::chrono::steady_clock::now();
     try {
@@ -424,7 +482,11 @@ TRAINKIT_INLINE std::optional<CheckpointManager::Written> CheckpointManager::wai
 
 TRAINKIT_INLINE CheckpointManager::~CheckpointManager() {
   if (!background_) return;
-  background_->cancel.store(true);  // (a set's other ranks may be gone)
+  // A set's other ranks may be gone: their files are waited for a while (a set is complete
+  // when they are alive and a moment behind), then no longer.
+  for (int i = 0; i < 3000 && !background_->done.load(std::memory_order_acquire); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  background_->cancel.store(true);
   try {
     join_background();
   } catch (const std::exception& e) {
@@ -450,8 +512,7 @@ TRAINKIT_INLINE void CheckpointManager::prune(const std::string& best_path, cons
     const std::string set = set_of(e->d_name);
     CheckpointFile f;
     if (set.empty() || !parse_name(set, f) || last.resume_at() < f.resume_at()) continue;
-    struct stat st {};
-    if (::stat((directory_ + "/" + set).c_str(), &st) != 0) orphans.push_back(directory_ + "/" + e->d_name);
+    if (!detail::ShardSource::is_index(directory_ + "/" + set)) orphans.push_back(directory_ + "/" + e->d_name);
   }
   ::closedir(dir);
   for (const auto& p : orphans) ::unlink(p.c_str());

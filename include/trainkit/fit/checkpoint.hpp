@@ -337,6 +337,8 @@ class CheckpointManager {
                        const std::vector<CallbackState>& callbacks);
   std::string save_set_in_background(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                                      const std::vector<CallbackState>& callbacks);
+  // Whether the probe file holds `token` (the ranks' shared-directory check).
+  static bool sees_probe(const std::string& probe, std::uint64_t token);
   // Deletes a checkpoint: a file, or a set (its index first).
   void remove_checkpoint(const std::string& path) const;
   // The set-member file `name` ("<checkpoint>.records", "<checkpoint>.<r>-of-<w>.safetensors"):

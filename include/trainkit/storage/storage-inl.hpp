@@ -237,11 +237,13 @@ TRAINKIT_INLINE void FlatParameters::write_by_name(torch::serialize::OutputArchi
 
 TRAINKIT_INLINE void FlatParameters::write_local_by_name(torch::serialize::OutputArchive& archive,
                                                          const std::string& prefix, const torch::Tensor& local) const {
-  if (ShardedWrites::active() != nullptr && partition_.sharded()) {
-    for (const auto& e : placed_)
+  if (const auto* set = ShardedWrites::of(archive); set != nullptr && partition_.sharded()) {
+    for (const auto& e : placed_) {
       for_each_piece(e, [&](std::int64_t at, std::int64_t from, std::int64_t n) {
         write_piece(prefix + e.name, e.param.sizes(), from, local.narrow(0, at, n));
       });
+      if (e.param.numel() == 0 && set->main()) write_piece(prefix + e.name, e.param.sizes(), 0, local.narrow(0, 0, 0));
+    }
     return;
   }
   const auto global = global_of(local);
@@ -444,13 +446,16 @@ TRAINKIT_INLINE void FlatStorage::load_window(torch::serialize::InputArchive& ar
 
 TRAINKIT_INLINE void FlatStorage::save_parameters(torch::serialize::OutputArchive& archive,
                                                   torch::nn::Module& module) const {
-  if (detail::ShardedWrites::active() != nullptr && sharded()) {
+  if (const auto* set = detail::ShardedWrites::of(archive); set != nullptr && sharded()) {
     // Every rank holds the parameters; each writes the parts its slices cover (a set's files
-    // then split the model over the ranks), the main rank the frozen ones.
-    for (const auto& e : placed_)
+    // then split the model over the ranks), the main rank the frozen ones (and the empty ones,
+    // which no slice covers).
+    for (const auto& e : placed_) {
       for_each_piece(e, [&](std::int64_t, std::int64_t from, std::int64_t n) {
         detail::write_piece("model.param." + e.name, e.param.sizes(), from, params_.narrow(0, e.offset + from, n));
       });
+      if (e.param.numel() == 0 && set->main()) detail::write_piece("model.param." + e.name, e.param.sizes(), 0, e.param);
+    }
     for (const auto& p : module.named_parameters(true))
       if (!p.value().requires_grad()) detail::write_tensor(archive, "model.param." + p.key(), p.value());
     return;

@@ -419,8 +419,21 @@ class Trainer final : public detail::TrainerCore {
   /// load(path) and the checkpoint manager put the previous state back.
   void load(torch::serialize::InputArchive& archive, const std::string& source) override {
     check_checkpoint(archive, source);
-    read_state(archive, "checkpoint '" + source + "': ", /*snapshot=*/false);
-    // Data parallel: every rank loads the whole checkpoint; check that they loaded the same.
+    std::exception_ptr failure;
+    try {
+      read_state(archive, "checkpoint '" + source + "': ", /*snapshot=*/false);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    // Data parallel: a rank that could not read its part (a damaged piece of a set, which that
+    // rank alone reads) fails every rank's load alike, before the collective below.
+    std::vector<double> failed{failure ? 1.0 : 0.0};
+    replicas_->all_reduce(failed, Reduce::sum);
+    if (failure) std::rethrow_exception(failure);
+    if (failed[0] > 0)
+      throw std::runtime_error("checkpoint '" + source + "': " + std::to_string(static_cast<long long>(failed[0])) +
+                               " other rank(s) could not load their part of it (each says why); nothing was loaded");
+    // Every rank loads the whole state it holds; check that they loaded the same.
     replicas_->check_same_state({storage_.replicated_state(), applied_, skipped_, precision_.scale(),
                                  detail::host_counters(windows_, accumulation_.position())},
                                 "checkpoint '" + source + "': the ranks loaded different training states");
