@@ -28,8 +28,9 @@
 // background: the copy of the state); "written" the time from save() until the checkpoint is
 // complete on disk (rank 0: the file, or the set's index); "window during" the median window
 // while the write is in flight, against "window" alone; "peak" the process's high-water mark
-// while saving above its resident memory before (VmHWM after clear_refs), rank 0 and the
-// largest of the other ranks; "files" the checkpoint's bytes on disk. Medians of --repeat.
+// while saving above its resident memory before (VmHWM after clear_refs; in the background,
+// where windows run during the write, less the windows' own peak alone), rank 0 and the largest
+// of the other ranks; "files" the checkpoint's bytes on disk. Medians of --repeat.
 //
 // Per rank: "held" is the bytes of every tensor the trainer holds between optimizer steps (the
 // model's parameters and gradients, the masters, the optimizer's state, the reduced slices;
@@ -111,18 +112,23 @@ double median_of(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// The checkpoint table's figures of one rank: one save after the windows of `alone`, then
-// `s.windows` windows while it is written (every rank runs as many: they are collectives).
+// The checkpoint table's figures of one rank: `s.windows` windows alone, one save, then as many
+// while it is written (every rank runs as many: they are collectives).
 template <class Trainer, class Window>
-int checkpoint_child(const Settings& s, tk::ProcessGroup& group, Trainer& trainer, Window&& window,
-                     const std::vector<double>& alone) {
+int checkpoint_child(const Settings& s, tk::ProcessGroup& group, Trainer& trainer, Window&& window) {
   tk::CheckpointManager checkpoints(s.out + ".ckpt", "bench", 1);
   checkpoints.set_format(s.format == "sharded" ? tk::CheckpointFormat::sharded : tk::CheckpointFormat::single);
   checkpoints.create_directory();
   tk::LoopState state;
   state.position = {1, 0};
   const bool saves = group.is_main() || checkpoints.writes_set(trainer);
-  const std::int64_t before = status_bytes("VmRSS:");
+  // The windows' own peak, without a save, to set the save's against.
+  std::int64_t before = status_bytes("VmRSS:");
+  std::ofstream("/proc/self/clear_refs") << "5";
+  std::vector<double> plain;
+  for (std::int64_t w = 0; w < s.windows; ++w) plain.push_back(window());
+  const double windows_peak = static_cast<double>(status_bytes("VmHWM:") - before) / 1e6;
+  before = status_bytes("VmRSS:");
   std::ofstream("/proc/self/clear_refs") << "5";
   const auto start = std::chrono::steady_clock::now();
   const auto since = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count(); };
@@ -136,6 +142,9 @@ int checkpoint_child(const Settings& s, tk::ProcessGroup& group, Trainer& traine
   }
   const double pause = since();
   double written = s.background ? -1 : pause;
+  // Blocking: the save's own peak. In the background: the peak while it is written, windows
+  // included (less the windows' own peak alone).
+  double peak = s.background ? -1 : static_cast<double>(status_bytes("VmHWM:") - before) / 1e6;
   std::vector<double> during;
   for (std::int64_t w = 0; w < s.windows; ++w) {
     const double ms = window();
@@ -146,7 +155,7 @@ int checkpoint_child(const Settings& s, tk::ProcessGroup& group, Trainer& traine
     checkpoints.wait_background();
     written = since();
   }
-  const double peak = static_cast<double>(status_bytes("VmHWM:") - before) / 1e6;
+  if (peak < 0) peak = std::max(0.0, static_cast<double>(status_bytes("VmHWM:") - before) / 1e6 - windows_peak);
   double bytes = 0;
   if (group.is_main()) {
     const std::string name = checkpoints.epoch_path(0);
@@ -158,8 +167,8 @@ int checkpoint_child(const Settings& s, tk::ProcessGroup& group, Trainer& traine
     }
   }
   std::ofstream(s.out + ".rank" + std::to_string(group.rank()))
-      << pause << " " << written << " " << median_of(during) << " " << median_of({alone.begin() + 1, alone.end()}) << " "
-      << peak << " " << bytes << "\n";
+      << pause << " " << written << " " << median_of(during) << " " << median_of(plain) << " " << peak << " " << bytes
+      << "\n";
   return 0;
 }
 
@@ -196,7 +205,7 @@ int child(const Settings& s) {
       const auto start = std::chrono::steady_clock::now();
       for (std::int64_t m = 0; m < s.accumulate; ++m) trainer.micro_step([&] { return model->forward(x).square().mean(); });
       return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    }, ms);
+    });
   std::vector<torch::Tensor> held;
   for (const auto& p : model->parameters()) held.insert(held.end(), {p, p.grad()});
   held.push_back(trainer.parameters());

@@ -148,7 +148,10 @@ TRAINKIT_INLINE void write_piece(const std::string& record, c10::IntArrayRef sha
                                  const torch::Tensor& piece) {
   auto* scope = ShardedWrites::active();
   TORCH_CHECK(scope != nullptr, "write_piece outside a ShardedWrites scope");
-  scope->add({record, shape.vec(), offset, host_copy(piece.reshape({-1}))});
+  // Staged (a background write), a copy; blocking, a CPU piece as it is (written before the state
+  // changes), a device piece copied to the host.
+  const auto flat = piece.detach().reshape({-1});
+  scope->add({record, shape.vec(), offset, StagedWrites::active() || !flat.is_cpu() ? host_copy(flat) : flat.contiguous()});
 }
 
 TRAINKIT_INLINE void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key,

@@ -68,8 +68,9 @@ std::runtime_error missing_record(const std::string& key);
 /// pieces on the main rank (whole), and nowhere on the others.
 void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key, const torch::Tensor& tensor);
 /// Inside a ShardedWrites scope: elements [offset, offset + piece.numel()) of the flattened
-/// record `record` of shape `shape`, from `piece` (1-D), copied to the host (inside a
-/// StagedWrites scope asynchronously from a device, waited for by its wait()).
+/// record `record` of shape `shape`, from `piece`: inside a StagedWrites scope a copy
+/// (asynchronous from a device, waited for by its wait()); outside one a CPU piece itself (the
+/// set is written before the state changes), a device piece copied to the host.
 void write_piece(const std::string& record, c10::IntArrayRef shape, std::int64_t offset, const torch::Tensor& piece);
 
 /// Background checkpoint writes in flight, and a second stop signal's wish to exit: the signal
