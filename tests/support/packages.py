@@ -1,6 +1,6 @@
 """Python packages a test reads with: imported, or installed into this interpreter's environment
 (the torch venv, .venv/, where scripts/setup installs them) when missing. A failed install fails
-the test, saying why."""
+the test, saying why. And the two helpers every such test uses: fail() and run()."""
 import importlib
 import subprocess
 import sys
@@ -17,3 +17,17 @@ def import_or_install(module, package):
             print("FAIL: pip install %s failed (status %d): cannot check the files" % (package, status))
             sys.exit(1)
         return importlib.import_module(module)
+
+
+def fail(message):
+    """Ends the test as failed, saying why."""
+    print("FAIL: " + message)
+    sys.exit(1)
+
+
+def run(args, expect=0):
+    """Runs a program; fails the test when its exit status is not `expect`. Returns its output."""
+    p = subprocess.run(args, capture_output=True, text=True)
+    if p.returncode != expect:
+        fail("%s exited %d (expected %d):\n%s%s" % (" ".join(args), p.returncode, expect, p.stdout, p.stderr))
+    return p.stdout + p.stderr

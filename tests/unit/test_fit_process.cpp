@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <csignal>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -295,6 +296,33 @@ TEST_CASE("RESUME without a checkpoint is an error; a damaged newest checkpoint 
   CHECK(final_hash(resumed.out) == final_hash(ref.out));
 }
 
+TEST_CASE("a checkpoint set whose newest piece is damaged: found as it is read, and the run resumes from the previous "
+          "one exactly") {
+  const Finished& ref = reference().run;
+  REQUIRE(ref.status == 0);
+  TempDir dir, logs;
+  const std::vector<std::string> set{"--set", "TRAIN.CHECKPOINT_FORMAT=sharded"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), set.begin(), set.end());
+    return more;
+  };
+  const Finished stopped = run(arguments(dir.path, with({"--raise", "6:0"})), logs.path);
+  REQUIRE(stopped.status == 0);
+  const std::string newest = dir / "model-0006-000002.ckpt", piece = newest + ".00000-of-00001.safetensors";
+  REQUIRE(tk::detail::ShardSource::is_index(newest));
+  std::string bytes = read_file(piece);
+  std::uint64_t header = 0;
+  std::memcpy(&header, bytes.data(), 8);
+  bytes[8 + header + 2] = static_cast<char>(bytes[8 + header + 2] ^ 0x01);  // (a parameter's first piece)
+  std::ofstream(piece, std::ios::binary | std::ios::trunc) << bytes;
+  const Finished resumed = run(arguments(dir.path, with({})), logs.path);
+  CAPTURE(resumed.err);
+  CHECK(resumed.status == 0);
+  CHECK(resumed.err.find("skipping checkpoint '" + newest + "': checkpoint '" + piece + "' is damaged") != std::string::npos);
+  CHECK(resumed.err.find("resumed from '" + dir / "model-0005.ckpt'") != std::string::npos);
+  CHECK(final_hash(resumed.out) == final_hash(ref.out));
+}
+
 
 namespace {
 
@@ -303,7 +331,9 @@ std::vector<std::string> temporaries(const std::string& dir) {
   std::vector<std::string> out;
   if (DIR* d = ::opendir(dir.c_str())) {
     while (auto* e = ::readdir(d))
-      if (std::string(e->d_name).find(".ckpt.tmp.") != std::string::npos) out.push_back(e->d_name);
+      // ("<name>.ckpt.tmp.<pid>", and a set's "<name>.ckpt.<file>.tmp.<pid>")
+      if (std::string(e->d_name).find(".ckpt") != std::string::npos && std::string(e->d_name).find(".tmp.") != std::string::npos)
+        out.push_back(e->d_name);
     ::closedir(d);
   }
   return out;
@@ -334,8 +364,14 @@ TEST_CASE("SIGKILL while a checkpoint is written in the background, at 10 instan
   // on the loop's writer thread (TRAIN.CHECKPOINT_BACKGROUND, on by default) while training goes
   // on. Each run is killed while its writer writes a checkpoint (a complete one there), at
   // i / 10 of the writer's time measured in the uninterrupted run (its text log says it), and
-  // the next run resumes from the newest complete one.
-  const std::vector<std::string> big = {"--hidden", "150000", "--set", "TRAIN.END_EPOCH=14"};
+  // the next run resumes from the newest complete one. One file, and a set (its file, its
+  // records, its index last).
+  std::string format;
+  SUBCASE("one file") { format = "single"; }
+  SUBCASE("a set") { format = "sharded"; }
+  CAPTURE(format);
+  const std::vector<std::string> big = {"--hidden", "150000", "--set", "TRAIN.END_EPOCH=14", "--set",
+                                        "TRAIN.CHECKPOINT_FORMAT=" + format};
   TempDir ref_dir, ref_logs;
   const Finished ref = run(arguments(ref_dir.path, big), ref_logs.path);
   REQUIRE(ref.status == 0);
@@ -375,6 +411,22 @@ TEST_CASE("SIGKILL while a checkpoint is written in the background, at 10 instan
   CHECK(final_hash(last.out) == final_hash(ref.out));
   check_checkpoints(dir.path);
   CHECK(temporaries(dir.path).empty());  // the killed runs' temporaries removed by the retention
+  // A set's files all belong to a set whose index is there (a killed run's half-written set was
+  // written again, or removed).
+  if (DIR* d = ::opendir(dir.path.c_str())) {
+    int members = 0;
+    while (auto* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      const auto at = name.find(".ckpt.");
+      if (at == std::string::npos) continue;
+      CAPTURE(name);
+      CHECK(tk::detail::ShardSource::is_index(dir / name.substr(0, at + 5)));
+      ++members;
+    }
+    ::closedir(d);
+    // (a file and the records for each set kept)
+    CHECK(members == (format == "sharded" ? 2 * static_cast<int>(tk::CheckpointManager(dir.path).list().size()) : 0));
+  }
 }
 
 }  // namespace test_fit_process

@@ -19,19 +19,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
-from packages import import_or_install  # noqa: E402
-
-
-def fail(message):
-    print("FAIL: " + message)
-    sys.exit(1)
-
-
-def run(args, expect=0):
-    p = subprocess.run(args, capture_output=True, text=True)
-    if p.returncode != expect:
-        fail("%s exited %d (expected %d):\n%s%s" % (" ".join(args), p.returncode, expect, p.stdout, p.stderr))
-    return p.stdout + p.stderr
+from packages import fail, import_or_install, run  # noqa: E402
 
 
 def free_port():

@@ -380,17 +380,26 @@ TRAINKIT_INLINE std::string CheckpointManager::save_set_in_background(AnyTrainer
     writes.writing.fetch_sub(1);
     throw;
   }
+  start_background(staged->path, [this, staged, best = state.best_path](const std::atomic<bool>& cancel) {
+    std::size_t bytes = staged->write();
+    if (staged->main) {
+      bytes = detail::write_index(staged->path, staged->world, staged->token, cancel, set_timeout_s_);
+      prune(best, staged->path);
+    }
+    return bytes;
+  });
+  return staged->path;
+}
+
+TRAINKIT_INLINE void CheckpointManager::start_background(const std::string& path,
+                                                         std::function<std::size_t(const std::atomic<bool>&)> write) {
   auto job = std::make_unique<detail::BackgroundWrite>();
-  job->written = {staged->path, 0, 0.0};
+  job->written = {path, 0, 0.0};
   detail::BackgroundWrite* j = job.get();
-  job->thread = std::thread([this, j, staged, best = state.best_path] {
+  job->thread = std::thread([j, write = std::move(write)] {
     const auto t0 = std::chrono::steady_clock::now();
     try {
-      j->written.bytes = staged->write();
-      if (staged->main) {
-        j->written.bytes = detail::write_index(staged->path, staged->world, staged->token, j->cancel, set_timeout_s_);
-        prune(best, staged->path);
-      }
+      j->written.bytes = write(j->cancel);
     } catch (const std::exception& e) {
       j->error = e.what();
     } catch (...) {
@@ -403,7 +412,6 @@ TRAINKIT_INLINE std::string CheckpointManager::save_set_in_background(AnyTrainer
       if (const int sig = writes.exit_signal.load(); sig != 0) ::_exit(128 + sig);  // (a second signal came)
   });
   background_ = std::move(job);
-  return staged->path;
 }
 
 TRAINKIT_INLINE std::string CheckpointManager::save_in_background(AnyTrainer& trainer, const LoopState& state,
@@ -412,29 +420,13 @@ TRAINKIT_INLINE std::string CheckpointManager::save_in_background(AnyTrainer& tr
   wait_background();
   if (writes_set(trainer)) return save_set_in_background(trainer, state, epoch_end, callbacks);
   auto staged = std::make_shared<Staged>(stage(trainer, state, epoch_end, callbacks));
-  const std::string path = staged->path();
-  auto job = std::make_unique<detail::BackgroundWrite>();
-  job->written = {staged->path(), 0, 0.0};
-  detail::BackgroundWrite* j = job.get();
   detail::exit_after_writes().writing.fetch_add(1);  // (before the thread: a second signal waits for it)
-  job->thread = std::thread([this, j, staged, best = state.best_path] {
-    const auto t0 = std::chrono::steady_clock::now();
-    try {
-      j->written.bytes = staged->write();
-      prune(best, staged->path());
-    } catch (const std::exception& e) {
-      j->error = e.what();
-    } catch (...) {
-      j->error = "cannot write checkpoint '" + j->written.path + "': an unknown error";
-    }
-    j->written.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    j->done.store(true, std::memory_order_release);
-    auto& writes = detail::exit_after_writes();
-    if (writes.writing.fetch_sub(1) == 1)
-      if (const int sig = writes.exit_signal.load(); sig != 0) ::_exit(128 + sig);  // (a second signal came)
+  start_background(staged->path(), [this, staged, best = state.best_path](const std::atomic<bool>&) {
+    const std::size_t bytes = staged->write();
+    prune(best, staged->path());
+    return bytes;
   });
-  background_ = std::move(job);
-  return path;
+  return staged->path();
 }
 
 TRAINKIT_INLINE CheckpointManager::Staged CheckpointManager::stage(const AnyTrainer& trainer, const LoopState& state,
@@ -559,17 +551,27 @@ TRAINKIT_INLINE CheckpointManager::Opened CheckpointManager::open(const std::str
   return o;
 }
 
-TRAINKIT_INLINE std::optional<CheckpointManager::Opened> CheckpointManager::open_newest(std::ostream& report) const {
+TRAINKIT_INLINE std::optional<CheckpointManager::Opened> CheckpointManager::open_newest(std::ostream& report,
+                                                                                     const std::string& before) const {
   const auto files = list();
-  for (auto it = files.rbegin(); it != files.rend(); ++it) {
+  auto it = files.rbegin();
+  if (!before.empty()) {
+    while (it != files.rend() && it->path != before) ++it;
+    if (it != files.rend()) ++it;
+  }
+  for (; it != files.rend(); ++it) {
     Opened o{it->path, {}, {}, {}};
-    if (const std::string why = open_checkpoint(o.archive, it->path, &o.shards); !why.empty()) {
-      report << "trainkit: skipping checkpoint '" << it->path << "': " << why;
-      report << (std::next(it) != files.rend() ? "; trying the previous one\n" : "; no older checkpoint\n");
-      continue;
+    std::string why = open_checkpoint(o.archive, it->path, &o.shards);
+    if (why.empty()) {
+      try {
+        o.state = read_state(o);
+        return o;
+      } catch (const detail::DamagedArchive& e) {
+        why = e.damage();
+      }
     }
-    o.state = read_state(o);
-    return o;
+    report << "trainkit: skipping checkpoint '" << it->path << "': " << why;
+    report << (std::next(it) != files.rend() ? "; trying the previous one\n" : "; no older checkpoint\n");
   }
   return std::nullopt;
 }
@@ -604,10 +606,16 @@ TRAINKIT_INLINE CheckpointManager::Loaded CheckpointManager::load(AnyTrainer& tr
 
 TRAINKIT_INLINE std::optional<CheckpointManager::Loaded> CheckpointManager::resume_newest(AnyTrainer& trainer,
                                                                        std::ostream& report) const {
-  auto o = open_newest(report);
-  if (!o) return std::nullopt;
-  restore(*o, trainer);
-  return Loaded{o->path, std::move(o->state)};
+  for (auto o = open_newest(report); o; o = open_newest(report, o->path)) {
+    try {
+      restore(*o, trainer);
+    } catch (const detail::DamagedArchive& e) {
+      report << "trainkit: skipping checkpoint '" << o->path << "': " << detail::first_line_of(e) << "; trying the previous one\n";
+      continue;
+    }
+    return Loaded{o->path, std::move(o->state)};
+  }
+  return std::nullopt;
 }
 
 TRAINKIT_INLINE bool CheckpointManager::is_complete(const std::string& path, std::string* why) {

@@ -45,6 +45,7 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdint>
@@ -276,9 +277,10 @@ class CheckpointManager {
   };
   /// Opens `path`. Throws when the file is damaged or is not a fit checkpoint.
   Opened open(const std::string& path) const;
-  /// Opens the newest complete checkpoint; std::nullopt when there is none. Damaged files are
-  /// reported on `report` (stderr by default) and skipped.
-  std::optional<Opened> open_newest(std::ostream& report = std::cerr) const;
+  /// Opens the newest complete checkpoint (older than the checkpoint `before`, when given: one
+  /// that failed to load); std::nullopt when there is none. Damaged files are reported on
+  /// `report` (stderr by default) and skipped.
+  std::optional<Opened> open_newest(std::ostream& report = std::cerr, const std::string& before = {}) const;
   /// Loads an opened checkpoint into `trainer` (a failure puts its previous state back and
   /// throws, naming the file), then into each callback. Returns the names of the callbacks
   /// the checkpoint has no state for (written without them): they are not loaded.
@@ -292,7 +294,9 @@ class CheckpointManager {
   };
   /// open() and restore() in one: `path` into `trainer`.
   Loaded load(AnyTrainer& trainer, const std::string& path) const;
-  /// open_newest() and restore() in one; std::nullopt when there is no complete checkpoint.
+  /// open_newest() and restore() in one; std::nullopt when there is no complete checkpoint. A
+  /// checkpoint whose restore finds damage (a set's piece, checked as it is read) is reported and
+  /// the previous one tried.
   std::optional<Loaded> resume_newest(AnyTrainer& trainer, std::ostream& report = std::cerr) const;
 
   /// Whether `path` is a complete, undamaged checkpoint written by this manager (every record
@@ -339,6 +343,9 @@ class CheckpointManager {
                                      const std::vector<CallbackState>& callbacks);
   // Whether the probe file holds `token` (the ranks' shared-directory check).
   static bool sees_probe(const std::string& probe, std::uint64_t token);
+  // `write` (the bytes written; `cancel`: stop waiting for other ranks) on a thread of its own,
+  // as the background write of `path`; the caller has counted it in exit_after_writes().
+  void start_background(const std::string& path, std::function<std::size_t(const std::atomic<bool>&)> write);
   // Deletes a checkpoint: a file, or a set (its index first).
   void remove_checkpoint(const std::string& path) const;
   // The set-member file `name` ("<checkpoint>.records", "<checkpoint>.<r>-of-<w>.safetensors"):

@@ -316,7 +316,8 @@ class FitLoop {
     const FitPosition begin{options_.begin_epoch(), 0};
     if (!options_.resume() && !options_.auto_resume()) return begin;
     std::optional<CheckpointManager::Opened> opened;
-    if (options_.resume() && options_.begin_epoch() > 0) {
+    const bool named = options_.resume() && options_.begin_epoch() > 0;
+    if (named) {
       opened = checkpoints_.open(checkpoints_.epoch_path(options_.begin_epoch() - 1));
     } else {
       opened = checkpoints_.open_newest();
@@ -324,11 +325,27 @@ class FitLoop {
         throw std::runtime_error("TRAIN.RESUME: no complete checkpoint '" + options_.prefix() + "-*.ckpt' in '" +
                                  options_.output_path() + "' to resume from");
     }
+    std::vector<std::string> without;  // callbacks the checkpoint has no state for
+    while (opened) {
+      check_resume_changes(opened->state.config_json, opened->path);  // before anything changes
+      check_world_size(opened->state, opened->path);
+      try {
+        without = checkpoints_.restore(*opened, trainer_, callbacks_.state);
+        break;
+      } catch (const detail::DamagedArchive& e) {
+        // Damage found as the state was read (a set's piece; every rank learns it in the load):
+        // the trainer is as it was, and every rank goes back to the previous checkpoint alike.
+        if (named) throw;
+        say("trainkit: skipping checkpoint '" + opened->path + "': " + detail::first_line_of(e) + "; trying the previous one");
+        opened = checkpoints_.open_newest(std::cerr, opened->path);
+      }
+    }
+    if (!opened && options_.resume())
+      throw std::runtime_error("TRAIN.RESUME: no checkpoint in '" + options_.output_path() + "' loads (each damaged one "
+                               "is said above)");
     if (!opened) return begin;
     const LoopState& saved = opened->state;
-    check_resume_changes(saved.config_json, opened->path);  // before anything changes
-    check_world_size(saved, opened->path);
-    for (const auto& name : checkpoints_.restore(*opened, trainer_, callbacks_.state))
+    for (const auto& name : without)
       say("trainkit: the checkpoint has no state for the callback '" + name + "' (written without it): it starts afresh");
     if (terms() && trainer_.window_position() > 0 && !trainer_.window_has_terms())
       throw std::runtime_error("fit: '" + opened->path + "' was written inside a window (PARTIAL_WINDOW: span) whose loss "

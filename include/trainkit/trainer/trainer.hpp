@@ -420,19 +420,26 @@ class Trainer final : public detail::TrainerCore {
   void load(torch::serialize::InputArchive& archive, const std::string& source) override {
     check_checkpoint(archive, source);
     std::exception_ptr failure;
+    bool damaged = false;
     try {
       read_state(archive, "checkpoint '" + source + "': ", /*snapshot=*/false);
+    } catch (const detail::DamagedArchive&) {
+      failure = std::current_exception();
+      damaged = true;
     } catch (...) {
       failure = std::current_exception();
     }
     // Data parallel: a rank that could not read its part (a damaged piece of a set, which that
-    // rank alone reads) fails every rank's load alike, before the collective below.
-    std::vector<double> failed{failure ? 1.0 : 0.0};
+    // rank alone reads) fails every rank's load alike, before the collective below; damage as
+    // damage, so that every rank can go back to an older checkpoint together.
+    std::vector<double> failed{damaged ? 1.0 : 0.0, failure && !damaged ? 1.0 : 0.0};
     replicas_->all_reduce(failed, Reduce::sum);
     if (failure) std::rethrow_exception(failure);
-    if (failed[0] > 0)
-      throw std::runtime_error("checkpoint '" + source + "': " + std::to_string(static_cast<long long>(failed[0])) +
-                               " other rank(s) could not load their part of it (each says why); nothing was loaded");
+    const auto others = [](double n) { return std::to_string(static_cast<long long>(n)) + " other rank(s)"; };
+    if (failed[0] > 0) throw detail::DamagedArchive(source, others(failed[0]) + " found their part of it damaged (each names the file)");
+    if (failed[1] > 0)
+      throw std::runtime_error("checkpoint '" + source + "': " + others(failed[1]) +
+                               " could not load their part of it (each says why); nothing was loaded");
     // Every rank loads the whole state it holds; check that they loaded the same.
     replicas_->check_same_state({storage_.replicated_state(), applied_, skipped_, precision_.scale(),
                                  detail::host_counters(windows_, accumulation_.position())},
