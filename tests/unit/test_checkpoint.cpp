@@ -171,6 +171,18 @@ TEST_CASE("retention: the newest CHECKPOINT_KEEP plus the best; stale temporary 
   s.best_path = m.epoch_path(6);
   m.save(t.trainer, s, true);
   CHECK(names_in(dir.path) == std::vector<std::string>{"model-0005.ckpt", "model-0006.ckpt"});
+  // Resumed from an earlier one (BEGIN_EPOCH, or past a damaged newest one): the checkpoints
+  // after the new one (of the timeline left) take no place of the run's own, and the new one
+  // stays; they go once the run has passed them.
+  s.position = {3, 0};
+  s.best_path.clear();
+  m.save(t.trainer, s, true);
+  CHECK(names_in(dir.path) == std::vector<std::string>{"model-0002.ckpt", "model-0005.ckpt", "model-0006.ckpt"});
+  for (const std::int64_t epoch : {4, 8}) {
+    s.position = {epoch, 0};
+    m.save(t.trainer, s, true);
+  }
+  CHECK(names_in(dir.path) == std::vector<std::string>{"model-0006.ckpt", "model-0007.ckpt"});
 }
 
 TEST_CASE("a damaged newest checkpoint is reported with its name and why, and the previous one used") {
@@ -566,6 +578,26 @@ TEST_CASE("a checkpoint set: the records of one file; damage refused naming the 
       CHECK(report.str().find(damage == "index" ? "its index fails its CRC-32"
                               : damage == "missing" ? "cannot be opened" : "fail their CRC-32") != std::string::npos);
       write_bytes(damaged, bytes);
+    }
+  }
+  SUBCASE("a name written again, killed before its new index: the mixture of two saves is skipped, never loaded") {
+    const std::string old_file = read_bytes(shard(first)), old_records = read_bytes(first + ".records");
+    t.steps(2);
+    REQUIRE(set.save(t.trainer, state_at(0, 3), false) == first);  // (the same name, a later state)
+    for (const bool records : {false, true}) {
+      CAPTURE(records);
+      const std::string index = read_bytes(first);
+      const std::string member = records ? first + ".records" : shard(first), now = read_bytes(member);
+      write_bytes(member, records ? old_records : old_file);  // one file of the earlier save left
+      std::ostringstream report;
+      CHECK_FALSE(set.open_newest(report));
+      INFO(report.str());
+      CHECK(report.str().find("skipping checkpoint '" + first + "'") != std::string::npos);
+      // (the earlier save's file: its token, or already its size, differs from the index's)
+      CHECK((report.str().find("belongs to another save") != std::string::npos ||
+             report.str().find("the index says") != std::string::npos));
+      write_bytes(member, now);
+      CHECK(read_bytes(first) == index);
     }
   }
   SUBCASE("killed between a set's files and its index: never loaded; removed by the next save, as retention removes whole sets") {

@@ -110,6 +110,18 @@ TRAINKIT_INLINE ShardSource::ShardSource(std::string index) : index_(std::move(i
       auto [path, fd] = opened(f);
       files_.push_back(path);
       fds_.push_back(fd);
+      // Its header names the save it belongs to: a name written again (a resume) replaces the
+      // files one by one before the new index is in.
+      std::uint64_t n = 0;
+      std::string header;
+      if (::pread(fd, &n, 8, 0) == 8 && n < (std::uint64_t{1} << 30)) {
+        header.resize(n);
+        if (::pread(fd, header.data(), n, 8) != static_cast<ssize_t>(n)) header.clear();
+      }
+      const auto h = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+      if (!h.is_object() || !h.contains("__metadata__") || h["__metadata__"].value("trainkit.token", std::string()) != token_)
+        throw damaged("its file '" + path + "' belongs to another save of that name (written again, and the new "
+                      "index not yet in)");
     }
     for (const auto& [name, t] : j.at("tensors").items()) {
       Record r;
@@ -176,7 +188,9 @@ TRAINKIT_INLINE torch::Tensor ShardSource::read_chunk(const std::string& record,
   for (std::uint64_t done = 0; done < n;) {
     const auto k = ::pread(fds_[c.file], p + done, n - done, static_cast<off_t>(c.begin + done));
     if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) throw DamagedArchive(files_[c.file], "it ends inside record '" + record + "'");
+    if (k < 0)  // (an I/O error, not damage: no reason to skip the checkpoint)
+      throw std::runtime_error("cannot read checkpoint '" + files_[c.file] + "': " + std::strerror(errno));
+    if (k == 0) throw DamagedArchive(files_[c.file], "it ends inside record '" + record + "'");
     done += static_cast<std::uint64_t>(k);
   }
   Crc32 crc;

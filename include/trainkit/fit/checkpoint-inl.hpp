@@ -234,6 +234,14 @@ struct StagedSet {
   }
 };
 
+// A write counted in exit_after_writes() is over: the last one out takes a second stop signal's
+// exit.
+TRAINKIT_INLINE void write_finished() {
+  auto& writes = exit_after_writes();
+  if (writes.writing.fetch_sub(1) == 1)
+    if (const int sig = writes.exit_signal.load(); sig != 0) ::_exit(128 + sig);
+}
+
 // A save's token: what tells its files from an earlier attempt's at the same name (48 bits: a
 // double carries it exactly through the ranks' all-reduce).
 TRAINKIT_INLINE std::uint64_t fresh_token() {
@@ -246,7 +254,7 @@ TRAINKIT_INLINE std::uint64_t fresh_token() {
 
 TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& trainer, const LoopState& state,
                                                                bool epoch_end, const std::vector<CallbackState>& callbacks,
-                                                               bool copies) const {
+                                                               bool copies, bool count_write) const {
   auto& replicas = trainer.replicas();
   detail::StagedSet s;
   s.path = epoch_end ? epoch_path(state.position.epoch - 1) : position_path(state.position);
@@ -258,14 +266,14 @@ TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& train
   // name one directory; that each sees the file the main rank has just written there (a set's
   // files meet in a directory every rank shares).
   const std::string probe = directory_ + "/." + prefix_ + ".set-probe";
+  // (A set already under the name, from a resume that writes names again, stays loadable until
+  // the first new file replaces one of its own; from then on its index and its files' tokens
+  // differ, and a reader skips it as damaged until the new index is in.)
   std::uint64_t token = 0;
   std::string failed_here;
   if (s.main) {
-    token = detail::fresh_token();
     try {
-      // A checkpoint of this name (a resume from an earlier one writes the names again) goes
-      // first, its index first: no crash may leave its index naming some of the new files.
-      remove_checkpoint(s.path);
+      token = detail::fresh_token();
       detail::write_bytes_atomically(detail::token_text(token), probe);
     } catch (const std::exception& e) {
       failed_here = e.what();
@@ -276,18 +284,19 @@ TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& train
   replicas.all_reduce(agreed, Reduce::max);
   if (!failed_here.empty()) throw fail(failed_here);
   if (agreed[3] > 0) throw fail("the main rank could not write into '" + directory_ + "' (it says why)");
-  if (agreed[1] != -agreed[2])
-    throw fail("the ranks name different output directories (this rank's is '" + directory_ + "'); a checkpoint "
-               "set's files meet in one directory that every rank shares: give every rank the same OUTPUT_PATH, or "
-               "set TRAIN.CHECKPOINT_FORMAT: single");
   s.token = static_cast<std::uint64_t>(agreed[0]);
   std::vector<double> blind{sees_probe(probe, s.token) ? 0.0 : 1.0};
   replicas.all_reduce(blind, Reduce::sum);
   if (s.main) ::unlink(probe.c_str());
+  if (blind[0] > 0 && agreed[1] != -agreed[2])
+    throw fail("the ranks name different output directories (this rank's is '" + directory_ + "'); a checkpoint "
+               "set's files meet in one directory that every rank shares: give every rank the same OUTPUT_PATH, or "
+               "set TRAIN.CHECKPOINT_FORMAT: single");
   if (blind[0] > 0)
     throw fail(std::to_string(static_cast<long long>(blind[0])) + " rank(s) do not see the files the main rank writes in '" +
                directory_ + "': a checkpoint set needs a directory every rank shares (one machine, or a shared file "
                "system); set TRAIN.CHECKPOINT_FORMAT: single to have the main rank write one file");
+  if (count_write) detail::exit_after_writes().writing.fetch_add(1);  // (a second signal now waits for this file)
   // From here on a failure is this rank's alone: kept, and agreed on by the caller.
   try {
     auto archive = std::make_unique<torch::serialize::OutputArchive>();
@@ -369,16 +378,19 @@ TRAINKIT_INLINE std::string CheckpointManager::save_set(AnyTrainer& trainer, con
 TRAINKIT_INLINE std::string CheckpointManager::save_set_in_background(AnyTrainer& trainer, const LoopState& state,
                                                                       bool epoch_end,
                                                                       const std::vector<CallbackState>& callbacks) {
-  // Counted from before the copy: a second stop signal now waits for this rank's file.
-  auto& writes = detail::exit_after_writes();
-  writes.writing.fetch_add(1);
-  std::shared_ptr<detail::StagedSet> staged;
-  try {
-    staged = std::make_shared<detail::StagedSet>(stage_set(trainer, state, epoch_end, callbacks, /*copies=*/true));
+  // Counted once the ranks agreed, before the copy: a second stop signal then waits for this
+  // rank's file (not before: a rank waiting in the agreement for a peer gone would wait long).
+  auto staged = std::make_shared<detail::StagedSet>(
+      stage_set(trainer, state, epoch_end, callbacks, /*copies=*/true, /*count_write=*/true));
+  // Every rank learns whether every rank staged its part (a failure here is one rank's).
+  std::vector<double> failed{staged->error.empty() ? 0.0 : 1.0};
+  trainer.replicas().all_reduce(failed, Reduce::sum);
+  if (failed[0] > 0) {
+    detail::write_finished();
     if (!staged->error.empty()) throw CheckpointError(staged->error);
-  } catch (...) {
-    writes.writing.fetch_sub(1);
-    throw;
+    throw CheckpointError("cannot write checkpoint '" + staged->path + "': " +
+                          std::to_string(static_cast<long long>(failed[0])) +
+                          " other rank(s) could not copy their part (each says why); the previous checkpoints are intact");
   }
   start_background(staged->path, [this, staged, best = state.best_path](const std::atomic<bool>& cancel) {
     std::size_t bytes = staged->write();
@@ -407,9 +419,7 @@ TRAINKIT_INLINE void CheckpointManager::start_background(const std::string& path
     }
     j->written.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     j->done.store(true, std::memory_order_release);
-    auto& writes = detail::exit_after_writes();
-    if (writes.writing.fetch_sub(1) == 1)
-      if (const int sig = writes.exit_signal.load(); sig != 0) ::_exit(128 + sig);  // (a second signal came)
+    detail::write_finished();
   });
   background_ = std::move(job);
 }
@@ -487,7 +497,16 @@ TRAINKIT_INLINE CheckpointManager::~CheckpointManager() {
 }
 
 TRAINKIT_INLINE void CheckpointManager::prune(const std::string& best_path, const std::string& written) const {
-  const auto files = list();
+  auto files = list();
+  // Checkpoints after the one just written are of a timeline this run left (it resumed from an
+  // earlier one: TRAIN.RESUME with BEGIN_EPOCH, or past a damaged newest one): they do not take
+  // the places of the run's own (the one just written least of all), and go once the run has
+  // passed them.
+  CheckpointFile now;
+  if (!written.empty() && parse_name(written.substr(written.find_last_of('/') + 1), now))
+    files.erase(std::remove_if(files.begin(), files.end(),
+                               [&](const CheckpointFile& f) { return now.resume_at() < f.resume_at(); }),
+                files.end());
   const std::size_t keep = static_cast<std::size_t>(keep_);
   for (std::size_t i = 0; i + keep < files.size(); ++i)
     if (files[i].path != best_path) remove_checkpoint(files[i].path);

@@ -265,7 +265,8 @@ class CheckpointManager {
   /// Deletes all but the newest `keep` checkpoints and `best_path` (a set's files with its
   /// index, the index first), stale temporary files, and the files of sets whose index was
   /// never written (a crash) up to the position of `written`, the checkpoint just written
-  /// (later ones may be in flight on other ranks).
+  /// (later ones may be in flight on other ranks). Complete checkpoints after `written` (of a
+  /// timeline the run left, resuming from an earlier one) neither count nor go.
   void prune(const std::string& best_path = {}, const std::string& written = {}) const;
 
   /// A checkpoint opened and checked (its CRCs, the loop's records), nothing loaded yet.
@@ -335,8 +336,9 @@ class CheckpointManager {
 
   // A set: this rank's pieces and (main rank) its other records, staged with host copies when
   // `copies` (a background write); the main rank's token for the save agreed by every rank.
+  // `count_write`: counted in detail::exit_after_writes() once the ranks agreed.
   detail::StagedSet stage_set(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
-                              const std::vector<CallbackState>& callbacks, bool copies) const;
+                              const std::vector<CallbackState>& callbacks, bool copies, bool count_write = false) const;
   std::string save_set(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                        const std::vector<CallbackState>& callbacks);
   std::string save_set_in_background(AnyTrainer& trainer, const LoopState& state, bool epoch_end,

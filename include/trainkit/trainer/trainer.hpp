@@ -434,12 +434,17 @@ class Trainer final : public detail::TrainerCore {
     // damage, so that every rank can go back to an older checkpoint together.
     std::vector<double> failed{damaged ? 1.0 : 0.0, failure && !damaged ? 1.0 : 0.0};
     replicas_->all_reduce(failed, Reduce::sum);
+    // Every rank throws the same kind: damage (which a resume may skip for an older checkpoint)
+    // only when damage was every failure.
+    const auto ranks = [](double n) { return std::to_string(static_cast<long long>(n)) + " rank(s)"; };
+    if (failed[1] > 0) {
+      if (failure && !damaged) std::rethrow_exception(failure);
+      throw std::runtime_error("checkpoint '" + source + "': " + ranks(failed[1]) + " could not load their part of it" +
+                               (damaged ? " (and this rank found its part damaged)" : "") +
+                               " (each says why); nothing was loaded");
+    }
     if (failure) std::rethrow_exception(failure);
-    const auto others = [](double n) { return std::to_string(static_cast<long long>(n)) + " other rank(s)"; };
-    if (failed[0] > 0) throw detail::DamagedArchive(source, others(failed[0]) + " found their part of it damaged (each names the file)");
-    if (failed[1] > 0)
-      throw std::runtime_error("checkpoint '" + source + "': " + others(failed[1]) +
-                               " could not load their part of it (each says why); nothing was loaded");
+    if (failed[0] > 0) throw detail::DamagedArchive(source, ranks(failed[0]) + " found their part of it damaged (each names the file)");
     // Every rank loads the whole state it holds; check that they loaded the same.
     replicas_->check_same_state({storage_.replicated_state(), applied_, skipped_, precision_.scale(),
                                  detail::host_counters(windows_, accumulation_.position())},
