@@ -109,7 +109,7 @@ TRAINKIT_INLINE ShardSource::ShardSource(std::string index) : index_(std::move(i
     for (const auto& f : j.at("files")) {
       auto [path, fd] = opened(f);
       files_.push_back(path);
-      fds_.push_back(fd);
+      fds_.push_back(-1);  // (opened again when read: a rank reads a few of W files, and W may be large)
       // Its header names the save it belongs to: a name written again (a resume) replaces the
       // files one by one before the new index is in.
       std::uint64_t n = 0;
@@ -118,6 +118,7 @@ TRAINKIT_INLINE ShardSource::ShardSource(std::string index) : index_(std::move(i
         header.resize(n);
         if (::pread(fd, header.data(), n, 8) != static_cast<ssize_t>(n)) header.clear();
       }
+      ::close(fd);
       const auto h = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
       if (!h.is_object() || !h.contains("__metadata__") || h["__metadata__"].value("trainkit.token", std::string()) != token_)
         throw damaged("its file '" + path + "' belongs to another save of that name (written again, and the new "
@@ -160,7 +161,8 @@ TRAINKIT_INLINE ShardSource::ShardSource(std::string index) : index_(std::move(i
 }
 
 TRAINKIT_INLINE ShardSource::~ShardSource() {
-  for (const int fd : fds_) ::close(fd);
+  for (const int fd : fds_)
+    if (fd >= 0) ::close(fd);
 }
 
 TRAINKIT_INLINE std::vector<std::string> ShardSource::files() const {
@@ -185,8 +187,11 @@ TRAINKIT_INLINE torch::Tensor ShardSource::read_chunk(const std::string& record,
   auto t = torch::empty({c.elements}, torch::dtype(r.dtype));
   auto* p = static_cast<unsigned char*>(t.data_ptr());
   const std::uint64_t n = c.end - c.begin;
+  int& fd = fds_[c.file];
+  if (fd < 0 && (fd = ::open(files_[c.file].c_str(), O_RDONLY | O_CLOEXEC)) < 0)
+    throw std::runtime_error("cannot read checkpoint '" + files_[c.file] + "': " + std::strerror(errno));
   for (std::uint64_t done = 0; done < n;) {
-    const auto k = ::pread(fds_[c.file], p + done, n - done, static_cast<off_t>(c.begin + done));
+    const auto k = ::pread(fd, p + done, n - done, static_cast<off_t>(c.begin + done));
     if (k < 0 && errno == EINTR) continue;
     if (k < 0)  // (an I/O error, not damage: no reason to skip the checkpoint)
       throw std::runtime_error("cannot read checkpoint '" + files_[c.file] + "': " + std::strerror(errno));

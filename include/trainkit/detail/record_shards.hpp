@@ -152,7 +152,7 @@ class ShardSource {
   std::string index_, directory_, records_file_, token_;
   std::int64_t world_size_ = 0;
   std::vector<std::string> files_;  // the shards, by rank
-  std::vector<int> fds_;
+  mutable std::vector<int> fds_;  // each file's, once read from (-1: not yet)
   std::map<std::string, Record> records_;
 };
 
