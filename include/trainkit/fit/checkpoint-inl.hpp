@@ -242,6 +242,29 @@ TRAINKIT_INLINE void write_finished() {
     if (const int sig = writes.exit_signal.load(); sig != 0) ::_exit(128 + sig);
 }
 
+// What `work` threw, or "".
+template <class Work>
+std::string error_of(Work&& work) {
+  try {
+    work();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Every rank learns whether any rank failed at this point of a set's save (`error`: this rank's
+// failure, or ""), and each throws alike: its own error, or that `others` failed.
+TRAINKIT_INLINE void agree_on_failure(Replicas& replicas, const std::string& error, const std::string& path,
+                                      const std::string& others) {
+  std::vector<double> failed{error.empty() ? 0.0 : 1.0};
+  replicas.all_reduce(failed, Reduce::sum);
+  if (!error.empty()) throw CheckpointError(error);
+  if (failed[0] > 0)
+    throw CheckpointError("cannot write checkpoint '" + path + "': " + std::to_string(static_cast<long long>(failed[0])) +
+                          " other rank(s) " + others + " (each says why); the previous checkpoints are intact");
+}
+
 // A save's token: what tells its files from an earlier attempt's at the same name (48 bits: a
 // double carries it exactly through the ranks' all-reduce).
 TRAINKIT_INLINE std::uint64_t fresh_token() {
@@ -340,37 +363,17 @@ TRAINKIT_INLINE bool CheckpointManager::sees_probe(const std::string& probe, std
 TRAINKIT_INLINE std::string CheckpointManager::save_set(AnyTrainer& trainer, const LoopState& state, bool epoch_end,
                                                         const std::vector<CallbackState>& callbacks) {
   auto s = stage_set(trainer, state, epoch_end, callbacks, /*copies=*/false);
-  std::string error = s.error;
-  if (error.empty()) {
-    try {
-      s.write();
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
-  }
   // Every rank learns whether every file is in place, and then whether the index is: no rank
   // reports a checkpoint that does not exist, none waits for one that will not.
-  std::vector<double> failed{error.empty() ? 0.0 : 1.0};
-  trainer.replicas().all_reduce(failed, Reduce::sum);
-  if (!error.empty()) throw CheckpointError(error);
-  if (failed[0] > 0)
-    throw CheckpointError("cannot write checkpoint '" + s.path + "': " + std::to_string(static_cast<long long>(failed[0])) +
-                          " other rank(s) could not write their files (each says why); the previous checkpoints are intact");
+  std::string error = s.error;
+  if (error.empty()) error = detail::error_of([&] { s.write(); });
+  detail::agree_on_failure(trainer.replicas(), error, s.path, "could not write their files");
   if (s.main) {
-    try {
-      const std::atomic<bool> never{false};
-      // (every file was renamed in before the all-reduce: a short wait is for the file system)
-      detail::write_index(s.path, s.world, s.token, never, std::min(set_timeout_s_, 60.0));
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+    // (every file was renamed in before the all-reduce: a short wait is for the file system)
+    const std::atomic<bool> never{false};
+    error = detail::error_of([&] { detail::write_index(s.path, s.world, s.token, never, std::min(set_timeout_s_, 60.0)); });
   }
-  std::vector<double> indexed{error.empty() ? 0.0 : 1.0};
-  trainer.replicas().all_reduce(indexed, Reduce::max);
-  if (!error.empty()) throw CheckpointError(error);
-  if (indexed[0] > 0)
-    throw CheckpointError("cannot write checkpoint '" + s.path + "': the main rank could not write its index (it says "
-                          "why); the previous checkpoints are intact");
+  detail::agree_on_failure(trainer.replicas(), error, s.path, "(the main rank) could not write the index");
   if (s.main) prune(state.best_path, s.path);
   return s.path;
 }
@@ -383,14 +386,11 @@ TRAINKIT_INLINE std::string CheckpointManager::save_set_in_background(AnyTrainer
   auto staged = std::make_shared<detail::StagedSet>(
       stage_set(trainer, state, epoch_end, callbacks, /*copies=*/true, /*count_write=*/true));
   // Every rank learns whether every rank staged its part (a failure here is one rank's).
-  std::vector<double> failed{staged->error.empty() ? 0.0 : 1.0};
-  trainer.replicas().all_reduce(failed, Reduce::sum);
-  if (failed[0] > 0) {
+  try {
+    detail::agree_on_failure(trainer.replicas(), staged->error, staged->path, "could not copy their part");
+  } catch (...) {
     detail::write_finished();
-    if (!staged->error.empty()) throw CheckpointError(staged->error);
-    throw CheckpointError("cannot write checkpoint '" + staged->path + "': " +
-                          std::to_string(static_cast<long long>(failed[0])) +
-                          " other rank(s) could not copy their part (each says why); the previous checkpoints are intact");
+    throw;
   }
   start_background(staged->path, [this, staged, best = state.best_path](const std::atomic<bool>& cancel) {
     std::size_t bytes = staged->write();
