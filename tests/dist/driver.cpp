@@ -13,7 +13,8 @@
 //       [--save-set DIR]                           also a checkpoint set at the end, DIR/set-0000.ckpt
 //                                                  (CheckpointFormat::sharded: every rank writes its file)
 //       [--checkpoint-format auto|single|sharded]  with --fit: FitOptions::checkpoint_format
-//       [--sharding 0|1|2]                         TrainerOptions::sharding (none, optimizer, gradients)
+//       [--sharding 0|1|2|3]                       TrainerOptions::sharding (none, optimizer, gradients,
+//                                                  parameters: every Linear a unit, tk::unit)
 //       [--overlap 0|1]                            TrainerOptions::overlap_reduction (default 1)
 //       [--flush 1]                                windows may end with the epoch (a partial window,
 //                                                  trainer.flush()): --samples/--batch/--accum need not divide
@@ -48,6 +49,7 @@
 #include <trainkit/fit/fit.hpp>
 #include <trainkit/parallel/sampler.hpp>
 #include <trainkit/trainer/trainer.hpp>
+#include <trainkit/trainer/unit.hpp>
 
 #include "../support/counting_backend.hpp"
 
@@ -55,6 +57,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <set>
 #include <cstdio>
 #include <malloc.h>
 #include <sys/resource.h>
@@ -132,24 +135,24 @@ struct MlpImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     if (wide) {
-      auto h = torch::dropout(torch::relu(fc1(x)), p, is_training());
-      h = torch::dropout(torch::relu(mid1(h)), p, is_training());
-      h = torch::dropout(torch::relu(mid2(h)), p, is_training());
-      return fc2(h);
+      auto h = torch::dropout(torch::relu(tk::unit(fc1, x)), p, is_training());
+      h = torch::dropout(torch::relu(tk::unit(mid1, h)), p, is_training());
+      h = torch::dropout(torch::relu(tk::unit(mid2, h)), p, is_training());
+      return tk::unit(fc2, h);
     }
     if (affine) {  // 8 inputs -> 4 outputs from the same 212 parameters, elementwise
       const auto w = fc1->weight.reshape({-1}).narrow(0, 0, 8), b = fc1->bias.narrow(0, 0, 8);
       const auto h = torch::tanh(x * w + b).reshape({-1, 4, 2}).sum(2);
       return h * fc2->weight.reshape({-1}).narrow(0, 0, 4) + fc2->bias;
     }
-    auto h = torch::tanh(ln ? ln(fc1(x)) : fc1(x));
+    auto h = torch::tanh(ln ? ln(tk::unit(fc1, x)) : tk::unit(fc1, x));
     if (oom_in_backward) {  // --oom-backward-rank: thrown when the gradient reaches h, after fc2's
       oom_in_backward = false;
       h.register_hook([](const torch::Tensor&) -> torch::Tensor {
         TORCH_CHECK_WITH(OutOfMemoryError, false, "out of memory (the driver's --oom-backward-rank)");
       });
     }
-    return fc2(h);
+    return tk::unit(fc2, h);
   }
   bool affine, wide, oom_in_backward = false;
   double p;
@@ -172,6 +175,15 @@ std::int64_t gradient_bytes(const Trainer& trainer) {
     return static_cast<std::int64_t>(trainer.storage().half_gradients().storage().nbytes());
   else
     return static_cast<std::int64_t>(trainer.storage().gradients().storage().nbytes());
+}
+
+// Bytes the model's parameters hold now, each storage once (stage 3 releases its units').
+std::int64_t parameter_bytes(torch::nn::Module& model) {
+  std::set<const void*> seen;
+  std::int64_t bytes = 0;
+  for (const auto& p : model.parameters())
+    if (seen.insert(p.storage().unsafeGetStorageImpl()).second) bytes += static_cast<std::int64_t>(p.storage().nbytes());
+  return bytes;
 }
 
 // --cap: a real out-of-memory error, LibTorch's CPU allocator failing under RLIMIT_AS. Big
@@ -241,8 +253,14 @@ int run(const Args& a) {
                       .max_grad_norm(0.05)
                       .reduce_precision(reduce_precision(a))
                       .overlap_reduction(a.overlap != 0)
-                      .sharding(a.sharding == 2 ? tk::Sharding::gradients
-                                                : a.sharding == 1 ? tk::Sharding::optimizer : tk::Sharding::none));
+                      .sharding(a.sharding == 3   ? tk::Sharding::parameters
+                                : a.sharding == 2 ? tk::Sharding::gradients
+                                : a.sharding == 1 ? tk::Sharding::optimizer
+                                                  : tk::Sharding::none)
+                      // (`affine` reads its weights outside any call: nothing to make a unit)
+                      .units(a.model == "affine" ? std::vector<std::string>{}
+                             : a.model == "wide" ? std::vector<std::string>{"fc1", "mid1", "mid2", "fc2"}
+                                                 : std::vector<std::string>{"fc1", "fc2"}));
   auto replicas = std::make_shared<tk::DataParallel>(group, a.bucket_bytes);
   trainer.set_replicas(replicas);
   if (a.watch_nonfinite) trainer.watch_nonfinite(true);
@@ -349,6 +367,7 @@ int run(const Args& a) {
   // only their slices of the masters: the model's half parameters in fp32, back to back, stand
   // for them (--save has the masters).
   torch::Tensor params = trainer.parameters().contiguous();
+  if (a.sharding == 3) params = trainer.storage().replicated_state().contiguous();  // (the root unit)
   if (Trainer::precision::master_weights && trainer.saves_collectively()) {
     std::vector<torch::Tensor> flat;
     for (const auto& p : model->parameters()) flat.push_back(p.detach().reshape({-1}).to(torch::kFloat));
@@ -357,6 +376,7 @@ int run(const Args& a) {
   const std::string prefix = a.out + ".rank" + std::to_string(rank);
   std::ofstream(prefix + ".bin", std::ios::binary)
       .write(static_cast<const char*>(params.data_ptr()), params.numel() * sizeof(float));
+  const auto& units = trainer.storage().sharded_units();
   auto mean = std::vector<double>{last.empty() ? 0.0 : last.loss()};
   replicas->all_reduce(mean, tk::Reduce::mean);
   nlohmann::json j = {{"rank", rank},
@@ -372,6 +392,9 @@ int run(const Args& a) {
                       {"overlapped_buckets", trainer.storage().overlapped_buckets()},
                       {"reduce_scatter_calls", counter->reduce_scatter_calls},
                       {"all_gather_calls", counter->all_gather_calls},
+                      {"unit_gathers", units ? units->gathers() : 0},
+                      {"unit_peak", units ? units->peak_gathered() : 0},
+                      {"parameter_bytes", parameter_bytes(*model)},
                       {"buckets", replicas->buckets(trainer.parameters().numel())},
                       {"numel", trainer.parameters().numel()},
                       {"mean_loss", mean[0]},

@@ -29,6 +29,9 @@ class FlatLayout {
 
   /// Places the next parameter of `n` elements; returns its offset.
   std::int64_t add(std::int64_t n);
+  /// The next parameter placed at a multiple of `multiple` elements (a multiple of the
+  /// alignment): where a unit of ZeRO stage 3 starts.
+  void pad_to(std::int64_t multiple) { padded_ = (padded_ + multiple - 1) / multiple * multiple; }
   /// Elements of the storage, gaps included (the last parameter's end, rounded up so that
   /// storage taken after this one stays aligned).
   std::int64_t padded() const { return (padded_ + align_ - 1) / align_ * align_; }

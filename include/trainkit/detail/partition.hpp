@@ -45,6 +45,9 @@ class Partition {
   /// bucket is this size rounded up to the unit, the last one the rest); `align`: elements per
   /// 64-byte unit of the buffers' narrowest dtype.
   Partition(std::int64_t numel, std::int64_t bucket_elements, std::int64_t align, int world, int rank, bool sharded);
+  /// Sharded, one bucket per entry of `buckets` (ZeRO stage 3: a bucket per unit): back to
+  /// back from 0, each length a multiple of `world` (an aligned slice per rank).
+  Partition(const std::vector<Range>& buckets, int world, int rank);
 
   bool sharded() const { return sharded_; }
   int world_size() const { return world_; }
@@ -91,6 +94,25 @@ inline Partition::Partition(std::int64_t numel, std::int64_t bucket_elements, st
     local += sharded_ ? b.length / world_ : b.length;
   }
   local_total_ = sharded_ ? local : total_;
+}
+
+inline Partition::Partition(const std::vector<Range>& buckets, int world, int rank)
+    : world_(world), rank_(rank), sharded_(true), buckets_(buckets) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw std::invalid_argument("trainkit::Partition: rank " + std::to_string(rank) + " of world size " +
+                                std::to_string(world));
+  std::int64_t at = 0, local = 0;
+  for (const auto& b : buckets_) {
+    if (b.begin != at || b.length % world != 0)
+      throw std::invalid_argument("trainkit::Partition: bucket [" + std::to_string(b.begin) + ", " +
+                                  std::to_string(b.end()) + ") does not follow the previous one at " + std::to_string(at) +
+                                  " or is not cut in " + std::to_string(world) + " slices");
+    local_.push_back(local);
+    local += b.length / world;
+    at = b.end();
+  }
+  total_ = at;
+  local_total_ = local;
 }
 
 inline Range Partition::slice(std::int64_t b) const {

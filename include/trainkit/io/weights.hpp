@@ -22,6 +22,7 @@
 /// the dtype where it differs (said in the report); the others keep their values and are listed.
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/checkpoint_set.hpp>
+#include <trainkit/detail/released_storage.hpp>
 #include <trainkit/io/weight_files.hpp>
 
 #include <torch/nn/module.h>
@@ -152,7 +153,10 @@ inline NamedTensors read_weights(const std::string& path) {
 /// model's own storage: write them out, do not change them).
 inline NamedTensors model_weights(const torch::nn::Module& model) {
   NamedTensors out;
-  for (const auto& p : model.named_parameters(true)) out.push_back({p.key(), p.value().detach()});
+  for (const auto& p : model.named_parameters(true)) {
+    detail::check_not_released(p.key(), p.value(), "writing the model's weights");
+    out.push_back({p.key(), p.value().detach()});
+  }
   for (const auto& b : model.named_buffers(true))
     if (b.value().defined()) out.push_back({b.key(), b.value().detach()});
   return out;
@@ -218,7 +222,10 @@ inline WeightsReport load_named_weights(torch::nn::Module& model, const std::map
     used.insert(name);
     r.loaded.push_back(name);
   };
-  for (const auto& p : model.named_parameters(true)) take(p.key(), p.value());
+  for (const auto& p : model.named_parameters(true)) {
+    detail::check_not_released(p.key(), p.value(), "loading weights into the model");
+    take(p.key(), p.value());
+  }
   for (const auto& b : model.named_buffers(true))
     if (b.value().defined()) take(b.key(), b.value());
   for (const auto& [name, t] : weights)

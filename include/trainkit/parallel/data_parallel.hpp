@@ -151,6 +151,20 @@ class DataParallel final : public Replicas {
     for (auto b = std::max<std::int64_t>(0, count - static_cast<std::int64_t>(std::min<size_t>(in_flight, count))); b < count; ++b)
       wait(b);
   }
+  void gather_bucket(const torch::Tensor& mine, const torch::Tensor& bucket, const std::string& what) override {
+    if (bucket.numel() != mine.numel() * world_size())
+      throw std::logic_error("trainkit::DataParallel: " + what + ": a bucket of " + std::to_string(bucket.numel()) +
+                             " elements from slices of " + std::to_string(mine.numel()) + " over " +
+                             std::to_string(world_size()) + " ranks");
+    at::Tensor in = mine, out = bucket;  // (a slice of the local buffer, never aliasing the bucket)
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = group_.backend()->_allgather_base(out, in);
+    } catch (const std::exception& e) {
+      group_.fail("starting the " + what, detail::message_of(e));
+    }
+    group_.wait(work, what);
+  }
   torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override {
     const bool main = is_main();
     torch::Tensor out = main ? torch::zeros({partition.total()}, local.options().device(torch::kCPU)) : torch::Tensor();

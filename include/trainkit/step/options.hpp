@@ -29,7 +29,10 @@ enum class ReducePrecision { automatic, fp32, half };
 /// and the fp32 master weights exist for this rank's slices of the parameters only; the
 /// gradient is reduce-scattered into them and the updated parameters all-gathered.
 /// `gradients` (stage 2): also the gradient, between windows (and the window's sum).
-enum class Sharding { none, optimizer, gradients };
+/// `parameters` (stage 3): also the parameters of the model's units (TrainerOptions::units):
+/// each unit's are gathered before its forward and its backward and released after each
+/// (trainer/unit.hpp; docs/design/storage.md, "Stage 3").
+enum class Sharding { none, optimizer, gradients, parameters };
 
 /// Loss-scale settings. Dynamic defaults are torch.amp.GradScaler's; the extras (hysteresis,
 /// clamps, collapse check) are off by default, and then the scale follows GradScaler exactly.
@@ -83,6 +86,14 @@ struct TrainerOptions {
   /// out of memory in such a backward after a bucket has left cannot replay its window alone:
   /// the run then stops with an error that says so. Master weights reduce after the backward.
   TORCH_ARG(bool, overlap_reduction) = true;
+  /// Sharding::parameters: the model's units, by module path as named_modules() names them
+  /// ("encoder.layer.3"); a path ending in ".*" names each child of that module
+  /// ("encoder.layer.*"). Each unit's parameters are gathered for its forward and backward
+  /// only, where the model calls it through tk::unit (trainer/unit.hpp); what no unit holds is
+  /// kept whole on every rank. A path that names no module, or a unit inside another, is an
+  /// error at construction. Ignored by the other shardings.
+  using Units = std::vector<std::string>;
+  TORCH_ARG(Units, units) = {};
   /// Parameter groups: the first name-substring that matches a parameter's name sets its LR
   /// multiplier (VL-BERT's LR_MULT); unmatched parameters have multiplier 1.
   using LrMult = std::vector<std::pair<std::string, double>>;

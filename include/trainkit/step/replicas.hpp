@@ -33,6 +33,10 @@
 ///   sum(values)                   phase 9, sharded master weights: the fp32-kept parameters
 ///   all_gather(flat, partition)   phase 9: every rank's slices of `flat` (this rank's in place)
 ///                                 to every rank, bucket by bucket
+///   gather_bucket(mine, bucket, what)
+///                                 ZeRO stage 3, a unit's forward or backward: every rank's
+///                                 slice of one bucket (`mine`, this rank's) into `bucket`, its
+///                                 own buffer (one all-gather, waited for)
 ///   gather_to_main(local, partition)
 ///                                 checkpoints: every rank's slices into one host tensor in the
 ///                                 flat layout on the main rank (undefined on the others)
@@ -141,6 +145,11 @@ class Replicas {
   /// kept in fp32, each rank contributing the elements it updated).
   virtual void sum(torch::Tensor& values) = 0;
   virtual void all_gather(torch::Tensor& flat, const detail::Partition& partition) = 0;
+  /// (The default serves implementations that never shard parameters.)
+  virtual void gather_bucket(const torch::Tensor& /*mine*/, const torch::Tensor& /*bucket*/, const std::string& what) {
+    throw std::logic_error("trainkit::Replicas: this implementation does not all-gather one bucket (" + what +
+                           "); ZeRO stage 3 (Sharding::parameters) needs Replicas::gather_bucket");
+  }
   virtual torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) = 0;
 };
 

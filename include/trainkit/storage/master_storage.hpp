@@ -38,7 +38,12 @@ class MasterStorage : public detail::FlatParameters {
  public:
   /// A torch::optim::Optimizer would update the model's half parameters, not the masters.
   static constexpr bool accepts_torch_optimizer = false;
-  static void validate(const TrainerOptions&, const std::string&) {}
+  static void validate(const TrainerOptions& options, const std::string& trainer) {
+    if (options.sharding() == Sharding::parameters)
+      throw std::invalid_argument("trainkit::TrainerOptions: " + trainer + ": ZeRO stage 3 (Sharding::parameters, "
+                                  "TRAIN.ZERO_STAGE: 3) does not shard master weights' half parameters yet; use stage "
+                                  "2 with master weights, or stage 3 with FP32, BF16 or FP16 (PrecisionPolicy<T>)");
+  }
 
   MasterStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device, at::ScalarType half);
 

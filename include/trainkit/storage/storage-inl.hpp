@@ -76,11 +76,12 @@ TRAINKIT_INLINE void Readiness::ready(size_t i) {
 
 TRAINKIT_INLINE void ReadyHook::operator()(const torch::autograd::Variable&) {
   if (auto r = readiness_.lock()) r->ready(index_);
+  if (auto u = units_.lock()) u->ready(index_);
 }
 
 TRAINKIT_INLINE void FlatParameters::check() const {
   for (const auto& v : views_)
-    if (v.param.data_ptr() != v.param_data)
+    if (v.param.storage().unsafeGetStorageImpl() != v.param_storage)
       throw std::logic_error(
           "Trainer: parameter '" + v.name + "' no longer lives in the trainer's storage: its data were replaced "
           "after the trainer was built (torch::load(model, file), param.set_data(...), model->to(...)), so the "
@@ -122,21 +123,23 @@ TRAINKIT_INLINE void FlatParameters::place(torch::nn::Module& model, const Train
       if (p.key().find(options.no_decay()[k]) != std::string::npos) e.decay = false, no_decay_used[k] = true;
     placed.push_back(std::move(e));
   }
+  placed_ = std::move(placed);
+  if (options.sharding() == Sharding::parameters) resolve_units(model, options.units());
   for (size_t k = 0; k < no_decay_used.size(); ++k)
     TORCH_CHECK(no_decay_used[k], "Trainer: no_decay (TRAIN.NO_DECAY) '", options.no_decay()[k],
                 "' is in no trainable parameter's name (they look like '",
-                placed.empty() ? std::string() : placed.front().name, "')");
+                placed_.empty() ? std::string() : placed_.front().name, "')");
+  // By unit (stage 3; otherwise every parameter is in unit 0), then by group.
   using Key = std::pair<double, bool>;
   std::vector<Key> order;
-  for (const auto& e : placed)
+  for (const auto& e : placed_)
     if (std::find(order.begin(), order.end(), Key{e.lr_mult, e.decay}) == order.end()) order.push_back({e.lr_mult, e.decay});
   const auto rank = [&](const PlacedParameter& e) { return std::find(order.begin(), order.end(), Key{e.lr_mult, e.decay}); };
-  std::stable_sort(placed.begin(), placed.end(),
-                   [&](const PlacedParameter& a, const PlacedParameter& b) { return rank(a) < rank(b); });
+  std::stable_sort(placed_.begin(), placed_.end(), [&](const PlacedParameter& a, const PlacedParameter& b) {
+    return a.unit != b.unit ? a.unit < b.unit : rank(a) < rank(b);
+  });
   align_ = aligned_elements(element_size);
-  layout_ = FlatLayout(align_);
-  for (auto& e : placed) e.offset = layout_.add(e.param.numel());
-  placed_ = std::move(placed);
+  place_offsets(align_);
   partition_ = Partition(layout_.padded(), std::max<std::int64_t>(1, layout_.padded()), align_, 1, 0, false);
 }
 
@@ -148,7 +151,79 @@ TRAINKIT_INLINE Partition FlatParameters::partition_for(const Replicas& replicas
                    replicas.world_size(), replicas.rank(), sharding != Sharding::none);
 }
 
-TRAINKIT_INLINE void FlatParameters::install_hooks() {
+TRAINKIT_INLINE void FlatParameters::resolve_units(torch::nn::Module& model, const std::vector<std::string>& paths) {
+  const auto modules = model.named_modules("", /*include_self=*/false);
+  const auto example = [&] {
+    std::string out;
+    for (const auto& m : modules) {
+      if (out.size() > 60) return out + ", ...";
+      out += (out.empty() ? "'" : ", '") + m.key() + "'";
+    }
+    return out.empty() ? std::string("none") : out;
+  }();
+  unit_paths_ = {{"", nullptr}};
+  const auto add = [&](const std::string& path, const torch::nn::Module* module, const std::string& given) {
+    for (const auto& [other, m] : unit_paths_) {
+      if (other.empty()) continue;
+      if (other == path)
+        throw std::invalid_argument("trainkit::TrainerOptions::units: '" + given + "' names unit '" + path + "' again");
+      const auto inside = [](const std::string& a, const std::string& b) { return a.rfind(b + ".", 0) == 0; };
+      if (inside(path, other) || inside(other, path))
+        throw std::invalid_argument("trainkit::TrainerOptions::units: unit '" + path + "' (from '" + given +
+                                    "') and unit '" + other + "' are one inside the other; a parameter belongs to "
+                                    "one unit: name the outer one or the inner ones");
+    }
+    unit_paths_.push_back({path, module});
+  };
+  for (const auto& given : paths) {
+    const bool children = given.size() >= 2 && given.compare(given.size() - 2, 2, ".*") == 0;
+    const std::string path = children ? given.substr(0, given.size() - 2) : given;
+    const auto* found = modules.find(path);
+    if (!found)
+      throw std::invalid_argument("trainkit::TrainerOptions::units: '" + given + "' names no module of the model" +
+                                  (children ? " (the part before \".*\")" : std::string()) + "; its modules are named " +
+                                  example);
+    if (!children) {
+      add(path, found->get(), given);
+      continue;
+    }
+    const auto kids = (*found)->named_children();
+    if (kids.is_empty())
+      throw std::invalid_argument("trainkit::TrainerOptions::units: '" + given + "': module '" + path +
+                                  "' has no children");
+    for (const auto& c : kids) add(path + "." + c.key(), c.value().get(), given);
+  }
+  for (auto& e : placed_)
+    for (size_t u = 1; u < unit_paths_.size(); ++u)
+      if (e.name.rfind(unit_paths_[u].first + ".", 0) == 0) e.unit = static_cast<std::int64_t>(u);
+  // A unit whose trainable parameters hold no element has nothing to gather: its parameters
+  // are the root unit's.
+  std::vector<std::int64_t> elements(unit_paths_.size(), 0);
+  for (const auto& e : placed_) elements[static_cast<size_t>(e.unit)] += e.param.numel();
+  for (auto& e : placed_)
+    if (elements[static_cast<size_t>(e.unit)] == 0) e.unit = 0;
+}
+
+TRAINKIT_INLINE void FlatParameters::place_offsets(std::int64_t multiple) {
+  layout_ = FlatLayout(align_);
+  for (size_t i = 0; i < placed_.size(); ++i) {
+    if (i > 0 && placed_[i].unit != placed_[i - 1].unit) layout_.pad_to(multiple);
+    placed_[i].offset = layout_.add(placed_[i].param.numel());
+  }
+}
+
+TRAINKIT_INLINE std::vector<Range> FlatParameters::unit_ranges(std::int64_t multiple) const {
+  std::vector<Range> out;
+  for (size_t i = 0; i < placed_.size(); ++i)
+    if (i == 0 || placed_[i].unit != placed_[i - 1].unit) {
+      if (!out.empty()) out.back().length = placed_[i].offset - out.back().begin;
+      out.push_back({placed_[i].offset, 0});
+    }
+  if (!out.empty()) out.back().length = (layout_.padded() + multiple - 1) / multiple * multiple - out.back().begin;
+  return out;
+}
+
+TRAINKIT_INLINE void FlatParameters::install_hooks(bool overlap) {
   std::vector<Range> ranges;
   std::vector<std::int64_t> order;
   std::vector<std::string> names;
@@ -157,9 +232,9 @@ TRAINKIT_INLINE void FlatParameters::install_hooks() {
     order.push_back(e.order);
     names.push_back(e.name);
   }
-  readiness_ = std::make_shared<Readiness>(ranges, order, std::move(names), partition_);
+  if (overlap) readiness_ = std::make_shared<Readiness>(ranges, order, std::move(names), partition_);
   for (size_t i = 0; i < placed_.size(); ++i)
-    torch::autograd::impl::set_post_acc_grad_hooks(placed_[i].param, std::make_unique<ReadyHook>(readiness_, i));
+    torch::autograd::impl::set_post_acc_grad_hooks(placed_[i].param, std::make_unique<ReadyHook>(readiness_, units_, i));
 }
 
 TRAINKIT_INLINE torch::Tensor FlatParameters::allocate_flat(std::int64_t numel, torch::Device device) const {
@@ -197,7 +272,8 @@ TRAINKIT_INLINE void FlatParameters::make_groups(const torch::Tensor& grads) {
 }
 
 TRAINKIT_INLINE void FlatParameters::record_view(const PlacedParameter& e) {
-  views_.push_back({e.param, e.param.grad().storage().unsafeGetStorageImpl(), e.param.data_ptr(), e.name});
+  views_.push_back({e.param, e.param.grad().storage().unsafeGetStorageImpl(), e.param.storage().unsafeGetStorageImpl(),
+                    e.name});
 }
 
 TRAINKIT_INLINE void FlatParameters::bind_gradients(const torch::Tensor& grads) {
@@ -349,21 +425,78 @@ TRAINKIT_INLINE FlatStorage::FlatStorage(torch::nn::Module& model, const Trainer
   allocate(layout_.padded());
 }
 
+TRAINKIT_INLINE FlatStorage::~FlatStorage() {
+  if (!units_) return;
+  detail::UnitRegistry::get().remove(units_.get());
+  units_->close();
+}
+
 TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& model) {
+  if (units_)
+    throw std::logic_error("set_replicas: the parameters are sharded over the ranks already (ZeRO stage 3); attach "
+                           "the replicas once");
   replicas_ = &replicas;
-  partition_ = partition_for(replicas, sharding_, /*element_size=*/4);
-  if (partition_.total() != params_.numel()) allocate(partition_.total());
-  replicas.attach(model, params_);
+  if (sharding_ == Sharding::parameters && replicas.communicates()) {
+    attach_units(replicas, model);
+  } else {
+    partition_ = partition_for(replicas, sharding_, /*element_size=*/4);
+    if (partition_.total() != params_.numel()) allocate(partition_.total());
+    replicas.attach(model, params_);
+  }
   local_grad_ = torch::Tensor();
   summed_ = false;
   if (shards_gradients()) detail::release_storage(grad_);
   readiness_.reset();
-  if (overlap_ && replicas.communicates()) install_hooks();
+  if ((overlap_ && replicas.communicates()) || units_) install_hooks(overlap_ && replicas.communicates());
   return sharded();
+}
+
+TRAINKIT_INLINE void FlatStorage::attach_units(Replicas& replicas, torch::nn::Module& model) {
+  // Each unit one bucket, cut in as many aligned slices as there are ranks.
+  const std::int64_t multiple = align_ * replicas.world_size();
+  place_offsets(multiple);
+  partition_ = detail::Partition(unit_ranges(multiple), replicas.world_size(), replicas.rank());
+  allocate(partition_.total());
+  replicas.attach(model, params_);
+  shard_parameters();
+  detail::UnitRegistry::get().add(units_);
+}
+
+TRAINKIT_INLINE void FlatStorage::shard_parameters() {
+  torch::NoGradGuard no_grad;
+  std::vector<detail::ShardedUnits::Unit> units;
+  std::vector<std::int64_t> member_of(placed_.size(), 0);
+  for (size_t i = 0; i < placed_.size(); ++i) {
+    auto& e = placed_[i];
+    if (i == 0 || e.unit != placed_[i - 1].unit) {
+      const auto b = static_cast<std::int64_t>(units.size());
+      const auto bucket = partition_.bucket(b);
+      const auto& [name, module] = unit_paths_.at(static_cast<size_t>(e.unit));
+      units.push_back({name, module, b, params_.narrow(0, bucket.begin, bucket.length).clone(), 0, e.unit == 0});
+    }
+    auto& u = units.back();
+    const auto begin = partition_.bucket(u.bucket).begin;
+    e.param.set_data(u.buffer.narrow(0, e.offset - begin, e.param.numel()).view(e.param.sizes()));
+    ++u.members;
+    member_of[i] = u.bucket;
+  }
+  auto local = torch::zeros({partition_.local_total()}, params_.options());
+  for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
+    const auto s = partition_.slice(b);
+    local.narrow(0, partition_.local(b), s.length).copy_(params_.narrow(0, s.begin, s.length));
+  }
+  params_ = local;  // (the whole flat parameters go)
+  for (auto& g : groups_) g.params = torch::Tensor();  // metadata only: the update reads this rank's slices
+  views_.clear();
+  for (const auto& e : placed_) record_view(e);
+  units_ = std::make_shared<detail::ShardedUnits>(std::move(units), std::move(member_of), *replicas_, partition_, params_);
+  units_->release_all();
+  release_cached(device_);
 }
 
 TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& done) {
   allocate_gradient();
+  if (units_) units_->arm();
   if (readiness_ && done.micro_batch_ends && (done.closes || shards_gradients())) {
     reduction_ = replicas_->start_reduction(grad_, reduction_target(), partition_, done.window, done.closes);
     readiness_->arm(*reduction_);
@@ -371,6 +504,7 @@ TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& do
 }
 
 TRAINKIT_INLINE void FlatStorage::backward_done(const detail::BackwardDone& done) {
+  if (units_) units_->release_all();  // (the units whose parameters got no gradient)
   if (done.closes || !done.micro_batch_ends || !shards_gradients()) return;
   finish_reduction(*replicas_, done.window, /*closes=*/false);
   detail::release_storage(grad_);
@@ -397,6 +531,7 @@ TRAINKIT_INLINE void FlatStorage::discard_micro_batch() {
 TRAINKIT_INLINE void FlatStorage::zero() {
   drop_reduction();
   summed_ = false;
+  if (units_) units_->release_all();  // (after a failed forward or backward)
   if (!sharded()) {
     grad_.zero_();
     return;
@@ -423,13 +558,26 @@ TRAINKIT_INLINE void FlatStorage::load(torch::serialize::InputArchive& archive, 
 
 TRAINKIT_INLINE void FlatStorage::snapshot(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
                                            const detail::UpdateRule& rule) const {
-  save_parameters(archive, module);
+  if (units_) {  // this rank's slices and the root unit as they are: no collective
+    write_frozen(archive, module);
+    detail::write_tensor(archive, "snapshot.params_local", params_);
+    detail::write_tensor(archive, "snapshot.root", replicated_state());
+  } else {
+    save_parameters(archive, module);
+  }
   for (const auto* s : rule.flat_states()) detail::write_tensor(archive, "snapshot." + s->kind(), s->flat());
 }
 
 TRAINKIT_INLINE void FlatStorage::restore(torch::serialize::InputArchive& archive, torch::nn::Module& module,
                                           detail::UpdateRule& rule) {
-  load_parameters(archive, module);
+  if (units_) {
+    read_frozen(archive, module);
+    detail::read_into(archive, "snapshot.params_local", params_);
+    detail::read_into(archive, "snapshot.root", replicated_state());
+    units_->release_all();
+  } else {
+    load_parameters(archive, module);
+  }
   for (auto* s : rule.flat_states()) detail::read_into(archive, "snapshot." + s->kind(), s->flat());
 }
 
@@ -446,6 +594,13 @@ TRAINKIT_INLINE void FlatStorage::load_window(torch::serialize::InputArchive& ar
 
 TRAINKIT_INLINE void FlatStorage::save_parameters(torch::serialize::OutputArchive& archive,
                                                   torch::nn::Module& module) const {
+  if (units_) {
+    // Stage 3: the trainable parameters from every rank's slices (a set: each rank its own
+    // pieces; one file: gathered to the main rank, a collective), the frozen ones as they are.
+    write_local_by_name(archive, "model.param.", params_);
+    write_frozen(archive, module);
+    return;
+  }
   if (const auto* set = detail::ShardedWrites::of(archive); set != nullptr && sharded()) {
     // Every rank holds the parameters; each writes the parts its slices cover (a set's files
     // then split the model over the ranks), the main rank the frozen ones (and the empty ones,
@@ -463,7 +618,26 @@ TRAINKIT_INLINE void FlatStorage::save_parameters(torch::serialize::OutputArchiv
   for (const auto& p : module.named_parameters(true)) detail::write_tensor(archive, "model.param." + p.key(), p.value());
 }
 
+TRAINKIT_INLINE void FlatStorage::write_frozen(torch::serialize::OutputArchive& archive, torch::nn::Module& module) const {
+  for (const auto& p : module.named_parameters(true))
+    if (!p.value().requires_grad()) detail::write_tensor(archive, "model.param." + p.key(), p.value());
+}
+
+TRAINKIT_INLINE void FlatStorage::read_frozen(torch::serialize::InputArchive& archive, torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (const auto& p : module.named_parameters(true))
+    if (!p.value().requires_grad()) detail::read_into(archive, "model.param." + p.key(), p.value());
+}
+
 TRAINKIT_INLINE void FlatStorage::load_parameters(torch::serialize::InputArchive& archive, torch::nn::Module& module) {
+  if (units_) {
+    // Stage 3: this rank's slices (from a set, only their byte ranges); the root unit gathered
+    // from them (a collective: every rank loads).
+    read_by_name(archive, "model.param.", params_);
+    read_frozen(archive, module);
+    units_->refresh();
+    return;
+  }
   torch::NoGradGuard no_grad;
   for (const auto& p : module.named_parameters(true)) detail::read_into(archive, "model.param." + p.key(), p.value());
 }

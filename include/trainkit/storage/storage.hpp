@@ -63,6 +63,7 @@
 #include <trainkit/step/options.hpp>
 #include <trainkit/step/precision.hpp>
 #include <trainkit/step/replicas.hpp>
+#include <trainkit/storage/sharded_units.hpp>
 
 #include <c10/core/CachingDeviceAllocator.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -92,6 +93,7 @@ struct PlacedParameter {
   bool decay = true;
   std::int64_t offset = 0;  ///< in the flat buffers
   std::int64_t order = 0;   ///< its place among the model's trainable parameters
+  std::int64_t unit = 0;    ///< Sharding::parameters: its unit (0: the root unit, what no unit holds)
 };
 
 /// Overlap (TrainerOptions::overlap_reduction): during an armed backward, which buckets of the
@@ -146,13 +148,16 @@ class Readiness {
 
 /// The hook a parameter calls after its gradient is accumulated; it outlives nothing: the
 /// storage's Readiness gone, it does nothing.
+/// ZeRO stage 3 also counts the gradient in its unit (ShardedUnits::ready), overlapping or not.
 class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
  public:
-  ReadyHook(std::weak_ptr<Readiness> readiness, size_t index) : readiness_(std::move(readiness)), index_(index) {}
+  ReadyHook(std::weak_ptr<Readiness> readiness, std::weak_ptr<ShardedUnits> units, size_t index)
+      : readiness_(std::move(readiness)), units_(std::move(units)), index_(index) {}
   TRAINKIT_INLINE void operator()(const torch::autograd::Variable&) override;
 
  private:
   std::weak_ptr<Readiness> readiness_;
+  std::weak_ptr<ShardedUnits> units_;
   size_t index_;
 };
 
@@ -190,6 +195,9 @@ class FlatParameters {
 
   /// Once per window, a pointer compare per parameter.
   void check() const;
+  /// Sharding::parameters over several ranks: the units' schedule (null otherwise), which the
+  /// trainer's forward makes active (trainer/unit.hpp).
+  const std::shared_ptr<ShardedUnits>& sharded_units() const { return units_; }
 
  protected:
   /// The overflow diagnosis's view (trainer/nonfinite_watch.hpp) of `gradient`, a buffer in
@@ -214,8 +222,20 @@ class FlatParameters {
   /// bucket_bytes with several, sharded with `sharding`.
   Partition partition_for(const Replicas& replicas, Sharding sharding, std::int64_t element_size) const;
 
-  /// Overlap: a post-accumulate-grad hook on every trainable parameter (after the partition).
-  void install_hooks();
+  /// A post-accumulate-grad hook on every trainable parameter (after the partition): for the
+  /// overlap (`overlap`: the buckets' Readiness) and for ZeRO stage 3's units (units_).
+  void install_hooks(bool overlap);
+
+  /// Sharding::parameters: the units of `model` that `paths` names (TrainerOptions::units)
+  /// into unit_paths_, and each placed parameter's unit; a path that names no module, one unit
+  /// inside another, or a path given twice throws.
+  void resolve_units(torch::nn::Module& model, const std::vector<std::string>& paths);
+  /// The parameters' offsets in unit order, each unit starting at a multiple of `multiple`
+  /// elements (into layout_ and each placed parameter's offset).
+  void place_offsets(std::int64_t multiple);
+  /// Sharding::parameters: each unit's range of the flat layout (a bucket each), in unit order;
+  /// `multiple`: place_offsets()'s.
+  std::vector<Range> unit_ranges(std::int64_t multiple) const;
 
   /// `numel` elements of fp32 on `device`, the layout's gaps zero (before the parameters are
   /// copied in).
@@ -308,6 +328,10 @@ class FlatParameters {
   Partition partition_;
   Replicas* replicas_ = nullptr;  // the trainer's, from attach()
   std::shared_ptr<Readiness> readiness_;  // overlap: defined when the hooks are installed
+  // Sharding::parameters: the units named (unit_paths_[0] is the root, ""), and their
+  // schedule once the parameters are sharded over several ranks.
+  std::vector<std::pair<std::string, const torch::nn::Module*>> unit_paths_;
+  std::shared_ptr<ShardedUnits> units_;
   // Sharded:
   torch::Tensor local_grad_;  // this rank's slices of the reduced gradient
   torch::Tensor scratch_;     // Sharding::gradients with several micro-batches: one reduction's slices
@@ -315,8 +339,8 @@ class FlatParameters {
 
   struct View {
     torch::Tensor param;
-    const c10::StorageImpl* grad_storage;  // the .grad's storage
-    const void* param_data;                // the parameter's
+    const c10::StorageImpl* grad_storage;   // the .grad's storage
+    const c10::StorageImpl* param_storage;  // the parameter's (its data move when a unit of stage 3 is gathered)
     std::string name;
   };
   std::vector<View> views_;
@@ -337,6 +361,9 @@ class FlatStorage : public detail::FlatParameters {
   /// `dtype`: the precision's storage_dtype, fp32 (the model's parameters are the flat buffer).
   FlatStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
               at::ScalarType dtype = at::kFloat);
+  TRAINKIT_INLINE ~FlatStorage();
+  FlatStorage(const FlatStorage&) = delete;
+  FlatStorage& operator=(const FlatStorage&) = delete;
 
   /// The flat gradient (every trainable parameter's .grad is a view into it). Sharded with
   /// Sharding::gradients, its memory exists only from a backward to the reduction after it.
@@ -374,9 +401,11 @@ class FlatStorage : public detail::FlatParameters {
     }
     for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
       auto part = local_grad_.narrow(0, partition_.local(b), partition_.slice(b).length);
-      f(slice_groups(b, params_, /*params_local=*/false, local_grad_), part);
+      f(slice_groups(b, params_, /*params_local=*/units_ != nullptr, local_grad_), part);
     }
-    replicas_->all_gather(params_, partition_);
+    // Stage 3: the units are gathered where they are used; the root unit now.
+    if (units_) units_->refresh();
+    else replicas_->all_gather(params_, partition_);
   }
   void zero();
 
@@ -388,8 +417,14 @@ class FlatStorage : public detail::FlatParameters {
   void snapshot(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
                 const detail::UpdateRule& rule) const;
   void restore(torch::serialize::InputArchive& archive, torch::nn::Module& module, detail::UpdateRule& rule);
-  /// What every rank must hold alike after a load (compared across the ranks).
-  const torch::Tensor& replicated_state() const { return params_; }
+  /// What every rank must hold alike after a load (compared across the ranks): the parameters,
+  /// or with stage 3 the root unit's (the rest is each rank's own slices).
+  const torch::Tensor& replicated_state() const {
+    if (!units_) return params_;
+    for (const auto& u : units_->units())
+      if (u.whole) return u.buffer;
+    return no_state_;
+  }
 
   /// The open window's gradient (a checkpoint inside a window, PARTIAL_WINDOW: span): this
   /// rank's gradient as it is (replicated and Sharding::optimizer: the main rank's, as every
@@ -402,7 +437,17 @@ class FlatStorage : public detail::FlatParameters {
   void save_parameters(torch::serialize::OutputArchive& archive, torch::nn::Module& module) const;
   void load_parameters(torch::serialize::InputArchive& archive, torch::nn::Module& module);
 
-  bool shards_gradients() const { return sharded() && sharding_ == Sharding::gradients; }
+  bool shards_gradients() const {
+    return sharded() && (sharding_ == Sharding::gradients || sharding_ == Sharding::parameters);
+  }
+  // Stage 3 at attach: the layout in units, the buffers cut, the parameters sharded.
+  void attach_units(Replicas& replicas, torch::nn::Module& model);
+  // Stage 3: each unit's parameters become views of its own buffer, this rank's slices the
+  // local parameters (params_), and the units but the root released.
+  void shard_parameters();
+  // Stage 3: the frozen parameters (those the trainer does not hold) by name.
+  void write_frozen(torch::serialize::OutputArchive& archive, torch::nn::Module& module) const;
+  void read_frozen(torch::serialize::InputArchive& archive, torch::nn::Module& module);
 
   // The flat buffers at `numel` elements: the parameters copied in and their views re-pointed,
   // the gradient zero (at construction, and at attach() when the partition pads the buffers).
@@ -424,6 +469,7 @@ class FlatStorage : public detail::FlatParameters {
   torch::Device device_;
   std::unique_ptr<Reduction> reduction_;  // overlap: started before the backward, finished after
   torch::Tensor grad_;
+  torch::Tensor no_state_ = torch::zeros({0});  // stage 3 without a root unit: nothing replicated
 };
 
 }  // namespace trainkit

@@ -576,10 +576,14 @@ class Trainer final : public detail::TrainerCore {
 
   // 1. Forward + loss inside the precision policy's region (autocast for BF16/FP16); the
   //    region closes before any backward bookkeeping.
+  //    ZeRO stage 3: the storage's units' schedule is active for the forward (tk::unit gathers
+  //    each unit's parameters there; the hooks it leaves gather them for the backward).
   template <class Closure>
   torch::Tensor forward(Closure&& closure) {
     torch::Tensor loss;
     {
+      std::optional<detail::UnitScheduleScope> units;
+      if (storage_.sharded_units()) units.emplace(storage_.sharded_units());
       [[maybe_unused]] const auto region = precision_.region();
       loss = closure();
     }

@@ -26,18 +26,23 @@
 ///                       (once per such output: the schedule gathers at the first); the unit's
 ///                       gradient is complete when its parameters' post-accumulate-grad hooks
 ///                       have fired, which the storage counts (detail::Readiness)
-/// No trainkit storage installs a schedule yet (TRAIN.ZERO_STAGE goes to 2; stage 3 will): until
-/// one does, a unit is its call, so a model can mark its units already.
+///   outside a step      a unit of a stage-3 trainer alive in the process, called under
+///                       torch::NoGradGuard (evaluation): gathered for the call, released
+///                       after; with autograd on: refused (std::logic_error)
+/// FlatStorage with Sharding::parameters (TRAIN.ZERO_STAGE: 3) installs the schedule
+/// (storage/sharded_units.hpp); with any other storage a unit is its call.
 /// Composes with tk::recompute, inside: `tk::unit(layer, [=](const torch::Tensor& x) { return
 /// tk::recompute(layer, x); }, x)` recomputes the forward in the unit's backward, after
 /// before_backward, with the parameters gathered.
 #include <trainkit/detail/module_of.hpp>
+#include <trainkit/detail/unit_schedule.hpp>
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -45,37 +50,6 @@
 namespace trainkit {
 
 namespace detail {
-
-/// What a stage-3 storage does at the units' boundaries (see the file comment). The hooks of
-/// the backward hold it by shared_ptr: it outlives the graph that calls them.
-class UnitSchedule {
- public:
-  virtual ~UnitSchedule() = default;
-  /// The unit `module` is (an index), or -1 when it is none.
-  virtual std::int64_t unit_of(const torch::nn::Module& module) const = 0;
-  virtual void before_forward(std::int64_t unit) = 0;
-  virtual void after_forward(std::int64_t unit) = 0;
-  virtual void before_backward(std::int64_t unit) = 0;
-};
-
-/// The schedule of the forward running on this thread (null: none).
-inline std::shared_ptr<UnitSchedule>& active_unit_schedule() {
-  thread_local std::shared_ptr<UnitSchedule> schedule;
-  return schedule;
-}
-
-/// RAII: `schedule` active on this thread for the region, the previous one after.
-class UnitScheduleScope {
- public:
-  explicit UnitScheduleScope(std::shared_ptr<UnitSchedule> schedule)
-      : previous_(std::exchange(active_unit_schedule(), std::move(schedule))) {}
-  ~UnitScheduleScope() { active_unit_schedule() = std::move(previous_); }
-  UnitScheduleScope(const UnitScheduleScope&) = delete;
-  UnitScheduleScope& operator=(const UnitScheduleScope&) = delete;
-
- private:
-  std::shared_ptr<UnitSchedule> previous_;
-};
 
 template <class R>
 inline constexpr bool unit_result_v = std::is_same_v<R, torch::Tensor> || std::is_same_v<R, std::vector<torch::Tensor>>;
@@ -103,13 +77,34 @@ R scheduled_call(const std::shared_ptr<UnitSchedule>& schedule, std::int64_t uni
   return out;
 }
 
-// `call()` as unit `module` of the active schedule, or alone.
+// `call()` as unit `module` of the active schedule, or alone. Outside a step, a unit of a
+// live stage-3 storage is gathered around its call (evaluation); a forward that records a
+// graph there has no trainer to take its gradient, and is refused before its parameters could
+// be read released.
 template <class R, class M, class Call>
 R unit_call(const M& module, Call&& call) {
   const auto& schedule = active_unit_schedule();
-  const std::int64_t u = schedule ? schedule->unit_of(unit_module(module)) : -1;
-  if (u < 0) return call();
-  return scheduled_call<R>(schedule, u, std::forward<Call>(call));
+  if (schedule) {
+    const std::int64_t u = schedule->unit_of(unit_module(module));
+    if (u < 0) return call();
+    return scheduled_call<R>(schedule, u, std::forward<Call>(call));
+  }
+  const auto [owner, u] = UnitRegistry::get().find(unit_module(module));
+  if (!owner) return call();
+  if (torch::GradMode::is_enabled())
+    throw std::logic_error("tk::unit: a unit whose parameters are sharded (ZeRO stage 3, TRAIN.ZERO_STAGE: 3) was "
+                           "called with autograd on outside the trainer's micro_step: its parameters exist only "
+                           "gathered for the trainer's forward and backward. Evaluate under torch::NoGradGuard "
+                           "(each unit is then gathered for its call), or train through the trainer");
+  owner->before_forward(u);
+  try {
+    R out = call();
+    owner->after_forward(u);
+    return out;
+  } catch (...) {
+    owner->after_forward(u);
+    throw;
+  }
 }
 
 }  // namespace detail
