@@ -368,6 +368,44 @@ TEST_CASE("a checkpoint set: each rank writes its own slices, and any world size
   }
 }
 
+TEST_CASE("stage 3 checkpoints: a file and a set with the same records, loaded bit for bit at any world size and "
+          "stage, and a resume that goes on as if never stopped") {
+  testing::TempDir dir;
+  const std::vector<std::string> common{"--model", "mlp-ln", "--batch", "4", "--accum", "2", "--precision", "fp16",
+                                        "--overflow-rank", "0", "--overflow-window", "2"};
+  const std::string single = dir / "a.ckpt", set = dir / "set/set-0000.ckpt";
+  run_ranks(2, dir / "a", with(common, {"--steps", "5", "--sharding", "3", "--save", single, "--save-set", dir / "set"}));
+  CHECK(summary(dir / "a", 0)["skipped"] == 1);
+  const auto saved = records(single, kState);
+  CHECK(equal_records(records(set, kState), saved));
+  for (const auto& [world, stage] :
+       std::vector<std::pair<int, std::string>>{{1, "0"}, {2, "0"}, {2, "2"}, {3, "3"}, {4, "3"}}) {
+    SUBCASE(("loaded by " + std::to_string(world) + " rank(s), stage " + stage).c_str()) {
+      for (const auto& from : {single, set}) {
+        CAPTURE(from);
+        const std::string again = dir / "again.ckpt";
+        const auto args = with(common, {"--steps", "5", "--sharding", stage, "--load", from, "--save", again});
+        if (world == 1) run_one(dir / "b", args);
+        else run_ranks(world, dir / "b", args);
+        CHECK(equal_records(records(again, kState), saved));
+      }
+    }
+  }
+  SUBCASE("stage 0 -> stage 3") {
+    run_one(dir / "d", with(common, {"--steps", "5", "--save", dir / "d.ckpt"}));
+    const auto one = records(dir / "d.ckpt", kState);
+    run_ranks(3, dir / "e", with(common, {"--steps", "5", "--sharding", "3", "--load", dir / "d.ckpt", "--save", dir / "e.ckpt"}));
+    CHECK(equal_records(records(dir / "e.ckpt", kState), one));
+  }
+  SUBCASE("resumed at the same world size, training goes on as if it never stopped") {
+    const std::string mid = dir / "mid.ckpt", straight = dir / "straight.ckpt", resumed = dir / "resumed.ckpt";
+    run_ranks(2, dir / "straight", with(common, {"--steps", "8", "--sharding", "3", "--save", straight}));
+    run_ranks(2, dir / "first", with(common, {"--steps", "4", "--sharding", "3", "--save", mid}));
+    run_ranks(2, dir / "resumed", with(common, {"--steps", "8", "--sharding", "3", "--load", mid, "--save", resumed}));
+    CHECK(equal_records(records(resumed, kState), records(straight, kState)));
+  }
+}
+
 TEST_CASE("a checkpoint set needs one directory that every rank shares: ranks naming different ones stop alike, "
           "saying so") {
   testing::TempDir dir;
