@@ -17,6 +17,7 @@
 #include "scenes.hpp"
 
 #include <trainkit/trainer/recompute.hpp>
+#include <trainkit/trainer/unit.hpp>
 
 #include <torch/nn/functional/loss.h>
 #include <torch/nn/module.h>
@@ -143,10 +144,14 @@ struct VLBertImpl : torch::nn::Module {
     for (const auto& layer : *layers) {
       LayerImpl* l = layer->as<Layer>();
       // NETWORK.RECOMPUTE: keep only each layer's input; its activations are made again in
-      // backward (the same dropout masks), for one more forward per layer.
-      x = config.recompute ? trainkit::recompute([l](const torch::Tensor& in, const torch::Tensor& mask) { return l->forward(in, mask); },
-                                                 x, bias)
-                           : l->forward(x, bias);
+      // backward (the same dropout masks), for one more forward per layer. Each layer is a
+      // unit (TRAIN.ZERO_STAGE 3 gathers its parameters around its call; otherwise the call).
+      x = trainkit::unit(l, [&](const torch::Tensor& in) {
+        return config.recompute
+                   ? trainkit::recompute([l](const torch::Tensor& y, const torch::Tensor& mask) { return l->forward(y, mask); },
+                                         in, bias)
+                   : l->forward(in, bias);
+      }, x);
     }
     return x;
   }

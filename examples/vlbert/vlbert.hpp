@@ -384,7 +384,12 @@ template <class Model, class MakeTask>
 RunResult run_fit(const tk::RunPlan& plan, const tk::Launch& launch, Model& model, const std::string& name,
                   const std::string& eval, MakeTask&& make_task) {
   const tk::FitOptions& options = plan.fit;
-  const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(plan, model);
+  // TRAIN.ZERO_STAGE 3 with TRAIN.UNITS empty: each encoder layer is a unit (model.hpp's
+  // encode() calls each through tk::unit); the embeddings and the heads stay whole.
+  tk::RunPlan units_chosen = plan;
+  if (plan.trainer_options.sharding() == tk::Sharding::parameters && plan.trainer_options.units().empty())
+    units_chosen.trainer_options.units({"vlbert.encoder.*"});
+  const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(units_chosen, model);
   tk::AnyTrainer& trainer = *made;
   launch.attach(trainer);  // data parallel: rank 0's weights to every rank, one all-reduce per window
   if (launch.is_main())

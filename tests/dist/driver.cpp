@@ -43,6 +43,8 @@
 //                                                  --overflow-rank R --overflow-window W makes rank R's
 //                                                  loss infinite from epoch 0's micro-batch W (1-based) on
 //       [--forward-peaks 1]                        with --fit: FitOptions::forward_peaks (TRAIN.FORWARD_PEAKS)
+//       [--validate 1]                             with --fit: a validation after each epoch in which rank r
+//                                                  runs r + 1 forwards (shards of different sizes)
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/parallel/data_parallel.hpp>
@@ -78,6 +80,7 @@ struct Args {
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
+  int validate = 0;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -110,7 +113,7 @@ Args parse(int argc, char** argv) {
   take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume), take("oom-index", a.oom_index);
   take("cap-rank", a.cap_rank), take("cap", a.cap), take("width", a.width), take("dropout", a.dropout);
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
-  take("forward-peaks", a.forward_peaks), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
+  take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -301,6 +304,12 @@ int run(const Args& a) {
     };
     // Pieces for a replay: the loss is the mean over the batch's samples.
     task.items = [](const std::vector<std::int64_t>& b) { return static_cast<std::int64_t>(b.size()); };
+    if (a.validate)
+      task.validate = [&](std::int64_t) {
+        torch::Tensor loss;
+        for (int i = 0; i <= rank; ++i) loss = torch::mse_loss(model(x.narrow(0, 0, 8)), y.narrow(0, 0, 8));
+        return std::map<std::string, double>{{"Val", loss.item<double>()}};
+      };
     task.split = [](const std::vector<std::int64_t>& b, std::int64_t parts) {
       std::vector<std::vector<std::int64_t>> pieces(static_cast<size_t>(parts));
       for (size_t i = 0; i < b.size(); ++i) pieces[i * static_cast<size_t>(parts) / b.size()].push_back(b[i]);

@@ -60,7 +60,7 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of the TRAIN section, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 53);  // VL-BERT's 28 TRAIN keys and trainkit's 25
+  CHECK(t.size() == 54);  // VL-BERT's 28 TRAIN keys and trainkit's 26
   CHECK(t["CHECKPOINT_BACKGROUND"] == true);
   CHECK(t["CHECKPOINT_FORMAT"] == "auto");
   CHECK(t["ZERO_STAGE"] == 0);

@@ -406,6 +406,17 @@ TEST_CASE("stage 3 checkpoints: a file and a set with the same records, loaded b
   }
 }
 
+TEST_CASE("stage 3 with no units: every rank stops at set_replicas, saying so") {
+  testing::TempDir dir;
+  // (`affine` reads its weights outside any call: the driver names no unit)
+  auto ranks = spawn_ranks(2, dir / "none", std::to_string(free_port()),
+                           {"--model", "affine", "--steps", "1", "--sharding", "3"});
+  for (auto& c : ranks) {
+    CHECK(wait_exit(c, 120) == 1);
+    CHECK(slurp(c.err).find("ZeRO stage 3 (Sharding::parameters, TRAIN.ZERO_STAGE: 3) with no units") != std::string::npos);
+  }
+}
+
 TEST_CASE("a checkpoint set needs one directory that every rank shares: ranks naming different ones stop alike, "
           "saying so") {
   testing::TempDir dir;
@@ -419,9 +430,13 @@ TEST_CASE("a checkpoint set needs one directory that every rank shares: ranks na
 }
 
 TEST_CASE("a sharded fit killed with SIGKILL resumes from its last checkpoint as if never stopped") {
+  // Stage 3 validates after each epoch, rank r with r + 1 forwards (every unit held gathered for
+  // the validation: per-unit gathers would pair rank 0's second forward with rank 1's next step).
+  const auto run = [](bool stage3) {
   testing::TempDir dir;
   const std::vector<std::string> fit{"--steps", "0", "--batch", "4", "--accum", "2", "--bucket-bytes", "256",
-                                     "--model", "mlp-ln", "--precision", "fp16master", "--sharding", "2"};
+                                     "--model", "mlp-ln", "--precision", stage3 ? "fp16" : "fp16master",
+                                     "--sharding", stage3 ? "3" : "2", "--validate", stage3 ? "1" : "0"};
   auto with_fit = [&](const std::string& out, std::vector<std::string> extra) {
     extra.insert(extra.begin(), {"--fit", dir / out});
     extra.insert(extra.end(), fit.begin(), fit.end());
@@ -458,6 +473,10 @@ TEST_CASE("a sharded fit killed with SIGKILL resumes from its last checkpoint as
   ::closedir(out);
   CHECK(members == 6);  // (2 sets: 2 ranks' files and the records each)
   for (int r = 0; r < 2; ++r) CHECK(torch::equal(params(dir / "resumed", r), params(dir / "straight", r)));
+  CHECK(equal_records(records(dir / "killed-out/model-0001.ckpt", kState), records(dir / "straight-out/model-0001.ckpt", kState)));
+  };
+  SUBCASE("stage 2, FP16 master weights") { run(false); }
+  SUBCASE("stage 3, FP16, uneven validation") { run(true); }
 }
 
 TEST_CASE("the reduction overlaps the backward: the same result, buckets sent during it") {
@@ -532,8 +551,13 @@ TEST_CASE("sharding: TRAIN.ZERO_STAGE in the plan, one process unsharded, a torc
   config.load_string(R"({"TRAIN": {"ZERO_STAGE": 1}})", tk::Config::Format::json);
   CHECK(tk::RunPlan::from(config, 2).trainer_options.sharding() == tk::Sharding::optimizer);
   CHECK(tk::RunPlan::from(tk::Config(), 2).trainer_options.sharding() == tk::Sharding::none);
-  CHECK_THROWS_WITH_AS(config.load_string(R"({"TRAIN": {"ZERO_STAGE": 3}})", tk::Config::Format::json), doctest::Contains("TRAIN.ZERO_STAGE"),
+  config.load_string(R"({"TRAIN": {"ZERO_STAGE": 3, "UNITS": ["vlbert.encoder.*", "head"]}})", tk::Config::Format::json);
+  CHECK(tk::RunPlan::from(config, 2).trainer_options.sharding() == tk::Sharding::parameters);
+  CHECK(tk::RunPlan::from(config, 2).trainer_options.units() == std::vector<std::string>{"vlbert.encoder.*", "head"});
+  CHECK_THROWS_WITH_AS(config.load_string(R"({"TRAIN": {"ZERO_STAGE": 4}})", tk::Config::Format::json), doctest::Contains("TRAIN.ZERO_STAGE"),
                        tk::ConfigError);
+  config.load_string(R"({"TRAIN": {"ZERO_STAGE": 3, "FP16": true, "MASTER_WEIGHTS": true}})", tk::Config::Format::json);
+  CHECK_THROWS_WITH_AS(tk::RunPlan::from(config, 2), doctest::Contains("TRAIN.ZERO_STAGE"), tk::ConfigError);
 
   // One process: nothing to shard; the trainer trains as the replicated one, bit for bit.
   torch::manual_seed(3);
@@ -553,6 +577,23 @@ TEST_CASE("sharding: TRAIN.ZERO_STAGE in the plan, one process unsharded, a torc
   }
   CHECK_FALSE(sharded.saves_collectively());
   CHECK(torch::equal(sharded.parameters(), plain.parameters()));
+
+  // Stage 3's units are resolved at construction, one process or not.
+  torch::nn::ModuleList net(torch::nn::Linear(4, 4), torch::nn::ModuleList(torch::nn::Linear(4, 4), torch::nn::Tanh()));
+  const auto units = [&](std::vector<std::string> paths) {
+    T(net, tk::AdamW{1e-2}, tk::TrainerOptions().sharding(tk::Sharding::parameters).units(std::move(paths)));
+  };
+  CHECK_NOTHROW(units({"0", "1"}));
+  CHECK_NOTHROW(units({"1.*"}));
+  CHECK_THROWS_WITH_AS(units({"2"}), doctest::Contains("'2' names no module of the model; its modules are named '0', '1', "
+                                                       "'1.0', '1.1'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(units({"1", "1.0"}), doctest::Contains("are one inside the other"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(units({"0", "0"}), doctest::Contains("names unit '0' again"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(units({"0.*"}), doctest::Contains("module '0' has no children"), std::invalid_argument);
+  using Master = tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>, tk::AccumulationPolicy<2>,
+                             tk::ClipPolicy<tk::ClipNorm>>;
+  CHECK_THROWS_WITH_AS(Master(net, tk::AdamW{1e-2}, tk::TrainerOptions().sharding(tk::Sharding::parameters).units({"0"})),
+                       doctest::Contains("does not shard master weights"), std::invalid_argument);
 
   auto model = torch::nn::Linear(4, 2);
   auto sgd = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1));

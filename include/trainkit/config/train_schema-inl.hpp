@@ -156,10 +156,18 @@ TRAINKIT_INLINE Schema train_schema() {
       "non-finite output named where it begins; costs nothing when false");
   s.boolean("MASTER_WEIGHTS", false)
       .doc("with FP16 or BF16: the model stored in half precision, fp32 master weights in the trainer (Apex O2)");
-  s.integer("ZERO_STAGE", 0).min(0).max(2).doc(
+  s.integer("ZERO_STAGE", 0).min(0).max(3).doc(
       "data parallel: what each rank keeps of the update (ZeRO's stages): 0 everything (replicated); 1 the optimizer's "
       "state and fp32 master weights of its slices of the parameters only; 2 also the gradient: none between optimizer "
-      "steps, and inside a window of several micro-batches only its slices of their sum. No effect with one process");
+      "steps, and inside a window of several micro-batches only its slices of their sum; 3 also the parameters of the "
+      "model's UNITS, each gathered for its forward and its backward only (not with MASTER_WEIGHTS or MEMORY_BUDGET "
+      "yet). No effect with one process");
+  s.list("UNITS", Field::string("").check([](const nlohmann::json& v) -> std::string {
+     return v.get<std::string>().empty() ? "expected a module path (encoder.layer.3, or encoder.layer.* for each child)"
+                                         : "";
+   })).doc("ZERO_STAGE 3: the model's units by module path (vlbert.encoder.3), or a path ending in .* for each child of "
+           "that module (vlbert.encoder.*); the model calls each through tk::unit. Empty: the application's choice "
+           "(VL-BERT: vlbert.encoder.*)");
   s.boolean("OVERLAP_REDUCTION", true).doc(
       "data parallel: reduce the gradient bucket by bucket during the backward that closes a window (with ZERO_STAGE 2 "
       "during every backward), as the gradients become ready; false: after the backward");

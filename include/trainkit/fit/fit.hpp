@@ -567,13 +567,23 @@ class FitLoop {
 
   // 4. task.validate in eval mode (dropout off, normalisation's running statistics) and without
   // a graph, whatever the task does itself; the model's mode as it was afterwards, also when
-  // validate throws.
+  // validate throws. ZeRO stage 3: every unit gathered for the validation (the ranks' shards of
+  // the validation set may hold different numbers of batches: per-unit gathers would pair one
+  // rank's forward with another's metrics), released after.
   std::map<std::string, double> validate(std::int64_t epoch) {
     struct Mode {
       torch::nn::Module& model;
       bool training;
       ~Mode() { model.train(training); }
     } restore{trainer_.model(), trainer_.model().is_training()};
+    struct Held {
+      AnyTrainer& trainer;
+      bool on;
+      ~Held() {
+        if (on) trainer.hold_parameters(false);  // (no collective)
+      }
+    } held{trainer_, trainer_.shards_parameters()};
+    if (held.on) trainer_.hold_parameters(true);
     trainer_.model().eval();
     torch::NoGradGuard no_grad;
     return task_.validate(epoch);

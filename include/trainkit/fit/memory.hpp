@@ -145,6 +145,10 @@ class PieceRunner {
   /// margin. The optimizer's state is allocated first (AnyTrainer::allocate_optimizer_state);
   /// the model's buffers, the generators and the trainer's gradient are put back as they were.
   MemoryPlan plan(double budget_setting, std::int64_t epoch) {
+    if (trainer_.shards_parameters())
+      throw ConfigError("TRAIN.MEMORY_BUDGET", "is not planned with ZERO_STAGE 3 yet (its measurement would run the "
+                                               "forward outside the trainer's step, where the units' parameters are "
+                                               "not gathered); set the pieces with TRAIN.PIECE_ITEMS, or MEMORY_BUDGET: 0");
     if (!task_.split)  // (fit() refuses a split without items)
       throw ConfigError("TRAIN.MEMORY_BUDGET", "planning the micro-batch needs a task that splits its batches "
                                                "(tk::Task::split and items); this task has no split. Set TRAIN.MEMORY_BUDGET: 0");
@@ -289,6 +293,11 @@ class PieceRunner {
                               (last_piece_items_ >= 0 ? items_text(last_piece_items_) + " at once" : "no item count") +
                               "): " + first_line_of(e) + ". ";
     const std::string intact = "; the checkpoints written so far are intact";
+    if (trainer_.shards_parameters())
+      throw std::runtime_error(where + "With ZeRO stage 3 (TRAIN.ZERO_STAGE: 3) every forward and backward gathers "
+                               "the units' parameters on every rank in step, so this rank cannot replay its "
+                               "micro-batch alone; resume with a smaller micro-batch (TRAIN.PIECE_ITEMS) or more ranks" +
+                               intact);
     if (!task_.split)
       throw std::runtime_error(where + "Give the task a split function (tk::Task::split, with items) so that trainkit "
                                "replays the window in smaller pieces, or plan them with TRAIN.MEMORY_BUDGET" + intact);

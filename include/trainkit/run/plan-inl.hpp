@@ -57,7 +57,14 @@ TRAINKIT_INLINE void plan_window(const nlohmann::json& t, TrainerKey& key, Train
 TRAINKIT_INLINE void plan_parameters(const nlohmann::json& t, TrainerOptions& o) {
   o.nonfinite(t["NONFINITE"].get<std::string>() == "abort" ? NonFinite::abort : NonFinite::skip);
   const auto stage = t["ZERO_STAGE"].get<std::int64_t>();
-  o.sharding(stage == 2 ? Sharding::gradients : stage == 1 ? Sharding::optimizer : Sharding::none);
+  o.sharding(stage == 3   ? Sharding::parameters
+             : stage == 2 ? Sharding::gradients
+             : stage == 1 ? Sharding::optimizer
+                          : Sharding::none);
+  if (stage == 3 && t["MASTER_WEIGHTS"].get<bool>())
+    throw ConfigError("TRAIN.ZERO_STAGE", "3 does not shard master weights' half parameters yet (TRAIN.MASTER_WEIGHTS "
+                                          "is true); use ZERO_STAGE 2 with master weights, or 3 without them");
+  o.units(t["UNITS"].get<std::vector<std::string>>());
   o.overlap_reduction(t["OVERLAP_REDUCTION"].get<bool>());
   std::vector<std::pair<std::string, double>> groups;
   for (const auto& pair : t["LR_MULT"]) groups.emplace_back(pair[0].get<std::string>(), pair[1].get<double>());

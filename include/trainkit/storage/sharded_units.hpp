@@ -13,7 +13,9 @@
 ///   before_backward(u)  gathered again, when the gradient reaches one of the unit's outputs
 ///   ready(i)            parameter i's gradient accumulated (its post-accumulate-grad hook):
 ///                       the unit's buffer released after its last parameter's
-///   backward_ended()    the units whose parameters got no gradient released too
+///   release_all()       after the backward: the units whose parameters got no gradient too
+///   hold()              every unit gathered until release_held() (the fit loop's validation,
+///                       whose forwards the ranks may run in different numbers)
 /// What no unit holds (the root unit: embeddings' neighbours, heads, norms at the top) is one
 /// unit that is never released: it is gathered after every update and every load.
 /// Every rank gathers in the order of its forward and backward, which the same model and
@@ -95,6 +97,18 @@ class ShardedUnits final : public UnitSchedule {
         gather(static_cast<std::int64_t>(u));
       }
   }
+  /// Every unit gathered (one all-gather each, in unit order: every rank calls it) and kept so
+  /// until release_held(): a region whose forwards differ in number between the ranks
+  /// (validation over uneven shards) then makes no collective.
+  void hold() {
+    for (size_t u = 0; u < units_.size(); ++u) gather(static_cast<std::int64_t>(u));
+    held_ = true;
+  }
+  void release_held() {
+    held_ = false;
+    release_all();
+  }
+  bool held() const { return held_; }
   /// The storage is gone: later calls (a graph outliving it) throw.
   void close() { replicas_ = nullptr; }
 
@@ -126,7 +140,7 @@ class ShardedUnits final : public UnitSchedule {
   }
   void release(std::int64_t u) {
     const auto& unit = units_[static_cast<size_t>(u)];
-    if (unit.whole || !gathered_[static_cast<size_t>(u)]) return;
+    if (unit.whole || held_ || !gathered_[static_cast<size_t>(u)]) return;
     release_storage(unit.buffer);
     gathered_[static_cast<size_t>(u)] = false;
     now_ -= unit.buffer.numel();
@@ -142,6 +156,7 @@ class ShardedUnits final : public UnitSchedule {
   std::vector<std::int64_t> waiting_;
   std::vector<bool> fired_;
   std::int64_t gathers_ = 0, now_ = 0, peak_ = 0;
+  bool held_ = false;
 };
 
 }  // namespace trainkit::detail

@@ -437,6 +437,10 @@ TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& 
                            "the replicas once");
   replicas_ = &replicas;
   if (sharding_ == Sharding::parameters && replicas.communicates()) {
+    if (std::none_of(placed_.begin(), placed_.end(), [](const detail::PlacedParameter& e) { return e.unit != 0; }))
+      throw std::invalid_argument("set_replicas: ZeRO stage 3 (Sharding::parameters, TRAIN.ZERO_STAGE: 3) with no "
+                                  "units (TrainerOptions::units, TRAIN.UNITS): every parameter would be kept whole, as "
+                                  "stage 2 keeps them; name the model's units (its layers), or use stage 2");
     attach_units(replicas, model);
   } else {
     partition_ = partition_for(replicas, sharding_, /*element_size=*/4);

@@ -157,6 +157,14 @@ class AnyTrainer {
   /// receives every rank's part.
   virtual void save(torch::serialize::OutputArchive& archive) const = 0;
   virtual bool saves_collectively() const { return false; }
+  /// Whether the model's units' parameters are sharded over the ranks (ZeRO stage 3): each
+  /// forward and backward then gathers them in step on every rank.
+  virtual bool shards_parameters() const { return false; }
+  /// With shards_parameters(): `true` gathers every unit's parameters (one all-gather per unit;
+  /// every rank calls it) and keeps them until `false`, so that forwards in between (validation
+  /// over shards of different sizes) make no collective; the fit loop's validation runs so.
+  /// Otherwise nothing.
+  virtual void hold_parameters(bool) {}
   /// This rank's state as it holds it, without collectives (the rollback of a failed load).
   virtual void snapshot(torch::serialize::OutputArchive& archive) const { save(archive); }
   /// The state from `archive`, opened from `source` (named in errors): Trainer::load.

@@ -411,6 +411,10 @@ class Trainer final : public detail::TrainerCore {
   /// This rank's state as it holds it, with no collective (a failed load's rollback).
   void snapshot(torch::serialize::OutputArchive& archive) const override { write_state(archive, /*snapshot=*/true); }
   bool saves_collectively() const override { return storage_.sharded(); }
+  bool shards_parameters() const override { return storage_.sharded_units() != nullptr; }
+  void hold_parameters(bool hold) override {
+    if (const auto& units = storage_.sharded_units()) hold ? units->hold() : units->release_held();
+  }
 
   /// Restores the state save() wrote. A checkpoint of another trainer type or optimizer, or
   /// with other parameter names or shapes, is refused before anything changes (the message
