@@ -403,6 +403,7 @@ int run(const Args& a) {
                       {"all_gather_calls", counter->all_gather_calls},
                       {"unit_gathers", units ? units->gathers() : 0},
                       {"unit_peak", units ? units->peak_gathered() : 0},
+                      {"unit_gradient_peak", units ? units->peak_gradient() : 0},
                       {"parameter_bytes", parameter_bytes(*model)},
                       {"buckets", replicas->buckets(trainer.parameters().numel())},
                       {"numel", trainer.parameters().numel()},

@@ -105,7 +105,24 @@ class DataParallel final : public Replicas {
   std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local, const detail::Partition& partition,
                                              const WindowWeights& window, bool closes) override {
     if (local.defined()) check_partition(partition, flat_grad);
-    return std::make_unique<BucketReduction>(*this, flat_grad, std::move(local), partition, window, closes);
+    GradientBuckets buckets;
+    buckets.input = [flat = flat_grad, partition](std::int64_t b) {
+      const auto bucket = partition.bucket(b);
+      return flat.narrow(0, bucket.begin, std::min(bucket.length, flat.numel() - bucket.begin));
+    };
+    return std::make_unique<BucketReduction>(*this, std::move(buckets), flat_grad.element_size(), std::move(local),
+                                             partition, window, closes);
+  }
+  std::unique_ptr<Reduction> start_unit_reduction(GradientBuckets buckets, torch::Tensor local,
+                                                  const detail::Partition& partition, const WindowWeights& window,
+                                                  bool closes) override {
+    if (partition.world_size() != world_size() || partition.rank() != rank() ||
+        local.numel() != partition.local_total())
+      throw std::logic_error("trainkit::DataParallel: a unit reduction for rank " + std::to_string(partition.rank()) +
+                             " of " + std::to_string(partition.world_size()) + " into " + std::to_string(local.numel()) +
+                             " local elements, for rank " + std::to_string(rank()) + " of " + std::to_string(world_size()));
+    return std::make_unique<BucketReduction>(*this, std::move(buckets), /*element_size=*/4, std::move(local), partition,
+                                             window, closes);
   }
   torch::Tensor global_norm(const torch::Tensor& local) override {
     // The slices' squared norms summed: the norm of norms, as the chunked master-weights phase
@@ -244,9 +261,9 @@ class DataParallel final : public Replicas {
   // bucket's collective at launch(), the item count and the waits at finish().
   class BucketReduction final : public Reduction {
    public:
-    BucketReduction(DataParallel& owner, torch::Tensor& flat, torch::Tensor local, detail::Partition partition,
-                    const WindowWeights& window, bool closes)
-        : owner_(owner), flat_(flat), local_(std::move(local)), partition_(std::move(partition)),
+    BucketReduction(DataParallel& owner, GradientBuckets buckets, std::int64_t element_size, torch::Tensor local,
+                    detail::Partition partition, const WindowWeights& window, bool closes)
+        : owner_(owner), buckets_(std::move(buckets)), local_(std::move(local)), partition_(std::move(partition)),
           launched_(static_cast<size_t>(partition_.buckets()), false) {
       if (closes) ++owner_.windows_;
       // Gloo's reduce-scatter is an all-reduce of a copy of its input: a bucket in flight holds
@@ -268,7 +285,7 @@ class DataParallel final : public Replicas {
         factor_ = {1.0, {}};
         return;
       }
-      if (flat.element_size() < 4) {
+      if (element_size < 4) {
         TORCH_CHECK(closes, "trainkit::DataParallel: a half gradient is reduced once per window");
         if (window.items >= 0) {
           auto total = torch::full({1}, static_cast<float>(window.items), scalar);
@@ -304,9 +321,12 @@ class DataParallel final : public Replicas {
     void launch(std::int64_t b) override {
       if (launched_[static_cast<size_t>(b)]) return;
       launched_[static_cast<size_t>(b)] = true;
+      // The collectives already complete are taken first (no wait): a stage-3 unit's gradient
+      // is released as soon as its reduce-scatter is done, not when the window's last is.
+      while (waited_ < works_.size() && works_[waited_] && works_[waited_]->isCompleted()) wait_next();
       while (works_.size() - waited_ >= max_in_flight_) wait_next();
       const auto bucket = partition_.bucket(b);
-      auto in = flat_.narrow(0, bucket.begin, std::min(bucket.length, flat_.numel() - bucket.begin));
+      auto in = buckets_.input(b);
       if (weight_.defined()) in.mul_(weight_);  // (in fp32, rounded once to the half dtype)
       else if (premultiplier_ != 1.0) in.mul_(premultiplier_);
       const std::string what = std::string(local_.defined() ? "reduce-scatter" : "all-reduce") + " of gradient bucket " +
@@ -324,12 +344,14 @@ class DataParallel final : public Replicas {
         owner_.group_.fail("starting the " + what, detail::message_of(e));
       }
       names_.push_back(what);
+      bucket_of_.push_back(b);
     }
     GradientFactor finish() override {
       for (std::int64_t b = partition_.buckets() - 1; b >= 0; --b) launch(b);
       if (items_.defined()) {
         works_.push_back(owner_.group_.start_all_reduce(items_));
         names_.push_back("all-reduce of the window's item count" + step_);
+        bucket_of_.push_back(-1);
       }
       while (waited_ < works_.size()) wait_next();
       return factor_;
@@ -337,7 +359,9 @@ class DataParallel final : public Replicas {
 
    private:
     DataParallel& owner_;
-    torch::Tensor flat_, local_;
+    GradientBuckets buckets_;
+    torch::Tensor local_;
+    std::vector<std::int64_t> bucket_of_;  // each work's bucket (-1: the item count)
     detail::Partition partition_;
     std::vector<bool> launched_;
     std::string step_;
@@ -352,6 +376,7 @@ class DataParallel final : public Replicas {
     void wait_next() {
       auto work = std::move(works_[waited_]);
       owner_.group_.wait(work, names_[waited_]);
+      if (buckets_.done && bucket_of_[waited_] >= 0) buckets_.done(bucket_of_[waited_]);
       ++waited_;
     }
   };

@@ -28,6 +28,11 @@
 ///                                 `local`. A non-finite value on any rank is non-finite on every
 ///                                 rank after the sum, so every rank skips the same steps
 ///   reduce_buckets(...)           start_reduction() and finish() at once (nothing overlapped)
+///   start_unit_reduction(buckets, local, partition, window, closes)
+///                                 ZeRO stage 3: as start_reduction into `local`, each bucket's
+///                                 gradient its own buffer (GradientBuckets: asked for at its
+///                                 launch, told when its collective is done, so that its memory
+///                                 can go then)
 ///   global_norm(local)            phases 6-7: the L2 norm over every rank's `local` slices (one
 ///                                 small all-reduce of the squares; a device scalar)
 ///   sum(values)                   phase 9, sharded master weights: the fp32-kept parameters
@@ -52,6 +57,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -84,6 +90,14 @@ struct WindowWeights {
 struct GradientFactor {
   double rescale = 1.0;
   torch::Tensor total;
+};
+
+/// ZeRO stage 3's gradient, a buffer per bucket (a unit's): `input(b)` gives bucket b's buffer
+/// (whole, allocated: the reduction weights it in place), `done(b)` says that its collective has
+/// completed (the buffer may be released).
+struct GradientBuckets {
+  std::function<torch::Tensor(std::int64_t)> input;
+  std::function<void(std::int64_t)> done;
 };
 
 /// One window's gradient reduction in flight (Replicas::start_reduction).
@@ -137,6 +151,12 @@ class Replicas {
   virtual std::unique_ptr<Reduction> start_reduction(torch::Tensor& flat_grad, torch::Tensor local,
                                                      const detail::Partition& partition, const WindowWeights& window,
                                                      bool closes) = 0;
+  /// (The default serves implementations that never shard parameters.)
+  virtual std::unique_ptr<Reduction> start_unit_reduction(GradientBuckets, torch::Tensor, const detail::Partition&,
+                                                          const WindowWeights&, bool) {
+    throw std::logic_error("trainkit::Replicas: this implementation does not reduce a gradient held per unit; ZeRO "
+                           "stage 3 (Sharding::parameters) needs Replicas::start_unit_reduction");
+  }
   /// start_reduction() and finish() at once (nothing overlapped).
   GradientFactor reduce_buckets(torch::Tensor& flat_grad, torch::Tensor local, const detail::Partition& partition,
                                 const WindowWeights& window, bool closes);

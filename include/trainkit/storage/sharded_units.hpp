@@ -11,8 +11,17 @@
 ///                       the graph's saved parameters are those views, and see the values again
 ///                       once the backward gathers them
 ///   before_backward(u)  gathered again, when the gradient reaches one of the unit's outputs
-///   ready(i)            parameter i's gradient accumulated (its post-accumulate-grad hook):
-///                       the unit's buffer released after its last parameter's
+///   ready(i, param)     parameter i's gradient accumulated (its post-accumulate-grad hook):
+///                       added into the unit's gradient buffer (allocated, zeros, at the first
+///                       of the unit's), the parameter's .grad reset; the unit's parameters
+///                       released after its last parameter's
+///   gradient(b)         bucket b's gradient for its reduce-scatter (zeros where no parameter
+///                       of the unit got one); gradient_done(b) releases it once reduced
+/// The parameters' .grad are undefined between their uses: autograd allocates each gradient
+/// itself and the hook moves it into the unit's buffer, so no gradient is ever written into a
+/// released buffer (a parameter used outside its unit's call gets its gradient all the same).
+/// A rank thus holds, during a backward, the gradients of the units whose reduce-scatter has
+/// not completed, not the whole model's.
 ///   release_all()       after the backward: the units whose parameters got no gradient too
 ///   hold()              every unit gathered until release_held() (the fit loop's validation,
 ///                       whose forwards the ranks may run in different numbers)
@@ -48,16 +57,20 @@ class ShardedUnits final : public UnitSchedule {
     bool whole = false;                           ///< the root unit: never released
   };
 
-  /// `units`: their buffers hold their values (gathered); `member_of[i]`: the unit of the
-  /// storage's parameter i; `local`: this rank's slices (its buffer lives as long as the storage).
-  ShardedUnits(std::vector<Unit> units, std::vector<std::int64_t> member_of, Replicas& replicas, Partition partition,
-               torch::Tensor local)
-      : units_(std::move(units)), member_of_(std::move(member_of)), replicas_(&replicas),
-        partition_(std::move(partition)), local_(std::move(local)), gathered_(units_.size(), true),
+  /// `units`: their buffers (gathered, or released); `member_of[i]`: the unit of the
+  /// storage's parameter i and `at[i]` its first element in that unit's buffer; `local`: this
+  /// rank's slices (its buffer lives as long as the storage).
+  ShardedUnits(std::vector<Unit> units, std::vector<std::int64_t> member_of, std::vector<std::int64_t> at,
+               Replicas& replicas, Partition partition, torch::Tensor local)
+      : units_(std::move(units)), member_of_(std::move(member_of)), at_(std::move(at)), replicas_(&replicas),
+        partition_(std::move(partition)), local_(std::move(local)), gathered_(units_.size(), false),
         waiting_(units_.size(), 0) {
     for (size_t u = 0; u < units_.size(); ++u) {
       if (units_[u].module) modules_[units_[u].module] = static_cast<std::int64_t>(u);
-      if (!units_[u].whole) now_ += units_[u].buffer.numel();
+      gathered_[u] = !is_released(units_[u].buffer);
+      if (!units_[u].whole && gathered_[u]) now_ += units_[u].buffer.numel();
+      grads_.push_back(torch::empty({units_[u].buffer.numel()}, units_[u].buffer.options()));
+      release_storage(grads_.back());
     }
     peak_ = now_;
   }
@@ -75,12 +88,47 @@ class ShardedUnits final : public UnitSchedule {
     for (size_t u = 0; u < units_.size(); ++u) waiting_[u] = units_[u].members;
     fired_.assign(member_of_.size(), false);
   }
-  /// Parameter i's gradient is accumulated (the autograd engine's thread).
-  void ready(size_t i) {
+  /// Parameter i's gradient is accumulated into `param`'s .grad (the autograd engine's thread):
+  /// it moves into its unit's gradient buffer.
+  void ready(size_t i, const torch::Tensor& param) {
+    const auto u = member_of_[i];
+    if (auto& g = param.mutable_grad(); g.defined()) {
+      torch::NoGradGuard no_grad;
+      auto& buffer = grads_[static_cast<size_t>(u)];
+      if (is_released(buffer)) {
+        allocate_released(buffer);  // zeros
+        grad_now_ += buffer.numel();
+        grad_peak_ = std::max(grad_peak_, grad_now_);
+      }
+      buffer.narrow(0, at_[i], g.numel()).add_(g.reshape({-1}));
+      g = torch::Tensor();
+    }
     if (fired_.size() != member_of_.size() || fired_[i]) return;  // (not armed; a second accumulation)
     fired_[i] = true;
-    const auto u = member_of_[i];
     if (--waiting_[static_cast<size_t>(u)] == 0) release(u);
+  }
+  /// Bucket b's gradient for its reduce-scatter: zeros where none of its parameters got one.
+  torch::Tensor gradient(std::int64_t b) {
+    auto& buffer = grads_[static_cast<size_t>(b)];
+    if (is_released(buffer)) {
+      allocate_released(buffer);
+      grad_now_ += buffer.numel();
+      grad_peak_ = std::max(grad_peak_, grad_now_);
+    }
+    return buffer;
+  }
+  /// Bucket b's reduce-scatter is complete: its gradient's memory goes.
+  void gradient_done(std::int64_t b) {
+    auto& buffer = grads_[static_cast<size_t>(b)];
+    if (is_released(buffer)) return;
+    release_storage(buffer);
+    grad_now_ -= buffer.numel();
+  }
+  /// Every unit's gradient dropped (a failed micro-batch, a dropped window), and the
+  /// parameters' .grad with it.
+  void drop_gradients(const std::vector<torch::Tensor>& params) {
+    for (std::int64_t b = 0; b < static_cast<std::int64_t>(grads_.size()); ++b) gradient_done(b);
+    for (const auto& p : params) p.mutable_grad() = torch::Tensor();
   }
   /// After a backward, or before the update: only the root unit stays gathered.
   void release_all() {
@@ -117,6 +165,8 @@ class ShardedUnits final : public UnitSchedule {
   std::int64_t gathers() const { return gathers_; }
   /// The most elements gathered at once outside the root unit, since construction.
   std::int64_t peak_gathered() const { return peak_; }
+  /// The most gradient elements held at once (every unit's buffer counted while allocated).
+  std::int64_t peak_gradient() const { return grad_peak_; }
 
  private:
   void gather(std::int64_t u) {
@@ -147,7 +197,7 @@ class ShardedUnits final : public UnitSchedule {
   }
 
   std::vector<Unit> units_;
-  std::vector<std::int64_t> member_of_;
+  std::vector<std::int64_t> member_of_, at_;
   Replicas* replicas_;
   Partition partition_;
   torch::Tensor local_;
@@ -155,7 +205,8 @@ class ShardedUnits final : public UnitSchedule {
   std::vector<bool> gathered_;
   std::vector<std::int64_t> waiting_;
   std::vector<bool> fired_;
-  std::int64_t gathers_ = 0, now_ = 0, peak_ = 0;
+  std::vector<torch::Tensor> grads_;  // each unit's gradient, allocated from its first gradient to its reduction
+  std::int64_t gathers_ = 0, now_ = 0, peak_ = 0, grad_now_ = 0, grad_peak_ = 0;
   bool held_ = false;
 };
 

@@ -74,9 +74,9 @@ TRAINKIT_INLINE void Readiness::ready(size_t i) {
   }
 }
 
-TRAINKIT_INLINE void ReadyHook::operator()(const torch::autograd::Variable&) {
+TRAINKIT_INLINE void ReadyHook::operator()(const torch::autograd::Variable& param) {
+  if (auto u = units_.lock()) u->ready(index_, param);  // (first: its unit's bucket may launch next)
   if (auto r = readiness_.lock()) r->ready(index_);
-  if (auto u = units_.lock()) u->ready(index_);
 }
 
 TRAINKIT_INLINE void FlatParameters::check() const {
@@ -89,7 +89,8 @@ TRAINKIT_INLINE void FlatParameters::check() const {
           "or move the model before building the trainer, or use trainer.load(path) or tk::load_weights(model, "
           "path), which copy into the parameters");
   for (const auto& v : views_)
-    if (!v.param.grad().defined() || v.param.grad().storage().unsafeGetStorageImpl() != v.grad_storage)
+    if (v.grad_storage != nullptr &&  // (stage 3: the .grad exist only inside a backward)
+        (!v.param.grad().defined() || v.param.grad().storage().unsafeGetStorageImpl() != v.grad_storage))
       throw std::logic_error(
           "Trainer: the .grad of parameter '" + v.name +
           "' was replaced or reset (model->zero_grad() or an optimizer's zero_grad()?); the "
@@ -254,7 +255,7 @@ TRAINKIT_INLINE void FlatParameters::release_cached(torch::Device device) {
   if (!device.is_cpu()) c10::getDeviceAllocator(device.type())->emptyCache();
 }
 
-TRAINKIT_INLINE void FlatParameters::make_groups(const torch::Tensor& grads) {
+TRAINKIT_INLINE void FlatParameters::make_groups(const torch::Tensor& grads, bool bind_params) {
   groups_.clear();
   ranges_.clear();
   std::int64_t begin = 0;
@@ -264,7 +265,7 @@ TRAINKIT_INLINE void FlatParameters::make_groups(const torch::Tensor& grads) {
     const bool ends = i + 1 == placed_.size() || placed_[i + 1].lr_mult != e.lr_mult || placed_[i + 1].decay != e.decay;
     if (!ends) continue;
     const auto end = e.offset + e.param.numel();
-    groups_.push_back({params_.narrow(0, begin, end - begin),
+    groups_.push_back({bind_params ? params_.narrow(0, begin, end - begin) : torch::Tensor(),
                        grads.defined() ? grads.narrow(0, begin, end - begin) : torch::Tensor(), e.lr_mult, e.decay,
                        layout_.slice(begin, end), /*state_offset=*/begin});
     ranges_.push_back({begin, end - begin});
@@ -272,8 +273,8 @@ TRAINKIT_INLINE void FlatParameters::make_groups(const torch::Tensor& grads) {
 }
 
 TRAINKIT_INLINE void FlatParameters::record_view(const PlacedParameter& e) {
-  views_.push_back({e.param, e.param.grad().storage().unsafeGetStorageImpl(), e.param.storage().unsafeGetStorageImpl(),
-                    e.name});
+  views_.push_back({e.param, e.param.grad().defined() ? e.param.grad().storage().unsafeGetStorageImpl() : nullptr,
+                    e.param.storage().unsafeGetStorageImpl(), e.name});
 }
 
 TRAINKIT_INLINE void FlatParameters::bind_gradients(const torch::Tensor& grads) {
@@ -456,51 +457,71 @@ TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& 
 }
 
 TRAINKIT_INLINE void FlatStorage::attach_units(Replicas& replicas, torch::nn::Module& model) {
+  // The whole gradient goes first (stage 3 holds one per unit, and only as needed); every rank
+  // takes rank 0's values in the construction's layout (one broadcast).
+  for (auto& e : placed_) e.param.mutable_grad() = torch::Tensor();
+  for (auto& g : groups_) g.grads = torch::Tensor();
+  views_.clear();
+  grad_ = torch::empty({0}, params_.options());
+  replicas.attach(model, params_);
   // Each unit one bucket, cut in as many aligned slices as there are ranks.
   const std::int64_t multiple = align_ * replicas.world_size();
   place_offsets(multiple);
   partition_ = detail::Partition(unit_ranges(multiple), replicas.world_size(), replicas.rank());
-  allocate(partition_.total());
-  replicas.attach(model, params_);
   shard_parameters();
   detail::UnitRegistry::get().add(units_);
 }
 
 TRAINKIT_INLINE void FlatStorage::shard_parameters() {
+  // Unit by unit: its buffer filled from the parameters' values, the parameters made views of
+  // it, this rank's slice kept, the buffer released (the root unit's kept): the whole model is
+  // held once (the construction's flat buffer) plus one unit, never twice.
   torch::NoGradGuard no_grad;
   std::vector<detail::ShardedUnits::Unit> units;
-  std::vector<std::int64_t> member_of(placed_.size(), 0);
+  std::vector<std::int64_t> member_of(placed_.size(), 0), at(placed_.size(), 0);
+  auto local = torch::zeros({partition_.local_total()}, params_.options());
+  const auto finish = [&](detail::ShardedUnits::Unit& u) {
+    const auto bucket = partition_.bucket(u.bucket), s = partition_.slice(u.bucket);
+    local.narrow(0, partition_.local(u.bucket), s.length).copy_(u.buffer.narrow(0, s.begin - bucket.begin, s.length));
+    if (!u.whole) detail::release_storage(u.buffer);
+  };
   for (size_t i = 0; i < placed_.size(); ++i) {
     auto& e = placed_[i];
     if (i == 0 || e.unit != placed_[i - 1].unit) {
+      if (!units.empty()) finish(units.back());
       const auto b = static_cast<std::int64_t>(units.size());
-      const auto bucket = partition_.bucket(b);
       const auto& [name, module] = unit_paths_.at(static_cast<size_t>(e.unit));
-      units.push_back({name, module, b, params_.narrow(0, bucket.begin, bucket.length).clone(), 0, e.unit == 0});
+      units.push_back({name, module, b, torch::zeros({partition_.bucket(b).length}, params_.options()), 0, e.unit == 0});
     }
     auto& u = units.back();
     const auto begin = partition_.bucket(u.bucket).begin;
-    e.param.set_data(u.buffer.narrow(0, e.offset - begin, e.param.numel()).view(e.param.sizes()));
+    auto view = u.buffer.narrow(0, e.offset - begin, e.param.numel());
+    view.copy_(e.param.reshape({-1}));
+    e.param.set_data(view.view(e.param.sizes()));
     ++u.members;
     member_of[i] = u.bucket;
+    at[i] = e.offset - begin;
   }
-  auto local = torch::zeros({partition_.local_total()}, params_.options());
-  for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
-    const auto s = partition_.slice(b);
-    local.narrow(0, partition_.local(b), s.length).copy_(params_.narrow(0, s.begin, s.length));
-  }
-  params_ = local;  // (the whole flat parameters go)
-  for (auto& g : groups_) g.params = torch::Tensor();  // metadata only: the update reads this rank's slices
+  if (!units.empty()) finish(units.back());
+  params_ = local;  // (the construction's flat buffer goes)
+  make_groups(torch::Tensor(), /*bind_params=*/false);  // metadata only: the update reads this rank's slices
   views_.clear();
   for (const auto& e : placed_) record_view(e);
-  units_ = std::make_shared<detail::ShardedUnits>(std::move(units), std::move(member_of), *replicas_, partition_, params_);
-  units_->release_all();
+  units_ = std::make_shared<detail::ShardedUnits>(std::move(units), std::move(member_of), std::move(at), *replicas_,
+                                                  partition_, params_);
   release_cached(device_);
 }
 
 TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& done) {
+  if (units_) {
+    units_->arm();
+    if (readiness_ && done.micro_batch_ends) {
+      reduction_ = replicas_->start_unit_reduction(unit_gradients(), reduction_target(), partition_, done.window, done.closes);
+      readiness_->arm(*reduction_);
+    }
+    return;
+  }
   allocate_gradient();
-  if (units_) units_->arm();
   if (readiness_ && done.micro_batch_ends && (done.closes || shards_gradients())) {
     reduction_ = replicas_->start_reduction(grad_, reduction_target(), partition_, done.window, done.closes);
     readiness_->arm(*reduction_);
@@ -517,7 +538,7 @@ TRAINKIT_INLINE void FlatStorage::backward_done(const detail::BackwardDone& done
 TRAINKIT_INLINE GradientFactor FlatStorage::reduce(Replicas& replicas, const WindowWeights& window) {
   // (A window flushed at an epoch's end after a reduced micro-batch has no gradient left:
   // zeros stand for it, and the reduction still brings the window's item total.)
-  allocate_gradient();
+  if (!units_) allocate_gradient();
   const GradientFactor factor = finish_reduction(replicas, window, /*closes=*/true);
   if (shards_gradients()) detail::release_storage(grad_);
   return factor;
@@ -529,13 +550,17 @@ TRAINKIT_INLINE torch::Tensor FlatStorage::norm() const {
 
 TRAINKIT_INLINE void FlatStorage::discard_micro_batch() {
   drop_reduction();
+  if (units_) units_->drop_gradients(trainable());
   if (!detail::is_released(grad_)) detail::release_storage(grad_);
 }
 
 TRAINKIT_INLINE void FlatStorage::zero() {
   drop_reduction();
   summed_ = false;
-  if (units_) units_->release_all();  // (after a failed forward or backward)
+  if (units_) {  // (after a failed forward or backward)
+    units_->release_all();
+    units_->drop_gradients(trainable());
+  }
   if (!sharded()) {
     grad_.zero_();
     return;
@@ -667,7 +692,20 @@ TRAINKIT_INLINE void FlatStorage::allocate(std::int64_t numel) {
 }
 
 TRAINKIT_INLINE void FlatStorage::allocate_gradient() {
-  if (detail::is_released(grad_)) detail::allocate_released(grad_);
+  if (!units_ && detail::is_released(grad_)) detail::allocate_released(grad_);  // (stage 3: one per unit, as needed)
+}
+
+TRAINKIT_INLINE GradientBuckets FlatStorage::unit_gradients() const {
+  GradientBuckets buckets;
+  buckets.input = [units = units_.get()](std::int64_t b) { return units->gradient(b); };
+  buckets.done = [units = units_.get()](std::int64_t b) { units->gradient_done(b); };
+  return buckets;
+}
+
+TRAINKIT_INLINE std::vector<torch::Tensor> FlatStorage::trainable() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& e : placed_) out.push_back(e.param);
+  return out;
 }
 
 TRAINKIT_INLINE torch::Tensor FlatStorage::reduction_target() {
@@ -685,6 +723,8 @@ TRAINKIT_INLINE GradientFactor FlatStorage::finish_reduction(Replicas& replicas,
     readiness_->disarm();
     factor = reduction_->finish();
     reduction_.reset();
+  } else if (units_) {
+    factor = replicas.start_unit_reduction(unit_gradients(), reduction_target(), partition_, window, closes)->finish();
   } else {
     factor = replicas.reduce_buckets(grad_, reduction_target(), partition_, window, closes);
   }

@@ -251,7 +251,8 @@ class FlatParameters {
 
   /// One group per run of parameters with the same (LR multiplier, decay): slices of params_
   /// and of `grads` (undefined: bound in each optimizer phase); the state at the group's offset.
-  void make_groups(const torch::Tensor& grads);
+  /// `bind_params` false: the groups' params undefined too (their place in the layout alone).
+  void make_groups(const torch::Tensor& grads, bool bind_params = true);
 
   /// Records the views check() compares against (after each parameter's data and .grad are set).
   void record_view(const PlacedParameter& e);
@@ -447,6 +448,11 @@ class FlatStorage : public detail::FlatParameters {
   void shard_parameters();
   // Stage 3: the frozen parameters (those the trainer does not hold) by name.
   void write_frozen(torch::serialize::OutputArchive& archive, torch::nn::Module& module) const;
+  // Stage 3: each unit's gradient buffer for a reduction (ShardedUnits::gradient), released
+  // as its collective completes.
+  GradientBuckets unit_gradients() const;
+  // The trainable parameters, in the storage's order.
+  std::vector<torch::Tensor> trainable() const;
   void read_frozen(torch::serialize::InputArchive& archive, torch::nn::Module& module);
 
   // The flat buffers at `numel` elements: the parameters copied in and their views re-pointed,
