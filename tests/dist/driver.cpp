@@ -34,6 +34,12 @@
 //                                                  for micro-batch 2 (F < 1: LibTorch's allocator fails
 //                                                  part way, where F says), and lifts the cap at
 //                                                  micro-batch 4; one intra-op thread
+//       [--cap-mib M]                              every rank's address space (RLIMIT_AS) capped at what it
+//                                                  holds once its process group is formed, before the
+//                                                  model is built, plus M MiB (one arena, one intra-op
+//                                                  thread: the cap then follows the tensors)
+//       [--model deep --width H --layers L]       Linear(8, H), L times tanh(Linear(H, H)), Linear(H, 4),
+//                                                  every Linear a unit with --sharding 3
 //       [--model wide --width H --dropout P]       three H-wide layers with dropout: activations
 //                                                  dominate the memory (--model wide)
 //       [--watch-nonfinite 1]                      the overflow diagnosis on from the start; the
@@ -82,9 +88,9 @@ struct Args {
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
   int validate = 0;
   std::int64_t log_frequent = 1, patience = 20;
-  std::int64_t width = 512;
+  std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
-  double cap = 0, dropout = 0;
+  double cap = 0, dropout = 0, cap_mib = 0;
 };
 
 Args parse(int argc, char** argv) {
@@ -111,7 +117,7 @@ Args parse(int argc, char** argv) {
   take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank), take("reduce", a.reduce);
   take("sharding", a.sharding), take("flush", a.flush), take("overlap", a.overlap);
   take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume), take("oom-index", a.oom_index);
-  take("cap-rank", a.cap_rank), take("cap", a.cap), take("width", a.width), take("dropout", a.dropout);
+  take("cap-rank", a.cap_rank), take("cap", a.cap), take("cap-mib", a.cap_mib), take("width", a.width), take("layers", a.layers), take("dropout", a.dropout);
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
   take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
@@ -123,9 +129,10 @@ Args parse(int argc, char** argv) {
 // runs in fp16), for comparisons that fp16 rounding of batch-size-dependent matmuls would blur.
 // `wide`: Linear(8, H), three times ReLU and dropout with Linear(H, H) between, Linear(H, 4).
 struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(const std::string& kind, std::int64_t width = 16, double dropout = 0)
+  explicit MlpImpl(const std::string& kind, std::int64_t width = 16, double dropout = 0, std::int64_t layers = 0)
       : affine(kind == "affine"),
         wide(kind == "wide"),
+        deep(kind == "deep"),
         p(dropout),
         fc1(register_module("fc1", torch::nn::Linear(8, width))),
         fc2(register_module("fc2", torch::nn::Linear(width, 4))) {
@@ -135,8 +142,20 @@ struct MlpImpl : torch::nn::Module {
       mid1 = register_module("mid1", torch::nn::Linear(width, width));
       mid2 = register_module("mid2", torch::nn::Linear(width, width));
     }
+    if (deep) {
+      mids = register_module("mids", torch::nn::ModuleList());
+      for (std::int64_t i = 0; i < layers; ++i) mids->push_back(torch::nn::Linear(width, width));
+    }
   }
   torch::Tensor forward(const torch::Tensor& x) {
+    if (deep) {
+      auto h = torch::relu(tk::unit(fc1, x));
+      for (const auto& m : *mids) {
+        auto* mid = m->as<torch::nn::LinearImpl>();
+        h = torch::tanh(tk::unit(mid, [&](const torch::Tensor& in) { return mid->forward(in); }, h));
+      }
+      return tk::unit(fc2, h);
+    }
     if (wide) {
       auto h = torch::dropout(torch::relu(tk::unit(fc1, x)), p, is_training());
       h = torch::dropout(torch::relu(tk::unit(mid1, h)), p, is_training());
@@ -157,7 +176,8 @@ struct MlpImpl : torch::nn::Module {
     }
     return tk::unit(fc2, h);
   }
-  bool affine, wide, oom_in_backward = false;
+  bool affine, wide, deep, oom_in_backward = false;
+  torch::nn::ModuleList mids{nullptr};
   double p;
   torch::nn::Linear fc1, fc2, mid1{nullptr}, mid2{nullptr};
   torch::nn::LayerNorm ln{nullptr};
@@ -233,19 +253,30 @@ class AddressCap {
 
 template <class Trainer>
 int run(const Args& a) {
-  if (a.cap_rank >= 0) torch::set_num_threads(1);  // no thread (and its stack) made under the cap
+  if (a.cap_rank >= 0 || a.cap_mib > 0) torch::set_num_threads(1);  // no thread (and its stack) made under the cap
   auto options = tk::DistributedOptions().timeout_seconds(a.timeout);
   if (a.heartbeat >= 0) options.heartbeat_seconds(a.heartbeat);
   auto base = tk::ProcessGroup::create(options);
   auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(base.backend());
   tk::ProcessGroup group(base.store(), counter, base.info(), base.timeout(), base.device());
   const int rank = group.rank(), world = group.world_size();
+  if (a.cap_mib > 0) {
+    ::mallopt(M_ARENA_MAX, 1);
+    ::mallopt(M_MMAP_THRESHOLD, 64 << 10);
+    const double held = tk::detail::proc_status_bytes("VmSize");
+    rlimit r{};
+    ::getrlimit(RLIMIT_AS, &r);
+    r.rlim_cur = static_cast<rlim_t>(held + a.cap_mib * 1024 * 1024);
+    if (::setrlimit(RLIMIT_AS, &r) != 0) throw std::runtime_error("setrlimit(RLIMIT_AS) failed");
+    std::cout << "address space capped at " << static_cast<long>(held / 1048576) << " MiB held + " << a.cap_mib
+              << " MiB" << std::endl;
+  }
 
   // Every rank starts from other weights: the broadcast at attach makes them rank 0's.
   torch::manual_seed(1000 + rank);
-  if (a.model != "mlp" && a.model != "affine" && a.model != "mlp-ln" && a.model != "wide")
-    throw std::invalid_argument("--model must be mlp, mlp-ln, affine or wide");
-  Mlp model(a.model, a.model == "wide" ? a.width : 16, a.dropout);
+  if (a.model != "mlp" && a.model != "affine" && a.model != "mlp-ln" && a.model != "wide" && a.model != "deep")
+    throw std::invalid_argument("--model must be mlp, mlp-ln, affine, wide or deep");
+  Mlp model(a.model, a.model == "wide" || a.model == "deep" ? a.width : 16, a.dropout, a.layers);
   auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
   const auto x = torch::randn({a.samples, 8}, data_gen);
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
@@ -263,6 +294,7 @@ int run(const Args& a) {
                       // (`affine` reads its weights outside any call: nothing to make a unit)
                       .units(a.model == "affine" ? std::vector<std::string>{}
                              : a.model == "wide" ? std::vector<std::string>{"fc1", "mid1", "mid2", "fc2"}
+                             : a.model == "deep" ? std::vector<std::string>{"fc1", "mids.*", "fc2"}
                                                  : std::vector<std::string>{"fc1", "fc2"}));
   auto replicas = std::make_shared<tk::DataParallel>(group, a.bucket_bytes);
   trainer.set_replicas(replicas);
@@ -405,6 +437,8 @@ int run(const Args& a) {
                       {"unit_peak", units ? units->peak_gathered() : 0},
                       {"unit_gradient_peak", units ? units->peak_gradient() : 0},
                       {"parameter_bytes", parameter_bytes(*model)},
+                      {"vm_peak", tk::detail::proc_status_bytes("VmPeak")},
+                      {"rss_peak", tk::detail::proc_status_bytes("VmHWM")},
                       {"buckets", replicas->buckets(trainer.parameters().numel())},
                       {"numel", trainer.parameters().numel()},
                       {"mean_loss", mean[0]},
