@@ -1,13 +1,14 @@
-// Memory per rank and window time of data parallelism replicated and sharded (ZeRO stages 1 and
-// 2, TrainerOptions::sharding), over 1, 2 and 4 Gloo processes on this machine, for FP32 and
+// Memory per rank and window time of data parallelism replicated and sharded (ZeRO stages 1, 2
+// and 3, TrainerOptions::sharding), over 1, 2 and 4 Gloo processes on this machine, for FP32 and
 // FP16 master weights, AdamW, on an MLP whose memory is its parameters (16 x Linear(1024, 1024):
-// 16.8 M parameters; micro-batches of 8 rows); and the reduction overlapped with the backward
+// 16.8 M parameters, each layer a unit of stage 3 through tk::unit; micro-batches of 8 rows;
+// stage 3 with FP32 only: it does not shard master weights yet); and the reduction overlapped with the backward
 // or not (TrainerOptions::overlap_reduction), 2 processes, FP32, micro-batches of --overlap-batch
 // rows (32), so that the backward has work to hide the communication behind.
 //
 //   build/benchmarks/sharding                        # both tables: every configuration, W processes each
 //   build/benchmarks/sharding --table memory|overlap --windows 6 --accumulate 4 --layers 16 --width 1024 --repeat 3
-//                             --bucket-mib 25 (DataParallel's bucket)
+//                             --bucket-mib 25 (DataParallel's bucket) --stages 0123 (the stages measured)
 //   build/benchmarks/sharding --table checkpoint --layers 8 --repeat 3
 //   (a configuration's processes: --child 1 with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 //
@@ -43,6 +44,7 @@
 #include <trainkit/fit/checkpoint.hpp>
 #include <trainkit/parallel/data_parallel.hpp>
 #include <trainkit/trainer/trainer.hpp>
+#include <trainkit/trainer/unit.hpp>
 
 #include <torch/torch.h>
 
@@ -73,7 +75,7 @@ namespace {
 struct Settings {
   std::int64_t layers = 16, width = 1024, batch = 8, overlap_batch = 32, windows = 6, accumulate = 1, repeat = 3;
   std::int64_t bucket_mib = 25;  // DataParallel's bucket (25 MiB, DDP's default)
-  std::string precision = "fp32", table = "both", format = "single";
+  std::string precision = "fp32", table = "both", format = "single", stages = "0123";
   int stage = 0, overlap = 1, no_decay = 1, background = 0;
   std::string out;
 };
@@ -87,14 +89,23 @@ std::int64_t status_bytes(const char* field) {
   return 0;
 }
 
-torch::nn::Sequential make_model(const Settings& s) {
-  torch::nn::Sequential model;
-  for (std::int64_t i = 0; i < s.layers; ++i) {
-    model->push_back(torch::nn::Linear(s.width, s.width));
-    model->push_back(torch::nn::Functional([](const torch::Tensor& t) { return torch::tanh(t); }));
+// tanh(Linear) --layers times; each Linear a unit (tk::unit: stage 3 gathers it around its call).
+struct StackImpl : torch::nn::Module {
+  explicit StackImpl(const Settings& s) : layers(register_module("layers", torch::nn::ModuleList())) {
+    for (std::int64_t i = 0; i < s.layers; ++i) layers->push_back(torch::nn::Linear(s.width, s.width));
   }
-  return model;
-}
+  torch::Tensor forward(torch::Tensor x) {
+    for (const auto& m : *layers) {
+      auto* layer = m->as<torch::nn::LinearImpl>();
+      x = torch::tanh(tk::unit(layer, [&](const torch::Tensor& in) { return layer->forward(in); }, x));
+    }
+    return x;
+  }
+  torch::nn::ModuleList layers;
+};
+TORCH_MODULE(Stack);
+
+Stack make_model(const Settings& s) { return Stack(s); }
 
 // Bytes of the distinct storages among `tensors`.
 std::int64_t distinct_bytes(const std::vector<torch::Tensor>& tensors) {
@@ -178,12 +189,16 @@ int child(const Settings& s) {
   auto group = tk::ProcessGroup::create(tk::DistributedOptions().heartbeat_seconds(0));
   torch::manual_seed(1);
   auto model = make_model(s);
-  const auto sharding = s.stage == 2 ? tk::Sharding::gradients : s.stage == 1 ? tk::Sharding::optimizer : tk::Sharding::none;
+  const auto sharding = s.stage == 3   ? tk::Sharding::parameters
+                        : s.stage == 2 ? tk::Sharding::gradients
+                        : s.stage == 1 ? tk::Sharding::optimizer
+                                       : tk::Sharding::none;
   Trainer trainer(model, tk::AdamW{1e-4},
                   tk::TrainerOptions()
                       .accumulation_steps(s.accumulate)
                       .sharding(sharding)
                       .overlap_reduction(s.overlap != 0)
+                      .units({"layers.*"})
                       .no_decay(s.no_decay ? std::vector<std::string>{"bias"} : std::vector<std::string>{}));
   const bool trace = std::getenv("SHARDING_TRACE") != nullptr;
   auto mark = [&](const char* what) {
@@ -217,7 +232,7 @@ int child(const Settings& s) {
   std::sort(ms.begin() + 1, ms.end());
   // Buckets launched by the hooks during a backward, of all reductions' buckets: one reduction
   // per window, or per micro-batch with a sharded gradient.
-  const auto reductions = s.windows * (s.stage == 2 && group.world_size() > 1 ? s.accumulate : 1);
+  const auto reductions = s.windows * (s.stage >= 2 && group.world_size() > 1 ? s.accumulate : 1);
   const double in_backward = static_cast<double>(trainer.storage().overlapped_buckets()) /
                              static_cast<double>(reductions * trainer.storage().partition().buckets());
   std::ofstream(s.out + ".rank" + std::to_string(group.rank()))
@@ -298,7 +313,7 @@ void run_ranks(const std::string& self, const Settings& s, int world, int port) 
 
 double formula(const std::string& precision, int stage, int world) {
   const double w = world;
-  if (precision == "fp32") return stage == 0 || world == 1 ? 16 : stage == 1 ? 8 + 8 / w : 4 + 8 / w;
+  if (precision == "fp32") return stage == 0 || world == 1 ? 16 : stage == 1 ? 8 + 8 / w : stage == 2 ? 4 + 8 / w : 12 / w;
   return stage == 0 || world == 1 ? 16 : stage == 1 ? 4 + 12 / w : 2 + 12 / w;
 }
 
@@ -326,6 +341,7 @@ int main(int argc, char** argv) {
       else if (k == "--bucket-mib") s.bucket_mib = std::stoll(v);
       else if (k == "--no-decay") s.no_decay = std::stoi(v);
       else if (k == "--repeat") s.repeat = std::stoll(v);
+      else if (k == "--stages") s.stages = v;
       else if (k == "--out") s.out = v;
       else throw std::invalid_argument("unknown option " + k);
     }
@@ -370,8 +386,10 @@ int main(int argc, char** argv) {
       for (const std::string precision : {"fp32", "master"}) {
         for (const int world : {1, 2, 4}) {
           double replicated_ms = 0;
-          for (const int stage : {0, 1, 2}) {
+          for (const int stage : {0, 1, 2, 3}) {
             if (world == 1 && stage > 0) continue;  // one process shards nothing
+            if (s.stages.find(static_cast<char>('0' + stage)) == std::string::npos) continue;
+            if (stage == 3 && precision == "master") continue;  // (not yet)
             Settings run = s;
             run.precision = precision;
             run.stage = stage;
@@ -396,7 +414,8 @@ int main(int argc, char** argv) {
       Settings run = s;
       run.batch = s.overlap_batch;
       const double alone = measure(run, 1).ms;
-      for (const int stage : {0, 1, 2}) {
+      for (const int stage : {0, 1, 2, 3}) {
+        if (s.stages.find(static_cast<char>('0' + stage)) == std::string::npos) continue;
         run.stage = stage;
         run.overlap = 0;
         const double off = measure(run, 2).ms;

@@ -389,6 +389,9 @@ RunResult run_fit(const tk::RunPlan& plan, const tk::Launch& launch, Model& mode
   tk::RunPlan units_chosen = plan;
   if (plan.trainer_options.sharding() == tk::Sharding::parameters && plan.trainer_options.units().empty())
     units_chosen.trainer_options.units({"vlbert.encoder.*"});
+  // --eval loads a weight file into the model itself: no parameter may be sharded away.
+  if (!eval.empty() && plan.trainer_options.sharding() == tk::Sharding::parameters)
+    units_chosen.trainer_options.sharding(tk::Sharding::gradients);
   const std::unique_ptr<tk::AnyTrainer> made = tk::make_trainer(units_chosen, model);
   tk::AnyTrainer& trainer = *made;
   launch.attach(trainer);  // data parallel: rank 0's weights to every rank, one all-reduce per window

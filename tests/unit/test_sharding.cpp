@@ -391,6 +391,17 @@ TEST_CASE("stage 3 checkpoints: a file and a set with the same records, loaded b
       }
     }
   }
+  SUBCASE("a damaged piece that one rank alone reads: every rank's load fails alike, before the root unit's gather") {
+    const std::string damaged = set + ".00001-of-00002.safetensors";
+    std::string bytes = testing::read_text(damaged);
+    bytes[bytes.size() - 3] = static_cast<char>(bytes[bytes.size() - 3] ^ 0x01);  // (rank 1's last slice)
+    std::ofstream(damaged, std::ios::binary | std::ios::trunc) << bytes;
+    auto ranks = spawn_ranks(2, dir / "split", std::to_string(free_port()),
+                             with(common, {"--steps", "5", "--sharding", "3", "--load", set, "--timeout", "20"}));
+    for (auto& c : ranks) CHECK(wait_exit(c, 120) == 1);
+    CHECK(slurp(ranks[1].err).find("checkpoint '" + damaged + "' is damaged") != std::string::npos);
+    CHECK(slurp(ranks[0].err).find("1 rank(s) found their part of it damaged") != std::string::npos);
+  }
   SUBCASE("stage 0 -> stage 3") {
     run_one(dir / "d", with(common, {"--steps", "5", "--save", dir / "d.ckpt"}));
     const auto one = records(dir / "d.ckpt", kState);

@@ -113,4 +113,26 @@ TEST_CASE("a module that is no unit of the schedule, and a forward without a gra
   CHECK(events == std::vector<std::string>{"run layer0", "gather 1", "run layer1", "release 1"});
 }
 
+TEST_CASE("outside a step, a unit of a live stage-3 schedule runs only while its units are held gathered") {
+  // (FlatStorage registers its ShardedUnits so; a Recorder stands for it here.)
+  struct Held : Recorder {
+    bool on = false;
+    bool held() const override { return on; }
+  };
+  Net net;
+  auto schedule = std::make_shared<Held>();
+  schedule->units[net->layer0.get()] = 0;
+  tk::detail::UnitRegistry::get().add(schedule);
+  const auto x = torch::randn({3, 4});
+  events.clear();
+  torch::NoGradGuard no_grad;
+  CHECK_THROWS_WITH_AS(net->forward(x, false), doctest::Contains("trainer.hold_parameters(true)"), std::logic_error);
+  schedule->on = true;
+  CHECK_NOTHROW(net->forward(x, false));
+  CHECK(events == std::vector<std::string>{"run layer0", "run layer1"});  // (held: no gather per call)
+  tk::detail::UnitRegistry::get().remove(schedule.get());
+  schedule->on = false;
+  CHECK_NOTHROW(net->forward(x, false));  // (no live schedule: the call alone)
+}
+
 }  // namespace test_units

@@ -1,8 +1,8 @@
 #pragma once
 /// What a stage-3 storage does at its units' boundaries (tk::unit, trainer/unit.hpp, calls it):
 /// the interface, the schedule active on a thread (the trainer's step sets it), and the
-/// schedules alive in the process, which a forward outside any step (evaluation under
-/// torch::NoGradGuard) finds its units' parameters through.
+/// schedules alive in the process, through which a unit called outside any step finds whether
+/// its parameters are there (held gathered) or refuses.
 #include <torch/nn/module.h>
 
 #include <atomic>
@@ -24,6 +24,8 @@ class UnitSchedule {
   virtual void before_forward(std::int64_t unit) = 0;
   virtual void after_forward(std::int64_t unit) = 0;
   virtual void before_backward(std::int64_t unit) = 0;
+  /// Whether every unit is held gathered (a call outside a step may then run).
+  virtual bool held() const { return false; }
 };
 
 /// The schedule of the forward running on this thread (null: none).

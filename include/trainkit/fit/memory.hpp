@@ -148,7 +148,7 @@ class PieceRunner {
     if (trainer_.shards_parameters())
       throw ConfigError("TRAIN.MEMORY_BUDGET", "is not planned with ZERO_STAGE 3 yet (its measurement would run the "
                                                "forward outside the trainer's step, where the units' parameters are "
-                                               "not gathered); set the pieces with TRAIN.PIECE_ITEMS, or MEMORY_BUDGET: 0");
+                                               "not gathered); set MEMORY_BUDGET: 0 and a micro-batch that fits (BATCH_IMAGES)");
     if (!task_.split)  // (fit() refuses a split without items)
       throw ConfigError("TRAIN.MEMORY_BUDGET", "planning the micro-batch needs a task that splits its batches "
                                                "(tk::Task::split and items); this task has no split. Set TRAIN.MEMORY_BUDGET: 0");
@@ -296,7 +296,7 @@ class PieceRunner {
     if (trainer_.shards_parameters())
       throw std::runtime_error(where + "With ZeRO stage 3 (TRAIN.ZERO_STAGE: 3) every forward and backward gathers "
                                "the units' parameters on every rank in step, so this rank cannot replay its "
-                               "micro-batch alone; resume with a smaller micro-batch (TRAIN.PIECE_ITEMS) or more ranks" +
+                               "micro-batch alone; resume with a smaller micro-batch (TRAIN.BATCH_IMAGES) or more ranks" +
                                intact);
     if (!task_.split)
       throw std::runtime_error(where + "Give the task a split function (tk::Task::split, with items) so that trainkit "

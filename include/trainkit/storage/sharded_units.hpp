@@ -37,6 +37,7 @@
 #include <torch/nn/module.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -81,18 +82,49 @@ class ShardedUnits final : public UnitSchedule {
   }
   void before_forward(std::int64_t u) override { gather(u); }
   void after_forward(std::int64_t u) override { release(u); }
-  void before_backward(std::int64_t u) override { gather(u); }
+  // The unit the backward reached before this one is done (a unit's backward ends before the
+  // gradient leaves its inputs): its reduce-scatter starts here, before this gather. The
+  // backward's gathers come in the same order on every rank, so the reduce-scatters do too,
+  // interleaved with them alike, whichever parameters got a gradient on which rank.
+  void before_backward(std::int64_t u) override {
+    if (reduction_ != nullptr && !reached_[static_cast<size_t>(u)]) {
+      if (previous_ >= 0 && !launched_[static_cast<size_t>(previous_)]) launch(previous_);
+      reached_[static_cast<size_t>(u)] = true;
+      previous_ = u;
+    }
+    gather(u);
+  }
 
-  /// A backward starts: every unit's parameters' gradients are to come.
-  void arm() {
+  /// A backward starts: every unit's parameters' gradients are to come. `reduction`: where
+  /// the units' gradients go as the backward passes them (overlap), or null (after it).
+  void arm(Reduction* reduction) {
     for (size_t u = 0; u < units_.size(); ++u) waiting_[u] = units_[u].members;
     fired_.assign(member_of_.size(), false);
+    reduction_ = reduction;
+    launched_.assign(units_.size(), false);
+    reached_.assign(units_.size(), false);
+    previous_ = -1;
   }
+  /// The reduction armed by arm() is finished or dropped.
+  void disarm() { reduction_ = nullptr; }
+  /// Buckets launched during the armed backward.
+  std::int64_t launched() const {
+    return static_cast<std::int64_t>(std::count(launched_.begin(), launched_.end(), true));
+  }
+  /// Buckets launched during a backward, before its end, since construction.
+  std::int64_t overlapped() const { return overlapped_; }
   /// Parameter i's gradient is accumulated into `param`'s .grad (the autograd engine's thread):
   /// it moves into its unit's gradient buffer.
   void ready(size_t i, const torch::Tensor& param) {
     const auto u = member_of_[i];
-    if (auto& g = param.mutable_grad(); g.defined()) {
+    if (auto& g = param.mutable_grad(); g.defined() && g.numel() > 0) {
+      if (reduction_ != nullptr && launched_[static_cast<size_t>(u)])
+        throw std::runtime_error(
+            "trainkit: a parameter of unit '" + units_[static_cast<size_t>(u)].name + "' received its gradient after "
+            "the backward had reached another unit, when the unit's reduce-scatter had started (ZeRO stage 3 reduces "
+            "each unit as the backward leaves it): is one of its outputs used past the next unit (a skip connection "
+            "across units), or a parameter used outside its unit's tk::unit call? Set TRAIN.OVERLAP_REDUCTION: false "
+            "(TrainerOptions::overlap_reduction) to reduce after the backward");
       torch::NoGradGuard no_grad;
       auto& buffer = grads_[static_cast<size_t>(u)];
       if (is_released(buffer)) {
@@ -145,6 +177,7 @@ class ShardedUnits final : public UnitSchedule {
         gather(static_cast<std::int64_t>(u));
       }
   }
+  /// Whether the units are held gathered (hold()): a unit called outside a step needs it.
   /// Every unit gathered (one all-gather each, in unit order: every rank calls it) and kept so
   /// until release_held(): a region whose forwards differ in number between the ranks
   /// (validation over uneven shards) then makes no collective.
@@ -156,7 +189,7 @@ class ShardedUnits final : public UnitSchedule {
     held_ = false;
     release_all();
   }
-  bool held() const { return held_; }
+  bool held() const override { return held_; }
   /// The storage is gone: later calls (a graph outliving it) throw.
   void close() { replicas_ = nullptr; }
 
@@ -204,7 +237,15 @@ class ShardedUnits final : public UnitSchedule {
   std::unordered_map<const torch::nn::Module*, std::int64_t> modules_;
   std::vector<bool> gathered_;
   std::vector<std::int64_t> waiting_;
-  std::vector<bool> fired_;
+  std::vector<bool> fired_, launched_, reached_;
+  Reduction* reduction_ = nullptr;
+  std::int64_t previous_ = -1, overlapped_ = 0;
+
+  void launch(std::int64_t b) {
+    launched_[static_cast<size_t>(b)] = true;
+    ++overlapped_;
+    reduction_->launch(b);
+  }
   std::vector<torch::Tensor> grads_;  // each unit's gradient, allocated from its first gradient to its reduction
   std::int64_t gathers_ = 0, now_ = 0, peak_ = 0, grad_now_ = 0, grad_peak_ = 0;
   bool held_ = false;

@@ -452,7 +452,8 @@ TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& 
   summed_ = false;
   if (shards_gradients()) detail::release_storage(grad_);
   readiness_.reset();
-  if ((overlap_ && replicas.communicates()) || units_) install_hooks(overlap_ && replicas.communicates());
+  // (Stage 3 launches its units' reductions at the backward's gathers, not from the hooks.)
+  if ((overlap_ && replicas.communicates()) || units_) install_hooks(overlap_ && replicas.communicates() && !units_);
   return sharded();
 }
 
@@ -514,11 +515,9 @@ TRAINKIT_INLINE void FlatStorage::shard_parameters() {
 
 TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& done) {
   if (units_) {
-    units_->arm();
-    if (readiness_ && done.micro_batch_ends) {
+    if (overlap_ && done.micro_batch_ends)
       reduction_ = replicas_->start_unit_reduction(unit_gradients(), reduction_target(), partition_, done.window, done.closes);
-      readiness_->arm(*reduction_);
-    }
+    units_->arm(reduction_.get());
     return;
   }
   allocate_gradient();
@@ -550,7 +549,10 @@ TRAINKIT_INLINE torch::Tensor FlatStorage::norm() const {
 
 TRAINKIT_INLINE void FlatStorage::discard_micro_batch() {
   drop_reduction();
-  if (units_) units_->drop_gradients(trainable());
+  if (units_) {
+    units_->release_all();
+    units_->drop_gradients(trainable());
+  }
   if (!detail::is_released(grad_)) detail::release_storage(grad_);
 }
 
@@ -664,8 +666,7 @@ TRAINKIT_INLINE void FlatStorage::load_parameters(torch::serialize::InputArchive
     // from them (a collective: every rank loads).
     read_by_name(archive, "model.param.", params_);
     read_frozen(archive, module);
-    units_->refresh();
-    return;
+    return;  // (the root unit is gathered in after_load(), once every rank has read its part)
   }
   torch::NoGradGuard no_grad;
   for (const auto& p : module.named_parameters(true)) detail::read_into(archive, "model.param." + p.key(), p.value());
@@ -719,8 +720,11 @@ TRAINKIT_INLINE GradientFactor FlatStorage::finish_reduction(Replicas& replicas,
                                                              bool closes) {
   GradientFactor factor;
   if (reduction_) {
-    readiness_->launch_rest();  // (parameters that got no gradient), in the launch order
-    readiness_->disarm();
+    if (readiness_) {
+      readiness_->launch_rest();  // (parameters that got no gradient), in the launch order
+      readiness_->disarm();
+    }
+    if (units_) units_->disarm();  // (finish() launches the units the backward did not, last first)
     factor = reduction_->finish();
     reduction_.reset();
   } else if (units_) {
@@ -737,8 +741,9 @@ TRAINKIT_INLINE GradientFactor FlatStorage::finish_reduction(Replicas& replicas,
 
 TRAINKIT_INLINE void FlatStorage::drop_reduction() {
   if (!reduction_) return;
-  const auto launched = readiness_->launched();
-  readiness_->disarm();
+  const auto launched = readiness_ ? readiness_->launched() : units_ ? units_->launched() : 0;
+  if (readiness_) readiness_->disarm();
+  if (units_) units_->disarm();
   if (launched == 0) {
     reduction_.reset();  // nothing sent
     return;

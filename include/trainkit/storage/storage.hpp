@@ -188,7 +188,9 @@ class FlatParameters {
   const torch::Tensor& local_gradients() const { return local_grad_; }
   /// Gradient buckets whose reduction started during a backward, before its last gradient
   /// (TrainerOptions::overlap_reduction), since the replicas were attached.
-  std::int64_t overlapped_buckets() const { return readiness_ ? readiness_->overlapped() : 0; }
+  std::int64_t overlapped_buckets() const {
+    return readiness_ ? readiness_->overlapped() : units_ ? units_->overlapped() : 0;
+  }
   /// The mean share of a backward's gradient still to come when its buckets were launched
   /// (Readiness::backward_left).
   double backward_left_at_launch() const { return readiness_ ? readiness_->backward_left() : 0.0; }
@@ -198,6 +200,11 @@ class FlatParameters {
   /// Sharding::parameters over several ranks: the units' schedule (null otherwise), which the
   /// trainer's forward makes active (trainer/unit.hpp).
   const std::shared_ptr<ShardedUnits>& sharded_units() const { return units_; }
+  /// After a load that every rank completed (Trainer::load, once they agreed): stage 3 gathers
+  /// its root unit from the slices just read (a collective); otherwise nothing.
+  void after_load() {
+    if (units_) units_->refresh();
+  }
 
  protected:
   /// The overflow diagnosis's view (trainer/nonfinite_watch.hpp) of `gradient`, a buffer in

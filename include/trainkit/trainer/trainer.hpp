@@ -449,6 +449,7 @@ class Trainer final : public detail::TrainerCore {
     }
     if (failure) std::rethrow_exception(failure);
     if (failed[0] > 0) throw detail::DamagedArchive(source, ranks(failed[0]) + " found their part of it damaged (each names the file)");
+    storage_.after_load();  // (stage 3: the root unit from the slices every rank read)
     // Every rank loads the whole state it holds; check that they loaded the same.
     replicas_->check_same_state({storage_.replicated_state(), applied_, skipped_, precision_.scale(),
                                  detail::host_counters(windows_, accumulation_.position())},

@@ -26,9 +26,11 @@
 ///                       (once per such output: the schedule gathers at the first); the unit's
 ///                       gradient is complete when its parameters' post-accumulate-grad hooks
 ///                       have fired, which the storage counts (detail::Readiness)
-///   outside a step      a unit of a stage-3 trainer alive in the process, called under
-///                       torch::NoGradGuard (evaluation): gathered for the call, released
-///                       after; with autograd on: refused (std::logic_error)
+///   outside a step      a unit of a stage-3 trainer alive in the process: its call while the
+///                       trainer holds every unit gathered (AnyTrainer::hold_parameters, which
+///                       the fit loop's validation does), refused otherwise (std::logic_error):
+///                       a gather per call outside the step would pair with the other ranks'
+///                       collectives as they come
 /// FlatStorage with Sharding::parameters (TRAIN.ZERO_STAGE: 3) installs the schedule
 /// (storage/sharded_units.hpp); with any other storage a unit is its call.
 /// Composes with tk::recompute, inside: `tk::unit(layer, [=](const torch::Tensor& x) { return
@@ -65,7 +67,13 @@ const torch::nn::Module& unit_module(const M& module) {
 template <class R, class Call>
 R scheduled_call(const std::shared_ptr<UnitSchedule>& schedule, std::int64_t unit, Call&& call) {
   schedule->before_forward(unit);
-  R out = call();
+  R out;
+  try {
+    out = call();
+  } catch (...) {
+    schedule->after_forward(unit);  // (released alike on every path)
+    throw;
+  }
   schedule->after_forward(unit);
   const auto hook = [&](torch::Tensor& t) {
     if (!t.defined() || !t.requires_grad()) return;
@@ -90,21 +98,12 @@ R unit_call(const M& module, Call&& call) {
     return scheduled_call<R>(schedule, u, std::forward<Call>(call));
   }
   const auto [owner, u] = UnitRegistry::get().find(unit_module(module));
-  if (!owner) return call();
-  if (torch::GradMode::is_enabled())
-    throw std::logic_error("tk::unit: a unit whose parameters are sharded (ZeRO stage 3, TRAIN.ZERO_STAGE: 3) was "
-                           "called with autograd on outside the trainer's micro_step: its parameters exist only "
-                           "gathered for the trainer's forward and backward. Evaluate under torch::NoGradGuard "
-                           "(each unit is then gathered for its call), or train through the trainer");
-  owner->before_forward(u);
-  try {
-    R out = call();
-    owner->after_forward(u);
-    return out;
-  } catch (...) {
-    owner->after_forward(u);
-    throw;
-  }
+  if (!owner || owner->held()) return call();
+  throw std::logic_error("tk::unit: a unit whose parameters are sharded (ZeRO stage 3, TRAIN.ZERO_STAGE: 3) was "
+                         "called outside the trainer's micro_step: its parameters exist only gathered for the "
+                         "trainer's forward and backward. Outside them, gather every unit on every rank first: "
+                         "trainer.hold_parameters(true) (a collective; the fit loop's validation does it), under "
+                         "torch::NoGradGuard, then hold_parameters(false)");
 }
 
 }  // namespace detail
