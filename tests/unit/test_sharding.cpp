@@ -71,20 +71,78 @@ std::vector<std::string> with(std::vector<std::string> a, const std::vector<std:
   return a;
 }
 
+// The runs the sharded stages are compared with the replicated one on. 60 samples: 2 ranks x 4
+// -> 8 micro-batches per epoch, 3 ranks -> 5: with 3 per window every epoch ends with a partial
+// window (flushed). Item counts differ between ranks; ClipNorm at 0.05 clips; 256-byte buckets
+// cut the storage in several buckets, so every rank owns several slices, and padding is needed
+// for 3 ranks.
+const std::vector<std::string> kCompared{"--model", "mlp-ln", "--batch", "4", "--samples", "60", "--flush", "1",
+                                         "--items", "1", "--steps", "21", "--bucket-bytes", "256"};
+struct Case {
+  const char* name;
+  std::vector<std::string> args;
+};
+
+// One run of `args` per stage at `world` ranks, each saving its checkpoint: the records and
+// rank 0's summary per stage; every rank ends with the same parameters (stage 3: its root unit).
+struct StageRuns {
+  std::map<int, std::map<std::string, torch::Tensor>> state;
+  std::map<int, nlohmann::json> s;
+};
+StageRuns run_stages(const testing::TempDir& dir, int world, const std::vector<std::string>& args,
+                     const std::vector<int>& stages) {
+  StageRuns runs;
+  for (const int stage : stages) {
+    const std::string out = dir / ("stage" + std::to_string(stage));
+    const std::string ckpt = out + ".ckpt";
+    run_ranks(world, out, with(args, {"--sharding", std::to_string(stage), "--save", ckpt}));
+    runs.state[stage] = records(ckpt, kState);
+    runs.s[stage] = summary(out, 0);
+    for (int r = 1; r < world; ++r) CHECK(torch::equal(params(out, r), params(out, 0)));  // bit for bit
+  }
+  return runs;
+}
+
+// `from` loaded by `world` rank(s) at `stage` and saved again without a step: the records of
+// `saved`, bit for bit.
+void reloads_to(const testing::TempDir& dir, const std::vector<std::string>& common, int world, const std::string& stage,
+                const std::string& from, const std::map<std::string, torch::Tensor>& saved) {
+  const std::string again = dir / "again.ckpt";
+  const auto args = with(common, {"--steps", "5", "--sharding", stage, "--load", from, "--save", again});
+  if (world == 1) run_one(dir / "b", args);
+  else run_ranks(world, dir / "b", args);
+  CHECK(equal_records(records(again, kState), saved));
+}
+
+// A checkpoint of one process loaded by `world` ranks at `stage` and saved again: its records.
+void one_process_to(const testing::TempDir& dir, const std::vector<std::string>& common, int world,
+                    const std::string& stage) {
+  run_one(dir / "d", with(common, {"--steps", "5", "--save", dir / "d.ckpt"}));
+  const auto one = records(dir / "d.ckpt", kState);
+  run_ranks(world, dir / "e", with(common, {"--steps", "5", "--sharding", stage, "--load", dir / "d.ckpt", "--save", dir / "e.ckpt"}));
+  CHECK(equal_records(records(dir / "e.ckpt", kState), one));
+}
+
+// Rank 1's last slice of the 2-rank set `set` damaged, loaded at `stage` by 2 ranks: both exit
+// 1 (none waits for the other), rank 1 naming the file, rank 0 the rank that found it.
+void damaged_piece_fails_alike(const testing::TempDir& dir, const std::vector<std::string>& common,
+                               const std::string& set, const std::string& stage) {
+  const std::string damaged = set + ".00001-of-00002.safetensors";
+  std::string bytes = testing::read_text(damaged);
+  bytes[bytes.size() - 3] = static_cast<char>(bytes[bytes.size() - 3] ^ 0x01);
+  std::ofstream(damaged, std::ios::binary | std::ios::trunc) << bytes;
+  auto ranks = spawn_ranks(2, dir / "split", std::to_string(free_port()),
+                           with(common, {"--steps", "5", "--sharding", stage, "--load", set, "--timeout", "20"}));
+  for (auto& c : ranks) CHECK(wait_exit(c, 120) == 1);
+  CHECK(slurp(ranks[1].err).find("checkpoint '" + damaged + "' is damaged") != std::string::npos);
+  CHECK(slurp(ranks[0].err).find("1 rank(s) found their part of it damaged") != std::string::npos);
+}
+
 }  // namespace
 
 TEST_CASE("sharded updates (stages 1 and 2) equal the replicated one over 2 and 3 ranks") {
   testing::TempDir dir;
-  // 60 samples: 2 ranks x 4 -> 8 micro-batches per epoch, 3 ranks -> 5: with 3 per window every
-  // epoch ends with a partial window (flushed). Item counts differ between ranks; rank 1
-  // overflows in window 2 (FP16); ClipNorm at 0.05 clips; 256-byte buckets cut the storage in
-  // several buckets, so every rank owns several slices, and padding is needed for 3 ranks.
-  const std::vector<std::string> common{"--model", "mlp-ln", "--batch", "4", "--samples", "60", "--flush", "1",
-                                        "--items", "1", "--steps", "21", "--bucket-bytes", "256"};
-  struct Case {
-    const char* name;
-    std::vector<std::string> args;
-  };
+  const auto& common = kCompared;  // (rank 1 overflows in window 2 with FP16)
   const std::vector<Case> cases = {
       {"FP32, N = 3", {"--precision", "fp32", "--accum", "3"}},
       {"FP16 master weights, N = 3, overflow", {"--precision", "fp16master", "--accum", "3", "--overflow-rank", "1",
@@ -95,16 +153,8 @@ TEST_CASE("sharded updates (stages 1 and 2) equal the replicated one over 2 and 
   for (const auto& c : cases) {
     for (const int world : {2, 3}) {
       SUBCASE((std::string(c.name) + ", " + std::to_string(world) + " ranks").c_str()) {
-        const auto args = with(common, c.args);
-        std::map<int, std::map<std::string, torch::Tensor>> state;
-        std::map<int, nlohmann::json> s;
+        auto [state, s] = run_stages(dir, world, with(common, c.args), {0, 1, 2});
         for (const int stage : {0, 1, 2}) {
-          const std::string out = dir / ("stage" + std::to_string(stage));
-          const std::string ckpt = out + ".ckpt";
-          run_ranks(world, out, with(args, {"--sharding", std::to_string(stage), "--save", ckpt}));
-          state[stage] = records(ckpt, kState);
-          s[stage] = summary(out, 0);
-          for (int r = 1; r < world; ++r) CHECK(torch::equal(params(out, r), params(out, 0)));  // bit for bit
           // Stage 0 all-reduces; stages 1 and 2 reduce-scatter and all-gather (stage 2 also inside windows).
           CHECK((s[stage]["reduce_scatter_calls"].get<int>() > 0) == (stage > 0));
           CHECK((s[stage]["all_gather_calls"].get<int>() > 0) == (stage > 0));
@@ -152,12 +202,7 @@ TEST_CASE("stage 3: parameters sharded by unit, gathered for each forward and ba
   // As the stages 1 and 2 case: partial windows, uneven item counts, ClipNorm clipping; FP16
   // with an overflow on rank 1. The model's units are fc1 and fc2 (tk::unit in the driver's
   // forward); the LayerNorm between them is the root unit, kept whole.
-  const std::vector<std::string> common{"--model", "mlp-ln", "--batch", "4", "--samples", "60", "--flush", "1",
-                                        "--items", "1", "--steps", "21", "--bucket-bytes", "256"};
-  struct Case {
-    const char* name;
-    std::vector<std::string> args;
-  };
+  const auto& common = kCompared;
   const std::vector<Case> cases = {
       {"FP32, N = 3", {"--precision", "fp32", "--accum", "3"}},
       {"FP16 dynamic, N = 2, overflow", {"--precision", "fp16", "--accum", "2", "--overflow-rank", "1",
@@ -168,16 +213,7 @@ TEST_CASE("stage 3: parameters sharded by unit, gathered for each forward and ba
     for (const int world : {2, 3}) {
       SUBCASE((std::string(c.name) + ", " + std::to_string(world) + " ranks").c_str()) {
         const auto args = with(common, c.args);
-        std::map<int, std::map<std::string, torch::Tensor>> state;
-        std::map<int, nlohmann::json> s;
-        for (const int stage : {0, 3}) {
-          const std::string out = dir / ("stage" + std::to_string(stage));
-          const std::string ckpt = out + ".ckpt";
-          run_ranks(world, out, with(args, {"--sharding", std::to_string(stage), "--save", ckpt}));
-          state[stage] = records(ckpt, kState);
-          s[stage] = summary(out, 0);
-          for (int r = 1; r < world; ++r) CHECK(torch::equal(params(out, r), params(out, 0)));  // (stage 3: the root unit)
-        }
+        auto [state, s] = run_stages(dir, world, args, {0, 3});
         // Stage 3 gathers fc1 and fc2 for every forward and every backward: 4 all-gathers a
         // micro-batch, and between steps the model holds the root unit's parameters alone.
         const auto micro_batches = s[3]["windows"].get<std::int64_t>();  // (at least one each)
@@ -289,12 +325,7 @@ TEST_CASE("a sharded checkpoint resumes at any world size, its state bit for bit
     run_ranks(3, dir / "c", with(common, {"--steps", "5", "--sharding", "2", "--load", a, "--save", dir / "c.ckpt"}));
     CHECK(equal_records(records(dir / "c.ckpt", kState), saved));
   }
-  SUBCASE("1 -> 2") {
-    run_one(dir / "d", with(common, {"--steps", "5", "--save", dir / "d.ckpt"}));
-    const auto one = records(dir / "d.ckpt", kState);
-    run_ranks(2, dir / "e", with(common, {"--steps", "5", "--sharding", "1", "--load", dir / "d.ckpt", "--save", dir / "e.ckpt"}));
-    CHECK(equal_records(records(dir / "e.ckpt", kState), one));
-  }
+  SUBCASE("1 -> 2") { one_process_to(dir, common, 2, "1"); }
   SUBCASE("the loss scale and the skip counter come along") {
     const auto s = summary(dir / "a", 0);
     CHECK(s["skipped"] == 1);
@@ -330,23 +361,11 @@ TEST_CASE("a checkpoint set: each rank writes its own slices, and any world size
   CHECK(testing::file_exists(set + ".records"));
   for (const auto& [world, stage] : std::vector<std::pair<int, std::string>>{{1, "0"}, {2, "0"}, {3, "1"}, {4, "2"}}) {
     SUBCASE(("loaded by " + std::to_string(world) + " rank(s), stage " + stage).c_str()) {
-      const std::string again = dir / "again.ckpt";
-      const auto args = with(common, {"--steps", "5", "--sharding", stage, "--load", set, "--save", again});
-      if (world == 1) run_one(dir / "b", args);
-      else run_ranks(world, dir / "b", args);
-      CHECK(equal_records(records(again, kState), saved));
+      reloads_to(dir, common, world, stage, set, saved);
     }
   }
   SUBCASE("a damaged piece that one rank alone reads: every rank's load fails, none waits") {
-    const std::string damaged = set + ".00001-of-00002.safetensors";
-    std::string bytes = testing::read_text(damaged);
-    bytes[bytes.size() - 3] = static_cast<char>(bytes[bytes.size() - 3] ^ 0x01);  // (rank 1's last slice)
-    std::ofstream(damaged, std::ios::binary | std::ios::trunc) << bytes;
-    auto ranks = spawn_ranks(2, dir / "split", std::to_string(free_port()),
-                             with(common, {"--steps", "5", "--sharding", "2", "--load", set}));
-    for (auto& c : ranks) CHECK(wait_exit(c, 120) == 1);
-    CHECK(slurp(ranks[1].err).find("checkpoint '" + damaged + "' is damaged") != std::string::npos);
-    CHECK(slurp(ranks[0].err).find("1 rank(s) found their part of it damaged") != std::string::npos);
+    damaged_piece_fails_alike(dir, common, set, "2");
   }
   SUBCASE("a flipped byte in a rank's file, or in the index, is refused, naming the file") {
     for (const std::string& damaged : {set + ".00001-of-00002.safetensors", set}) {
@@ -383,31 +402,14 @@ TEST_CASE("stage 3 checkpoints: a file and a set with the same records, loaded b
     SUBCASE(("loaded by " + std::to_string(world) + " rank(s), stage " + stage).c_str()) {
       for (const auto& from : {single, set}) {
         CAPTURE(from);
-        const std::string again = dir / "again.ckpt";
-        const auto args = with(common, {"--steps", "5", "--sharding", stage, "--load", from, "--save", again});
-        if (world == 1) run_one(dir / "b", args);
-        else run_ranks(world, dir / "b", args);
-        CHECK(equal_records(records(again, kState), saved));
+        reloads_to(dir, common, world, stage, from, saved);
       }
     }
   }
   SUBCASE("a damaged piece that one rank alone reads: every rank's load fails alike, before the root unit's gather") {
-    const std::string damaged = set + ".00001-of-00002.safetensors";
-    std::string bytes = testing::read_text(damaged);
-    bytes[bytes.size() - 3] = static_cast<char>(bytes[bytes.size() - 3] ^ 0x01);  // (rank 1's last slice)
-    std::ofstream(damaged, std::ios::binary | std::ios::trunc) << bytes;
-    auto ranks = spawn_ranks(2, dir / "split", std::to_string(free_port()),
-                             with(common, {"--steps", "5", "--sharding", "3", "--load", set, "--timeout", "20"}));
-    for (auto& c : ranks) CHECK(wait_exit(c, 120) == 1);
-    CHECK(slurp(ranks[1].err).find("checkpoint '" + damaged + "' is damaged") != std::string::npos);
-    CHECK(slurp(ranks[0].err).find("1 rank(s) found their part of it damaged") != std::string::npos);
+    damaged_piece_fails_alike(dir, common, set, "3");
   }
-  SUBCASE("stage 0 -> stage 3") {
-    run_one(dir / "d", with(common, {"--steps", "5", "--save", dir / "d.ckpt"}));
-    const auto one = records(dir / "d.ckpt", kState);
-    run_ranks(3, dir / "e", with(common, {"--steps", "5", "--sharding", "3", "--load", dir / "d.ckpt", "--save", dir / "e.ckpt"}));
-    CHECK(equal_records(records(dir / "e.ckpt", kState), one));
-  }
+  SUBCASE("stage 0 -> stage 3") { one_process_to(dir, common, 3, "3"); }
   SUBCASE("resumed at the same world size, training goes on as if it never stopped") {
     const std::string mid = dir / "mid.ckpt", straight = dir / "straight.ckpt", resumed = dir / "resumed.ckpt";
     run_ranks(2, dir / "straight", with(common, {"--steps", "8", "--sharding", "3", "--save", straight}));
