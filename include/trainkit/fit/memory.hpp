@@ -242,6 +242,12 @@ class PieceRunner {
   /// micro-batches), unless a budget planned afresh or this run's are smaller already.
   void resume_with(std::int64_t saved) {
     if (planned_ || saved <= 0 || (piece_items_ != 0 && saved >= piece_items_)) return;
+    if (trainer_.shards_parameters()) {
+      say_("trainkit: the checkpoint's run ran its micro-batches as pieces of at most " + items_text(saved) +
+           "; ZeRO stage 3 runs them whole (ranks would cut them into different numbers of pieces, each gathering "
+           "every unit)");
+      return;
+    }
     piece_items_ = saved;
     say_("trainkit: micro-batches run as pieces of at most " + items_text(piece_items_) +
          ", as the checkpoint's run did (it ran out of memory with larger ones; TRAIN.MEMORY_BUDGET plans afresh)");

@@ -121,8 +121,10 @@ class DataParallel final : public Replicas {
       throw std::logic_error("trainkit::DataParallel: a unit reduction for rank " + std::to_string(partition.rank()) +
                              " of " + std::to_string(partition.world_size()) + " into " + std::to_string(local.numel()) +
                              " local elements, for rank " + std::to_string(rank()) + " of " + std::to_string(world_size()));
-    return std::make_unique<BucketReduction>(*this, std::move(buckets), /*element_size=*/4, std::move(local), partition,
-                                             window, closes);
+    auto reduction = std::make_unique<BucketReduction>(*this, std::move(buckets), /*element_size=*/4, std::move(local),
+                                                       partition, window, closes);
+    reduction->limit_in_flight(2);  // (each in flight holds a unit's gradient: a flush launches them all at once)
+    return reduction;
   }
   torch::Tensor global_norm(const torch::Tensor& local) override {
     // The slices' squared norms summed: the norm of norms, as the chunked master-weights phase
@@ -318,6 +320,7 @@ class DataParallel final : public Replicas {
         if (work) try { work->wait(); } catch (...) {}
     }
 
+    void limit_in_flight(size_t n) { max_in_flight_ = std::min(max_in_flight_, n); }
     void launch(std::int64_t b) override {
       if (launched_[static_cast<size_t>(b)]) return;
       launched_[static_cast<size_t>(b)] = true;

@@ -117,14 +117,19 @@ class ShardedUnits final : public UnitSchedule {
   /// it moves into its unit's gradient buffer.
   void ready(size_t i, const torch::Tensor& param) {
     const auto u = member_of_[i];
+    if (fired_.size() != member_of_.size())
+      throw std::logic_error("trainkit: parameter of unit '" + units_[static_cast<size_t>(u)].name + "' received a "
+                             "gradient from a backward outside the trainer's micro_step; with ZeRO stage 3 the "
+                             "trainer takes every gradient itself");
     if (auto& g = param.mutable_grad(); g.defined() && g.numel() > 0) {
       if (reduction_ != nullptr && launched_[static_cast<size_t>(u)])
         throw std::runtime_error(
             "trainkit: a parameter of unit '" + units_[static_cast<size_t>(u)].name + "' received its gradient after "
             "the backward had reached another unit, when the unit's reduce-scatter had started (ZeRO stage 3 reduces "
             "each unit as the backward leaves it): is one of its outputs used past the next unit (a skip connection "
-            "across units), or a parameter used outside its unit's tk::unit call? Set TRAIN.OVERLAP_REDUCTION: false "
-            "(TrainerOptions::overlap_reduction) to reduce after the backward");
+            "across units), the unit called more than once in a step (shared weights), or a parameter used outside "
+            "its unit's tk::unit call? Set TRAIN.OVERLAP_REDUCTION: false (TrainerOptions::overlap_reduction) to "
+            "reduce after the backward (every unit's gradient is then held until the backward ends)");
       torch::NoGradGuard no_grad;
       auto& buffer = grads_[static_cast<size_t>(u)];
       if (is_released(buffer)) {
@@ -132,10 +137,10 @@ class ShardedUnits final : public UnitSchedule {
         grad_now_ += buffer.numel();
         grad_peak_ = std::max(grad_peak_, grad_now_);
       }
-      buffer.narrow(0, at_[i], g.numel()).add_(g.reshape({-1}));
+      buffer.narrow(0, at_[i], g.numel()).view(param.sizes()).add_(g);  // (dense or sparse)
       g = torch::Tensor();
     }
-    if (fired_.size() != member_of_.size() || fired_[i]) return;  // (not armed; a second accumulation)
+    if (fired_[i]) return;  // (a second accumulation: tk::recompute's reentrant backward)
     fired_[i] = true;
     if (--waiting_[static_cast<size_t>(u)] == 0) release(u);
   }
@@ -172,7 +177,7 @@ class ShardedUnits final : public UnitSchedule {
   void refresh() {
     release_all();
     for (size_t u = 0; u < units_.size(); ++u)
-      if (units_[u].whole) {
+      if (units_[u].whole || held_) {  // (held: every unit, with its new values)
         gathered_[u] = false;
         gather(static_cast<std::int64_t>(u));
       }

@@ -515,6 +515,9 @@ TRAINKIT_INLINE void FlatStorage::shard_parameters() {
 
 TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& done) {
   if (units_) {
+    if (units_->held())
+      throw std::logic_error("trainkit: a micro-step while every unit is held gathered (hold_parameters(true)); "
+                             "call hold_parameters(false) on every rank first");
     if (overlap_ && done.micro_batch_ends)
       reduction_ = replicas_->start_unit_reduction(unit_gradients(), reduction_target(), partition_, done.window, done.closes);
     units_->arm(reduction_.get());

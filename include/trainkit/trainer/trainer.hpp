@@ -554,6 +554,9 @@ class Trainer final : public detail::TrainerCore {
   template <class PieceLoss>
   MicroStepResult micro_step_pieces_impl(PieceLoss& loss_of, const std::vector<std::int64_t>& items) {
     TORCH_CHECK(!items.empty(), "micro_step_pieces: no pieces");
+    TORCH_CHECK(items.size() == 1 || !storage_.sharded_units(), "micro_step_pieces: ", items.size(), " pieces with "
+                "ZeRO stage 3: ranks whose micro-batches hold different item counts would cut them into different "
+                "numbers of pieces, each gathering every unit; run whole micro-batches");
     std::int64_t total = 0;
     for (size_t j = 0; j < items.size(); ++j) {
       TORCH_CHECK(items[j] >= 0, "micro_step_pieces: piece ", j, " has ", items[j], " items; counts must be >= 0");

@@ -94,11 +94,16 @@ R unit_call(const M& module, Call&& call) {
   const auto& schedule = active_unit_schedule();
   if (schedule) {
     const std::int64_t u = schedule->unit_of(unit_module(module));
-    if (u < 0) return call();
-    return scheduled_call<R>(schedule, u, std::forward<Call>(call));
+    if (u >= 0) return scheduled_call<R>(schedule, u, std::forward<Call>(call));
   }
+  // (Not a unit of the active schedule: perhaps one of another stage-3 trainer's.)
   const auto [owner, u] = UnitRegistry::get().find(unit_module(module));
-  if (!owner || owner->held()) return call();
+  if (!owner) return call();
+  if (owner->held() && !torch::GradMode::is_enabled()) return call();
+  if (owner->held())
+    throw std::logic_error("tk::unit: a unit whose parameters are sharded (ZeRO stage 3) was called with autograd on "
+                           "outside the trainer's micro_step: no trainer would take that gradient; call it under "
+                           "torch::NoGradGuard");
   throw std::logic_error("tk::unit: a unit whose parameters are sharded (ZeRO stage 3, TRAIN.ZERO_STAGE: 3) was "
                          "called outside the trainer's micro_step: its parameters exist only gathered for the "
                          "trainer's forward and backward. Outside them, gather every unit on every rank first: "
