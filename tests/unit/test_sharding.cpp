@@ -419,6 +419,17 @@ TEST_CASE("stage 3 checkpoints: a file and a set with the same records, loaded b
   }
 }
 
+TEST_CASE("stage 3: a rank out of memory in its forward stops the run, saying it cannot replay alone") {
+  testing::TempDir dir;
+  // (Stages 0-2 replay the window or the micro-batch in pieces; with stage 3 the other ranks are
+  // past gathers the failing rank would make again.)
+  auto ranks = spawn_ranks(2, dir / "oom", std::to_string(free_port()),
+                           {"--fit", dir / "out", "--steps", "0", "--batch", "4", "--model", "mlp-ln", "--sharding", "3",
+                            "--oom-rank", "1", "--timeout", "20"});
+  for (auto& c : ranks) CHECK(wait_exit(c, 120) != 0);
+  CHECK(slurp(ranks[1].err).find("cannot replay its micro-batch alone") != std::string::npos);
+}
+
 TEST_CASE("stage 3 with no units: every rank stops at set_replicas, saying so") {
   testing::TempDir dir;
   // (`affine` reads its weights outside any call: the driver names no unit)

@@ -31,7 +31,7 @@ enum class ReducePrecision { automatic, fp32, half };
 /// `gradients` (stage 2): also the gradient, between windows (and the window's sum).
 /// `parameters` (stage 3): also the parameters of the model's units (TrainerOptions::units):
 /// each unit's are gathered before its forward and its backward and released after each
-/// (trainer/unit.hpp; docs/design/storage.md, "Stage 3").
+/// (trainer/unit.hpp; docs/design/data-parallel.md, "Sharding").
 enum class Sharding { none, optimizer, gradients, parameters };
 
 /// Loss-scale settings. Dynamic defaults are torch.amp.GradScaler's; the extras (hysteresis,

@@ -58,18 +58,16 @@ class ShardedUnits final : public UnitSchedule {
     bool whole = false;                           ///< the root unit: never released
   };
 
-  /// `units`: their buffers (gathered, or released); `member_of[i]`: the unit of the
-  /// storage's parameter i and `at[i]` its first element in that unit's buffer; `local`: this
-  /// rank's slices (its buffer lives as long as the storage).
-  ShardedUnits(std::vector<Unit> units, std::vector<std::int64_t> member_of, std::vector<std::int64_t> at,
-               Replicas& replicas, Partition partition, torch::Tensor local)
-      : units_(std::move(units)), member_of_(std::move(member_of)), at_(std::move(at)), replicas_(&replicas),
-        partition_(std::move(partition)), local_(std::move(local)), gathered_(units_.size(), false),
-        waiting_(units_.size(), 0) {
+  /// `units`: their buffers (gathered, or released); `params[i]`: the storage's trainable
+  /// parameter i, `member_of[i]` its unit and `at[i]` its first element in that unit's buffer;
+  /// `local`: this rank's slices (its buffer lives as long as the storage).
+  ShardedUnits(std::vector<Unit> units, std::vector<torch::Tensor> params, std::vector<std::int64_t> member_of,
+               std::vector<std::int64_t> at, Replicas& replicas, Partition partition, torch::Tensor local)
+      : units_(std::move(units)), params_(std::move(params)), member_of_(std::move(member_of)), at_(std::move(at)),
+        replicas_(&replicas), partition_(std::move(partition)), local_(std::move(local)), waiting_(units_.size(), 0) {
     for (size_t u = 0; u < units_.size(); ++u) {
       if (units_[u].module) modules_[units_[u].module] = static_cast<std::int64_t>(u);
-      gathered_[u] = !is_released(units_[u].buffer);
-      if (!units_[u].whole && gathered_[u]) now_ += units_[u].buffer.numel();
+      if (!units_[u].whole && gathered(static_cast<std::int64_t>(u))) now_ += units_[u].buffer.numel();
       grads_.push_back(torch::empty({units_[u].buffer.numel()}, units_[u].buffer.options()));
       release_storage(grads_.back());
     }
@@ -131,20 +129,15 @@ class ShardedUnits final : public UnitSchedule {
             "its unit's tk::unit call? Set TRAIN.OVERLAP_REDUCTION: false (TrainerOptions::overlap_reduction) to "
             "reduce after the backward (every unit's gradient is then held until the backward ends)");
       torch::NoGradGuard no_grad;
-      auto& buffer = grads_[static_cast<size_t>(u)];
-      if (is_released(buffer)) {
-        allocate_released(buffer);  // zeros
-        grad_now_ += buffer.numel();
-        grad_peak_ = std::max(grad_peak_, grad_now_);
-      }
-      buffer.narrow(0, at_[i], g.numel()).view(param.sizes()).add_(g);  // (dense or sparse)
+      gradient(u).narrow(0, at_[i], g.numel()).view(param.sizes()).add_(g);  // (dense or sparse)
       g = torch::Tensor();
     }
     if (fired_[i]) return;  // (a second accumulation: tk::recompute's reentrant backward)
     fired_[i] = true;
     if (--waiting_[static_cast<size_t>(u)] == 0) release(u);
   }
-  /// Bucket b's gradient for its reduce-scatter: zeros where none of its parameters got one.
+  /// Unit b's gradient (its bucket's), allocated (zeros) at its first use: for the unit's
+  /// gradients as they come, and for its reduce-scatter (zeros where none came).
   torch::Tensor gradient(std::int64_t b) {
     auto& buffer = grads_[static_cast<size_t>(b)];
     if (is_released(buffer)) {
@@ -163,9 +156,9 @@ class ShardedUnits final : public UnitSchedule {
   }
   /// Every unit's gradient dropped (a failed micro-batch, a dropped window), and the
   /// parameters' .grad with it.
-  void drop_gradients(const std::vector<torch::Tensor>& params) {
+  void drop_gradients() {
     for (std::int64_t b = 0; b < static_cast<std::int64_t>(grads_.size()); ++b) gradient_done(b);
-    for (const auto& p : params) p.mutable_grad() = torch::Tensor();
+    for (const auto& p : params_) p.mutable_grad() = torch::Tensor();
   }
   /// After a backward, or before the update: only the root unit stays gathered.
   void release_all() {
@@ -178,7 +171,7 @@ class ShardedUnits final : public UnitSchedule {
     release_all();
     for (size_t u = 0; u < units_.size(); ++u)
       if (units_[u].whole || held_) {  // (held: every unit, with its new values)
-        gathered_[u] = false;
+        release_storage(units_[u].buffer);
         gather(static_cast<std::int64_t>(u));
       }
   }
@@ -207,9 +200,10 @@ class ShardedUnits final : public UnitSchedule {
   std::int64_t peak_gradient() const { return grad_peak_; }
 
  private:
+  bool gathered(std::int64_t u) const { return !is_released(units_[static_cast<size_t>(u)].buffer); }
   void gather(std::int64_t u) {
     auto& unit = units_[static_cast<size_t>(u)];
-    if (gathered_[static_cast<size_t>(u)]) return;
+    if (gathered(u)) return;
     if (!replicas_)
       throw std::logic_error("tk::unit: unit '" + unit.name + "' belongs to a trainer that is gone; its parameters "
                              "were sharded (ZeRO stage 3) and exist no more in this process");
@@ -219,7 +213,6 @@ class ShardedUnits final : public UnitSchedule {
     replicas_->gather_bucket(local_.narrow(0, partition_.local(b), n), unit.buffer,
                              "all-gather of unit " + (unit.name.empty() ? std::string("(root)") : "'" + unit.name + "'") +
                                  " (" + std::to_string(b + 1) + "/" + std::to_string(partition_.buckets()) + ")");
-    gathered_[static_cast<size_t>(u)] = true;
     ++gathers_;
     if (!unit.whole) {
       now_ += unit.buffer.numel();
@@ -228,29 +221,27 @@ class ShardedUnits final : public UnitSchedule {
   }
   void release(std::int64_t u) {
     const auto& unit = units_[static_cast<size_t>(u)];
-    if (unit.whole || held_ || !gathered_[static_cast<size_t>(u)]) return;
+    if (unit.whole || held_ || !gathered(u)) return;
     release_storage(unit.buffer);
-    gathered_[static_cast<size_t>(u)] = false;
     now_ -= unit.buffer.numel();
   }
-
-  std::vector<Unit> units_;
-  std::vector<std::int64_t> member_of_, at_;
-  Replicas* replicas_;
-  Partition partition_;
-  torch::Tensor local_;
-  std::unordered_map<const torch::nn::Module*, std::int64_t> modules_;
-  std::vector<bool> gathered_;
-  std::vector<std::int64_t> waiting_;
-  std::vector<bool> fired_, launched_, reached_;
-  Reduction* reduction_ = nullptr;
-  std::int64_t previous_ = -1, overlapped_ = 0;
-
   void launch(std::int64_t b) {
     launched_[static_cast<size_t>(b)] = true;
     ++overlapped_;
     reduction_->launch(b);
   }
+
+  std::vector<Unit> units_;  // (a unit is gathered while its buffer holds memory)
+  std::vector<torch::Tensor> params_;
+  std::vector<std::int64_t> member_of_, at_;
+  Replicas* replicas_;
+  Partition partition_;
+  torch::Tensor local_;
+  std::unordered_map<const torch::nn::Module*, std::int64_t> modules_;
+  std::vector<std::int64_t> waiting_;
+  std::vector<bool> fired_, launched_, reached_;
+  Reduction* reduction_ = nullptr;
+  std::int64_t previous_ = -1, overlapped_ = 0;
   std::vector<torch::Tensor> grads_;  // each unit's gradient, allocated from its first gradient to its reduction
   std::int64_t gathers_ = 0, now_ = 0, peak_ = 0, grad_now_ = 0, grad_peak_ = 0;
   bool held_ = false;

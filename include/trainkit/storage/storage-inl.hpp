@@ -508,8 +508,10 @@ TRAINKIT_INLINE void FlatStorage::shard_parameters() {
   make_groups(torch::Tensor(), /*bind_params=*/false);  // metadata only: the update reads this rank's slices
   views_.clear();
   for (const auto& e : placed_) record_view(e);
-  units_ = std::make_shared<detail::ShardedUnits>(std::move(units), std::move(member_of), std::move(at), *replicas_,
-                                                  partition_, params_);
+  std::vector<torch::Tensor> trainable;
+  for (const auto& e : placed_) trainable.push_back(e.param);
+  units_ = std::make_shared<detail::ShardedUnits>(std::move(units), std::move(trainable), std::move(member_of),
+                                                  std::move(at), *replicas_, partition_, params_);
   release_cached(device_);
 }
 
@@ -554,7 +556,7 @@ TRAINKIT_INLINE void FlatStorage::discard_micro_batch() {
   drop_reduction();
   if (units_) {
     units_->release_all();
-    units_->drop_gradients(trainable());
+    units_->drop_gradients();
   }
   if (!detail::is_released(grad_)) detail::release_storage(grad_);
 }
@@ -564,7 +566,7 @@ TRAINKIT_INLINE void FlatStorage::zero() {
   summed_ = false;
   if (units_) {  // (after a failed forward or backward)
     units_->release_all();
-    units_->drop_gradients(trainable());
+    units_->drop_gradients();
   }
   if (!sharded()) {
     grad_.zero_();
@@ -645,8 +647,7 @@ TRAINKIT_INLINE void FlatStorage::save_parameters(torch::serialize::OutputArchiv
       });
       if (e.param.numel() == 0 && set->main()) detail::write_piece("model.param." + e.name, e.param.sizes(), 0, e.param);
     }
-    for (const auto& p : module.named_parameters(true))
-      if (!p.value().requires_grad()) detail::write_tensor(archive, "model.param." + p.key(), p.value());
+    write_frozen(archive, module);
     return;
   }
   for (const auto& p : module.named_parameters(true)) detail::write_tensor(archive, "model.param." + p.key(), p.value());
@@ -704,12 +705,6 @@ TRAINKIT_INLINE GradientBuckets FlatStorage::unit_gradients() const {
   buckets.input = [units = units_.get()](std::int64_t b) { return units->gradient(b); };
   buckets.done = [units = units_.get()](std::int64_t b) { units->gradient_done(b); };
   return buckets;
-}
-
-TRAINKIT_INLINE std::vector<torch::Tensor> FlatStorage::trainable() const {
-  std::vector<torch::Tensor> out;
-  for (const auto& e : placed_) out.push_back(e.param);
-  return out;
 }
 
 TRAINKIT_INLINE torch::Tensor FlatStorage::reduction_target() {

@@ -458,8 +458,6 @@ class FlatStorage : public detail::FlatParameters {
   // Stage 3: each unit's gradient buffer for a reduction (ShardedUnits::gradient), released
   // as its collective completes.
   GradientBuckets unit_gradients() const;
-  // The trainable parameters, in the storage's order.
-  std::vector<torch::Tensor> trainable() const;
   void read_frozen(torch::serialize::InputArchive& archive, torch::nn::Module& module);
 
   // The flat buffers at `numel` elements: the parameters copied in and their views re-pointed,
