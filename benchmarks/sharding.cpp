@@ -35,7 +35,8 @@
 //
 // Per rank: "held" is the bytes of every tensor the trainer holds between optimizer steps (the
 // model's parameters and gradients, the masters, the optimizer's state, the reduced slices;
-// each storage counted once), per parameter, next to ZeRO's formula for it; "peak" is the
+// each storage counted once: Trainer::held_bytes), per parameter, next to what the trainer
+// predicted for it from its size (Trainer::predicted_held, storage/held_bytes.hpp: ZeRO's formula); "peak" is the
 // process's high-water mark (VmHWM) minus its resident memory before the model was built, per
 // parameter (on the CPU it includes Gloo's buffers; the ranks run with MALLOC_MMAP_THRESHOLD_ at
 // 1 MiB, so that glibc gives freed blocks back rather than keeping its high-water mark). "window" is the
@@ -106,16 +107,6 @@ struct StackImpl : torch::nn::Module {
 TORCH_MODULE(Stack);
 
 Stack make_model(const Settings& s) { return Stack(s); }
-
-// Bytes of the distinct storages among `tensors`.
-std::int64_t distinct_bytes(const std::vector<torch::Tensor>& tensors) {
-  std::set<const void*> seen;
-  std::int64_t bytes = 0;
-  for (const auto& t : tensors)
-    if (t.defined() && seen.insert(t.storage().unsafeGetStorageImpl()).second)
-      bytes += static_cast<std::int64_t>(t.storage().nbytes());
-  return bytes;
-}
 
 double median_of(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -221,13 +212,6 @@ int child(const Settings& s) {
       for (std::int64_t m = 0; m < s.accumulate; ++m) trainer.micro_step([&] { return model->forward(x).square().mean(); });
       return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
     });
-  std::vector<torch::Tensor> held;
-  for (const auto& p : model->parameters()) held.insert(held.end(), {p, p.grad()});
-  held.push_back(trainer.parameters());
-  held.push_back(trainer.storage().local_gradients());
-  for (const auto* state : trainer.update_rule().flat_states()) held.push_back(state->flat());
-  if constexpr (Trainer::precision::master_weights) held.push_back(trainer.storage().half_gradients());
-  else held.push_back(trainer.storage().gradients());
   const double params = static_cast<double>(trainer.parameter_count());
   std::sort(ms.begin() + 1, ms.end());
   // Buckets launched by the hooks during a backward, of all reductions' buckets: one reduction
@@ -236,13 +220,14 @@ int child(const Settings& s) {
   const double in_backward = static_cast<double>(trainer.storage().overlapped_buckets()) /
                              static_cast<double>(reductions * trainer.storage().partition().buckets());
   std::ofstream(s.out + ".rank" + std::to_string(group.rank()))
-      << distinct_bytes(held) / params << " " << (status_bytes("VmHWM:") - baseline) / params << " "
+      << static_cast<double>(trainer.held_bytes()) / params << " "
+      << trainer.predicted_held().total() / params << " " << (status_bytes("VmHWM:") - baseline) / params << " "
       << ms[1 + (ms.size() - 1) / 2] << " " << in_backward << " " << trainer.storage().backward_left_at_launch() << "\n";
   return 0;
 }
 
 struct Result {
-  double held = 0, peak = 0, ms = 0, in_backward = 0, left = 0;
+  double held = 0, predicted = 0, peak = 0, ms = 0, in_backward = 0, left = 0;
 };
 
 void run_ranks(const std::string& self, const Settings& s, int world, int port);
@@ -251,7 +236,7 @@ void run_ranks(const std::string& self, const Settings& s, int world, int port);
 Result launch(const std::string& self, const Settings& s, int world, int port) {
   run_ranks(self, s, world, port);
   Result r;
-  std::ifstream(s.out + ".rank0") >> r.held >> r.peak >> r.ms >> r.in_backward >> r.left;
+  std::ifstream(s.out + ".rank0") >> r.held >> r.predicted >> r.peak >> r.ms >> r.in_backward >> r.left;
   return r;
 }
 
@@ -311,11 +296,6 @@ void run_ranks(const std::string& self, const Settings& s, int world, int port) 
   }
 }
 
-double formula(const std::string& precision, int stage, int world) {
-  const double w = world;
-  if (precision == "fp32") return stage == 0 || world == 1 ? 16 : stage == 1 ? 8 + 8 / w : stage == 2 ? 4 + 8 / w : 12 / w;
-  return stage == 0 || world == 1 ? 16 : stage == 1 ? 4 + 12 / w : 2 + 12 / w;
-}
 
 }  // namespace
 
@@ -366,7 +346,7 @@ int main(int argc, char** argv) {
       std::vector<Result> runs;
       for (std::int64_t k = 0; k < run.repeat; ++k) runs.push_back(launch(path, run, world, ++port));
       Result m;
-      for (double Result::*field : {&Result::held, &Result::peak, &Result::ms, &Result::in_backward, &Result::left}) {
+      for (double Result::*field : {&Result::held, &Result::predicted, &Result::peak, &Result::ms, &Result::in_backward, &Result::left}) {
         std::vector<double> v;
         for (const auto& r : runs) v.push_back(r.*field);
         std::sort(v.begin(), v.end());
@@ -381,7 +361,7 @@ int main(int argc, char** argv) {
                   static_cast<long long>(s.layers), static_cast<long long>(s.width), static_cast<long long>(s.width),
                   millions, static_cast<long long>(s.batch), static_cast<long long>(s.accumulate),
                   static_cast<long long>(s.windows), static_cast<long long>(s.bucket_mib), static_cast<long long>(s.repeat));
-      std::printf("| precision | W | stage | held B/param | ZeRO formula | peak B/param | window ms | window / stage 0 |\n");
+      std::printf("| precision | W | stage | held B/param | predicted | peak B/param | window ms | window / stage 0 |\n");
       std::printf("|---|---|---|---|---|---|---|---|\n");
       for (const std::string precision : {"fp32", "master"}) {
         for (const int world : {1, 2, 4}) {
@@ -396,7 +376,7 @@ int main(int argc, char** argv) {
             const Result m = measure(run, world);
             if (stage == 0) replicated_ms = m.ms;
             std::printf("| %s | %d | %d | %.2f | %.2f | %.2f | %.1f | %.2f |\n", precision == "fp32" ? "FP32" : "FP16 master",
-                        world, stage, m.held, formula(precision, stage, world), m.peak, m.ms, m.ms / replicated_ms);
+                        world, stage, m.held, m.predicted, m.peak, m.ms, m.ms / replicated_ms);
             std::fflush(stdout);
           }
         }

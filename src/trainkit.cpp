@@ -34,6 +34,7 @@
 #include <trainkit/step/precision-inl.hpp>
 #include <trainkit/step/replicas-inl.hpp>
 #include <trainkit/step/schedule-inl.hpp>
+#include <trainkit/storage/held_bytes-inl.hpp>
 #include <trainkit/storage/master_storage-inl.hpp>
 #include <trainkit/storage/master_weights-inl.hpp>
 #include <trainkit/storage/storage-inl.hpp>

@@ -5,6 +5,9 @@
 //       overrides), "derived" (world size, total batch, base LR, the trainer type chosen, the
 //       optimizer and schedule), "not_validated" (sections passed through without a schema) and
 //       "notes". Exit 0. An invalid file: `error: KEY.PATH: ...` on stderr, exit 2.
+//       With --parameters N (and --root, --largest-unit, --frozen), "derived" also holds
+//       "memory_per_rank": the bytes each rank holds between optimizer steps, predicted by stage
+//       and world size (trainkit/storage/held_bytes.hpp), and this configuration's.
 //   trainkit-config schema
 //       The toolkit's keys with their types, defaults and meanings, as JSON.
 //   trainkit-config reference
@@ -20,6 +23,10 @@
 #include <trainkit/config/yaml.hpp>
 #endif
 
+#include <trainkit/storage/held_bytes.hpp>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <optional>
@@ -35,6 +42,7 @@ constexpr int exit_invalid = 2;
 
 const char* usage =
     "usage: trainkit-config check FILE [--set SECTION.KEY=VALUE ...] [--world-size N] [--batches-per-epoch B]\n"
+    "                              [--parameters N [--root N] [--largest-unit N] [--frozen N]]\n"
     "       trainkit-config schema | reference\n";
 
 const char* help =
@@ -53,6 +61,13 @@ const char* help =
     "  --world-size N            data-parallel processes (default: WORLD_SIZE, else 1)\n"
     "  --batches-per-epoch B     micro-batches per epoch on one rank: adds the windows per epoch,\n"
     "                            the total optimizer steps and the schedule in steps\n"
+    "  --parameters N            the model's trained parameters (110M, 1.3B, or digits): adds the\n"
+    "                            bytes per rank between optimizer steps, predicted for ZeRO stages\n"
+    "                            0-3 over 1, 2, 4, 8 and N ranks (parameters, gradients, masters,\n"
+    "                            optimizer state)\n"
+    "  --root N                  with ZeRO stage 3: the parameters in no unit (kept whole; default 0)\n"
+    "  --largest-unit N          with ZeRO stage 3: the largest unit's, gathered inside a step\n"
+    "  --frozen N                parameters not trained (every rank keeps them whole; default 0)\n"
     "  -h, --help                this text\n"
     "\n"
     "exit status: 0 valid, 2 an invalid file or command line (error: KEY.PATH: ... on stderr),\n"
@@ -132,10 +147,60 @@ std::int64_t positive_integer(const std::string& flag, const std::string& text) 
   return v.get<std::int64_t>();
 }
 
+// "110M", "1.3B", "340k" or digits: a count of parameters.
+std::int64_t parameter_count(const std::string& flag, const std::string& text) {
+  std::size_t used = 0;
+  double v = -1;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+  }
+  const std::string suffix = text.substr(std::min(used, text.size()));
+  const double scale = suffix.empty() ? 1 : suffix == "k" || suffix == "K" ? 1e3 : suffix == "M" ? 1e6
+                       : suffix == "B" || suffix == "G" ? 1e9 : -1;
+  if (used == 0 || scale < 0 || !(v >= 0) || v * scale > 1e15)
+    throw tk::ConfigError("", flag + ": expected a count of parameters (digits, or with k, M, B: \"110M\"), got \"" +
+                                  text + "\"");
+  return static_cast<std::int64_t>(std::llround(v * scale));
+}
+
+// derived.memory_per_rank: this run's bytes per rank by kind, and every stage's at 1, 2, 4, 8
+// and the plan's world size.
+json memory_per_rank(const tk::RunPlan& d, const tk::ModelSize& model) {
+  tk::StorageShape shape;
+  shape.master_weights = d.trainer.master_weights;
+  shape.optimizer_values = tk::StorageShape::optimizer_values_of(d.optimizer);
+  shape.accumulates = d.accumulation_steps != 1;
+  const int stage = static_cast<int>(d.trainer_options.sharding());
+  const tk::HeldBytes run = tk::predict_held(model, shape, stage, d.world_size);
+  json by_world = json::object();
+  for (const std::int64_t w : {std::int64_t{1}, std::int64_t{2}, std::int64_t{4}, std::int64_t{8}, d.world_size}) {
+    json stages = json::object();
+    for (int s = 0; s <= 3; ++s) stages[std::to_string(s)] = tk::predict_held(model, shape, s, w).total();
+    by_world[std::to_string(w)] = stages;
+  }
+  return {{"parameters", model.trained},
+          {"this_run", {{"stage", stage},
+                        {"world_size", d.world_size},
+                        {"bytes", run.total()},
+                        {"text", tk::format_bytes(run.total())},
+                        {"parameters", run.parameters},
+                        {"gradients", run.gradients},
+                        {"masters", run.masters},
+                        {"optimizer", run.optimizer},
+                        {"gathered_in_step", run.gathered}}},
+          {"by_world_size_and_stage", by_world}};
+}
+
 int check(const std::vector<std::string>& args) {
   std::string file;
   std::vector<std::string> sets;
   std::optional<std::int64_t> world_size, batches_per_epoch;
+  std::optional<tk::ModelSize> model;
+  auto model_size = [&]() -> tk::ModelSize& {
+    if (!model) model.emplace();
+    return *model;
+  };
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&](const std::string& flag) -> std::string {
@@ -148,11 +213,20 @@ int check(const std::vector<std::string>& args) {
     else if (is("--world-size")) world_size = positive_integer("--world-size", value("--world-size"));
     else if (is("--batches-per-epoch"))
       batches_per_epoch = positive_integer("--batches-per-epoch", value("--batches-per-epoch"));
+    else if (is("--parameters")) model_size().trained = parameter_count("--parameters", value("--parameters"));
+    else if (is("--root")) model_size().root = parameter_count("--root", value("--root"));
+    else if (is("--largest-unit")) model_size().largest_unit = parameter_count("--largest-unit", value("--largest-unit"));
+    else if (is("--frozen")) model_size().frozen = parameter_count("--frozen", value("--frozen"));
     else if (!a.empty() && a[0] == '-') throw tk::ConfigError("", a + ": unknown option\n" + usage);
     else if (file.empty()) file = a;
     else throw tk::ConfigError("", a + ": one FILE only (the first was " + file + ")");
   }
   if (file.empty()) throw tk::ConfigError("", std::string("check: expected a FILE\n") + usage);
+  if (model && model->trained == 0)
+    throw tk::ConfigError("", "--root, --largest-unit and --frozen describe a model: give --parameters N too");
+  if (model && (model->root > model->trained || model->largest_unit > model->trained))
+    throw tk::ConfigError("", "--root and --largest-unit count parts of --parameters: at most " +
+                                  std::to_string(model->trained) + " each");
 
   tk::Config config;
   config.load(file, sets);
@@ -188,6 +262,7 @@ int check(const std::vector<std::string>& args) {
     derived["total_steps"] = clock.step_at(static_cast<double>(d.fit.end_epoch()));
     derived["schedule_in_steps"] = d.make_schedule(*batches_per_epoch)->describe();
   }
+  if (model) derived["memory_per_rank"] = memory_per_rank(d, *model);
   const json out = {{"config", config.tree()},
                     {"derived", derived},
                     {"not_validated", config.unvalidated_sections()},

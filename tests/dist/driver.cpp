@@ -40,6 +40,9 @@
 //                                                  thread: the cap then follows the tensors)
 //       [--model deep --width H --layers L]       Linear(8, H), L times tanh(Linear(H, H)), Linear(H, 4),
 //                                                  every Linear a unit with --sharding 3
+//       [--units P1,P2,...]                        stage 3's units (default: the model's own, below)
+//       [--prefetch N] [--reshard 0|1]             stage 3: TrainerOptions::unit_prefetch (default 1) and
+//                                                  reshard_after_forward (default 1)
 //       [--model wide --width H --dropout P]       three H-wide layers with dropout: activations
 //                                                  dominate the memory (--model wide)
 //       [--watch-nonfinite 1]                      the overflow diagnosis on from the start; the
@@ -73,6 +76,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -82,11 +86,11 @@ namespace {
 
 struct Args {
   std::string out, load, load_rank1, save, save_set, fit, precision = "fp32", model = "mlp", reduce = "auto";
-  std::string checkpoint_format = "auto";
+  std::string checkpoint_format = "auto", units = "model";
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
-  int validate = 0;
+  int validate = 0, prefetch = 1, reshard = 1;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -120,9 +124,18 @@ Args parse(int argc, char** argv) {
   take("cap-rank", a.cap_rank), take("cap", a.cap), take("cap-mib", a.cap_mib), take("width", a.width), take("layers", a.layers), take("dropout", a.dropout);
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
   take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
+  take("units", a.units), take("prefetch", a.prefetch), take("reshard", a.reshard);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
+}
+
+// "a,b.*" -> {"a", "b.*"}.
+std::vector<std::string> split_units(const std::string& list) {
+  std::vector<std::string> out;
+  std::stringstream in(list);
+  for (std::string path; std::getline(in, path, ',');) out.push_back(path);
+  return out;
 }
 
 // `mlp`: Linear(8, 16), tanh, Linear(16, 4). `affine`: elementwise only (no op that autocast
@@ -287,12 +300,15 @@ int run(const Args& a) {
                       .max_grad_norm(0.05)
                       .reduce_precision(reduce_precision(a))
                       .overlap_reduction(a.overlap != 0)
+                      .unit_prefetch(a.prefetch)
+                      .reshard_after_forward(a.reshard != 0)
                       .sharding(a.sharding == 3   ? tk::Sharding::parameters
                                 : a.sharding == 2 ? tk::Sharding::gradients
                                 : a.sharding == 1 ? tk::Sharding::optimizer
                                                   : tk::Sharding::none)
                       // (`affine` reads its weights outside any call: nothing to make a unit)
-                      .units(a.model == "affine" ? std::vector<std::string>{}
+                      .units(a.units != "model" ? split_units(a.units)
+                             : a.model == "affine" ? std::vector<std::string>{}
                              : a.model == "wide" ? std::vector<std::string>{"fc1", "mid1", "mid2", "fc2"}
                              : a.model == "deep" ? std::vector<std::string>{"fc1", "mids.*", "fc2"}
                                                  : std::vector<std::string>{"fc1", "fc2"}));
@@ -436,7 +452,11 @@ int run(const Args& a) {
                       {"unit_gathers", units ? units->gathers() : 0},
                       {"unit_peak", units ? units->peak_gathered() : 0},
                       {"unit_gradient_peak", units ? units->peak_gradient() : 0},
+                      {"unit_gathers_ahead", units ? units->gathers_ahead() : 0},
+                      {"unit_gather_seconds", units ? units->gather_seconds() : 0.0},
                       {"parameter_bytes", parameter_bytes(*model)},
+                      {"held_bytes", trainer.held_bytes()},
+                      {"predicted_bytes", trainer.predicted_held().total()},
                       {"vm_peak", tk::detail::proc_status_bytes("VmPeak")},
                       {"rss_peak", tk::detail::proc_status_bytes("VmHWM")},
                       {"buckets", replicas->buckets(trainer.parameters().numel())},

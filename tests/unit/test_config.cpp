@@ -60,11 +60,13 @@ class ScopedEnv {
 TEST_CASE("defaults: every toolkit key of the TRAIN section, with its default") {
   const tk::Config c;
   const json& t = c.tree()["TRAIN"];
-  CHECK(t.size() == 54);  // VL-BERT's 28 TRAIN keys and trainkit's 26
+  CHECK(t.size() == 56);  // VL-BERT's 28 TRAIN keys and trainkit's 28
   CHECK(t["CHECKPOINT_BACKGROUND"] == true);
   CHECK(t["CHECKPOINT_FORMAT"] == "auto");
   CHECK(t["ZERO_STAGE"] == 0);
   CHECK(t["OVERLAP_REDUCTION"] == true);
+  CHECK(t["UNIT_PREFETCH"] == 1);
+  CHECK(t["RESHARD_AFTER_FORWARD"] == true);
   CHECK(t["NO_DECAY"] == json::array());
   CHECK(t["RESUME_CHANGES"] == "refuse");
   CHECK(t["NONFINITE_PATIENCE"] == 20);

@@ -11,7 +11,9 @@
 
 #include <chrono>
 #include <fstream>
+#include <cmath>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -475,8 +477,88 @@ TEST_CASE("stage 3: a model whose replicated training does not fit a memory cap 
                     << " elements, gathered peak " << s["unit_peak"].get<std::int64_t>() << ", VmPeak "
                     << s["vm_peak"].get<double>() / 1048576 << " MiB");
     CHECK(s["unit_gradient_peak"].get<std::int64_t>() < numel / 2);
-    CHECK(s["unit_peak"].get<std::int64_t>() < numel / 4);
+    CHECK(s["unit_peak"].get<std::int64_t>() < numel / 3);  // (the unit called and the next, gathered ahead: 2 of 10)
   }
+}
+
+TEST_CASE("stage 3 gathers ahead (unit_prefetch) or keeps units until their backward (reshard_after_forward false): "
+          "the same state bit for bit, with as many units gathered at once as each says") {
+  testing::TempDir dir;
+  // Linear(8, 64), 4 x Linear(64, 64), Linear(64, 4): 6 units, the 4 mids the largest (4160
+  // elements); 2 ranks, 2 micro-batches a window, uneven item counts.
+  const std::vector<std::string> common{"--model", "deep", "--width", "64", "--layers", "4", "--batch", "4",
+                                        "--samples", "40", "--steps", "8", "--accum", "2", "--items", "1",
+                                        "--flush", "1", "--precision", "fp32", "--sharding", "3"};
+  struct Run {
+    const char* name;
+    std::vector<std::string> args;
+  };
+  const std::vector<Run> runs = {{"none ahead", {"--prefetch", "0"}},
+                                 {"1 ahead", {"--prefetch", "1"}},
+                                 {"3 ahead", {"--prefetch", "3"}},
+                                 {"1 ahead, reduced after the backward", {"--prefetch", "1", "--overlap", "0"}},
+                                 {"kept until the backward", {"--prefetch", "0", "--reshard", "0"}},
+                                 {"kept, 2 ahead", {"--prefetch", "2", "--reshard", "0"}}};
+  std::map<std::string, nlohmann::json> s;
+  std::map<std::string, torch::Tensor> reference;
+  for (const auto& r : runs) {
+    const std::string name = r.name;
+    CAPTURE(name);
+    const std::string ckpt = dir / (std::string(r.name) + ".ckpt");
+    run_ranks(2, dir / "p", with(common, with(r.args, {"--save", ckpt})));
+    const auto state = records(ckpt, kState);
+    if (reference.empty()) reference = state;
+    else CHECK(equal_records(state, reference));
+    s[r.name] = summary(dir / "p", 0);
+    MESSAGE(name << ": " << s[r.name]["unit_gathers"] << " gathers, " << s[r.name]["unit_gathers_ahead"]
+                   << " ahead, peak " << s[r.name]["unit_peak"] << " elements gathered");
+  }
+  const std::int64_t mid = 64 * 64 + 64, all = 8 * 64 + 64 + 4 * mid + 64 * 4 + 4;
+  auto at = [&](const char* run, const char* key) { return s[run][key].get<std::int64_t>(); };
+  CHECK(at("none ahead", "unit_gathers_ahead") == 0);
+  CHECK(at("none ahead", "unit_peak") == mid);
+  CHECK(at("1 ahead", "unit_gathers_ahead") > 0);
+  CHECK(at("1 ahead", "unit_gathers") == at("none ahead", "unit_gathers"));  // (launched earlier, not more)
+  CHECK(at("1 ahead", "unit_peak") == 2 * mid);
+  CHECK(at("3 ahead", "unit_peak") == 4 * mid);
+  CHECK(at("1 ahead, reduced after the backward", "unit_peak") == 2 * mid);
+  // Kept: no gather in the backward, every unit whole at the forward's end.
+  CHECK(at("kept until the backward", "unit_gathers") < at("none ahead", "unit_gathers") * 2 / 3);
+  CHECK(at("kept until the backward", "unit_peak") >= all);
+  CHECK(at("kept, 2 ahead", "unit_gathers") == at("kept until the backward", "unit_gathers"));
+}
+
+TEST_CASE("the bytes per rank each stage holds are predicted before launch (within 1%, on every rank)") {
+  testing::TempDir dir;
+  // 3 ranks (uneven slices), 2 micro-batches a window, AdamW; 4 x Linear(256, 256) between
+  // Linear(8, 256) and Linear(256, 4): 0.27 M parameters. Stage 3 once with every Linear a
+  // unit, once with the mids alone (fc1 and fc2 then the root unit, whole on every rank).
+  // What the prediction leaves out is padding and the gaps between parameters: under 1% here.
+  const std::vector<std::string> common{"--model", "deep", "--width", "256", "--layers", "4", "--batch", "4",
+                                        "--steps", "4", "--accum", "2", "--samples", "48"};
+  const std::vector<std::vector<std::string>> cases = {
+      {"--precision", "fp32", "--sharding", "0"},       {"--precision", "fp32", "--sharding", "1"},
+      {"--precision", "fp32", "--sharding", "2"},       {"--precision", "fp32", "--sharding", "3"},
+      {"--precision", "fp32", "--sharding", "3", "--units", "mids.*"},
+      {"--precision", "fp16master", "--sharding", "0"}, {"--precision", "fp16master", "--sharding", "1"},
+      {"--precision", "fp16master", "--sharding", "2"},
+  };
+  std::set<double> distinct;
+  for (const auto& c : cases) {
+    std::string name;
+    for (const auto& a : c) name += a + " ";
+    CAPTURE(name);
+    run_ranks(3, dir / "held", with(common, c));
+    for (int r = 0; r < 3; ++r) {
+      const auto s = summary(dir / "held", r);
+      const auto held = s["held_bytes"].get<double>(), predicted = s["predicted_bytes"].get<double>();
+      if (r == 0) MESSAGE(name << ": held " << held << " bytes, predicted " << predicted);
+      CHECK(s["applied"].get<int>() >= 2);  // (the optimizer's state exists)
+      CHECK(std::abs(held - predicted) <= 0.01 * held);
+      distinct.insert(std::round(predicted / 1000));
+    }
+  }
+  CHECK(distinct.size() == cases.size());  // (each configuration holds its own amount: not comparing one figure)
 }
 
 TEST_CASE("a checkpoint set needs one directory that every rank shares: ranks naming different ones stop alike, "

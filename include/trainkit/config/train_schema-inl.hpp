@@ -168,6 +168,14 @@ TRAINKIT_INLINE Schema train_schema() {
    })).doc("ZERO_STAGE 3: the model's units by module path (vlbert.encoder.3), or a path ending in .* for each child of "
            "that module (vlbert.encoder.*); the model calls each through tk::unit. Empty: the application's choice "
            "(VL-BERT: vlbert.encoder.*)");
+  s.integer("UNIT_PREFETCH", 1).min(0).max(64).doc(
+      "ZERO_STAGE 3: units whose all-gather is launched ahead while the units before them compute (in the forward "
+      "the next in the forward's order, in the backward the next in the backward's); each holds one more unit "
+      "gathered; 0: each unit gathered when it is called");
+  s.boolean("RESHARD_AFTER_FORWARD", true).doc(
+      "ZERO_STAGE 3: release each unit's parameters after its forward and gather them again for its backward; false "
+      "keeps them from the forward to the backward (one all-gather per unit and micro-batch fewer, every unit whole "
+      "at the forward's end)");
   s.boolean("OVERLAP_REDUCTION", true).doc(
       "data parallel: reduce the gradient bucket by bucket during the backward that closes a window (with ZERO_STAGE 2 "
       "during every backward), as the gradients become ready; false: after the backward");

@@ -47,6 +47,17 @@ TRAINKIT_INLINE void RunLog::started() {
     text_log_->line("start: " + trainer_.type_name() + " on " + trainer_.device().str() + (world > 1 ? " x " + ranks : "") +
                     ", epochs until " + std::to_string(options_.end_epoch()) + ", seed " + std::to_string(options_.seed()) +
                     ", pid " + std::to_string(::getpid()));
+  // The memory per rank, predicted (storage/held_bytes.hpp): on the console where the stage
+  // matters (several ranks), in the text log always, with every stage at other world sizes.
+  const ModelSize size = trainer_.model_size();
+  const StorageShape shape = trainer_.storage_shape();
+  const std::string held = "trainkit: " + held_summary(size, shape, static_cast<int>(trainer_.options().sharding()), world);
+  if (world > 1) say(held);
+  if (text_log_) {
+    if (world == 1) text_log_->line(held);
+    text_log_->line("memory per rank between optimizer steps, by world size and ZeRO stage:");
+    for (const auto& line : held_table(size, shape, world)) text_log_->line(line);
+  }
 }
 
 TRAINKIT_INLINE void RunLog::open(bool resumed, std::int64_t run_windows) {

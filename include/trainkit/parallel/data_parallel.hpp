@@ -171,6 +171,10 @@ class DataParallel final : public Replicas {
       wait(b);
   }
   void gather_bucket(const torch::Tensor& mine, const torch::Tensor& bucket, const std::string& what) override {
+    start_gather_bucket(mine, bucket, what)();
+  }
+  std::function<void()> start_gather_bucket(const torch::Tensor& mine, const torch::Tensor& bucket,
+                                            const std::string& what) override {
     if (bucket.numel() != mine.numel() * world_size())
       throw std::logic_error("trainkit::DataParallel: " + what + ": a bucket of " + std::to_string(bucket.numel()) +
                              " elements from slices of " + std::to_string(mine.numel()) + " over " +
@@ -182,7 +186,7 @@ class DataParallel final : public Replicas {
     } catch (const std::exception& e) {
       group_.fail("starting the " + what, detail::message_of(e));
     }
-    group_.wait(work, what);
+    return [this, work, what] { group_.wait(work, what); };
   }
   torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override {
     const bool main = is_main();

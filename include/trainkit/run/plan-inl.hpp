@@ -65,6 +65,8 @@ TRAINKIT_INLINE void plan_parameters(const nlohmann::json& t, TrainerOptions& o)
     throw ConfigError("TRAIN.ZERO_STAGE", "3 does not shard master weights' half parameters yet (TRAIN.MASTER_WEIGHTS "
                                           "is true); use ZERO_STAGE 2 with master weights, or 3 without them");
   o.units(t["UNITS"].get<std::vector<std::string>>());
+  o.unit_prefetch(t["UNIT_PREFETCH"].get<std::int64_t>());
+  o.reshard_after_forward(t["RESHARD_AFTER_FORWARD"].get<bool>());
   o.overlap_reduction(t["OVERLAP_REDUCTION"].get<bool>());
   std::vector<std::pair<std::string, double>> groups;
   for (const auto& pair : t["LR_MULT"]) groups.emplace_back(pair[0].get<std::string>(), pair[1].get<double>());

@@ -60,7 +60,8 @@ void plan_clip(const nlohmann::json& t, TrainerKey& key, TrainerOptions& o);
 void plan_window(const nlohmann::json& t, TrainerKey& key, TrainerOptions& o);
 
 /// The rest of the trainer's options: the non-finite rule, the parameter groups and the
-/// data-parallel reduction (NONFINITE, LR_MULT, NO_DECAY, ZERO_STAGE, OVERLAP_REDUCTION). keep_norm_fp32 keeps its default (on,
+/// data-parallel reduction (NONFINITE, LR_MULT, NO_DECAY, ZERO_STAGE, UNITS, UNIT_PREFETCH,
+/// RESHARD_AFTER_FORWARD, OVERLAP_REDUCTION). keep_norm_fp32 keeps its default (on,
 /// as Apex O2's).
 void plan_parameters(const nlohmann::json& t, TrainerOptions& o);
 

@@ -141,6 +141,8 @@ class FlatState {
   const std::vector<torch::Tensor>& views() const;
   /// Allocates the state now (zeros) if it is not yet: what its first use would do.
   void allocate() const;
+  /// Whether it is allocated (flat() would allocate it).
+  bool allocated() const { return flat_.defined(); }
 
  private:
   std::string kind_;

@@ -94,6 +94,16 @@ struct TrainerOptions {
   /// error at construction. Ignored by the other shardings.
   using Units = std::vector<std::string>;
   TORCH_ARG(Units, units) = {};
+  /// Sharding::parameters: how many units' all-gathers are launched ahead, while the units
+  /// before them compute (the forward's next units in the forward, the backward's next in the
+  /// backward, in the order of the step before); 0 gathers each unit when it is called. Each
+  /// costs one more unit gathered at once. FSDP2's prefetch.
+  TORCH_ARG(std::int64_t, unit_prefetch) = 1;
+  /// Sharding::parameters: release a unit's parameters after its forward and gather them again
+  /// for its backward (true: ZeRO-3's memory), or keep them from its forward to its backward
+  /// (false: one all-gather per unit and micro-batch fewer, and every unit's parameters whole at
+  /// the forward's end, as stage 2 holds them). FSDP2's reshard_after_forward.
+  TORCH_ARG(bool, reshard_after_forward) = true;
   /// Parameter groups: the first name-substring that matches a parameter's name sets its LR
   /// multiplier (VL-BERT's LR_MULT); unmatched parameters have multiplier 1.
   using LrMult = std::vector<std::pair<std::string, double>>;

@@ -42,6 +42,10 @@
 ///                                 ZeRO stage 3, a unit's forward or backward: every rank's
 ///                                 slice of one bucket (`mine`, this rank's) into `bucket`, its
 ///                                 own buffer (one all-gather, waited for)
+///   start_gather_bucket(mine, bucket, what) -> wait
+///                                 the same, launched: `wait()` waits for it (on a GPU the
+///                                 current stream waits, no host sync); a unit's gather
+///                                 launched ahead (TrainerOptions::unit_prefetch)
 ///   gather_to_main(local, partition)
 ///                                 checkpoints: every rank's slices into one host tensor in the
 ///                                 flat layout on the main rank (undefined on the others)
@@ -169,6 +173,12 @@ class Replicas {
   virtual void gather_bucket(const torch::Tensor& /*mine*/, const torch::Tensor& /*bucket*/, const std::string& what) {
     throw std::logic_error("trainkit::Replicas: this implementation does not all-gather one bucket (" + what +
                            "); ZeRO stage 3 (Sharding::parameters) needs Replicas::gather_bucket");
+  }
+  /// (The default gathers at once, and its wait does nothing.)
+  virtual std::function<void()> start_gather_bucket(const torch::Tensor& mine, const torch::Tensor& bucket,
+                                                    const std::string& what) {
+    gather_bucket(mine, bucket, what);
+    return [] {};
   }
   virtual torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) = 0;
 };

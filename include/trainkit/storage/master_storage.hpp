@@ -55,6 +55,13 @@ class MasterStorage : public detail::FlatParameters {
   const torch::Tensor& half_parameters() const { return half_.params(); }
   const torch::Tensor& half_gradients() const { return half_.grad(); }
   const torch::Tensor& kept_gradients() const { return half_.kept_grad(); }
+  /// FlatParameters::held_tensors, the fp32 gradient and chunk, the kept parameters and the
+  /// half storage's buffers.
+  void held_tensors(std::vector<torch::Tensor>& out) const {
+    FlatParameters::held_tensors(out);
+    out.insert(out.end(), {grad_, chunk_, kept_params_});
+    half_.held_tensors(out);
+  }
   /// How many chunks the last optimizer phase cast its fp32 gradient in; 0 when it was whole.
   std::int64_t phase_chunks() const { return phase_chunks_; }
 

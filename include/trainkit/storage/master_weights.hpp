@@ -89,6 +89,11 @@ class HalfStorage {
     return result;
   }
 
+  /// Appends its buffers to `out` (MasterStorage::held_tensors).
+  void held_tensors(std::vector<torch::Tensor>& out) const {
+    out.insert(out.end(), {params_, grad_, kept_grad_, kept_index_, sum_});
+  }
+
   /// The fp32 sum of the window's micro-batches before the current half gradient; undefined
   /// when there is none (at a window's start, or one micro-batch per window). Checkpoints.
   torch::Tensor summed() const { return summed_ ? sum_ : torch::Tensor(); }

@@ -6,11 +6,14 @@
 /// back in the flat layout, and each rank holds one slice of it in its local buffer (the fp32
 /// values the update writes). The model's parameters of the unit are views of the unit's own
 /// buffer, whose memory exists only while gathered:
-///   before_forward(u)   one all-gather of the unit's bucket into its buffer (tk::unit calls it)
+///   begin_forward()     the trainer's forward starts (the forward's order is recorded anew)
+///   before_forward(u)   one all-gather of the unit's bucket into its buffer (tk::unit calls it),
+///                       then the next `prefetch` units of the forward's order launched ahead
 ///   after_forward(u)    the buffer released (its views stay; FSDP2's reshard_after_forward):
 ///                       the graph's saved parameters are those views, and see the values again
-///                       once the backward gathers them
-///   before_backward(u)  gathered again, when the gradient reaches one of the unit's outputs
+///                       once the backward gathers them. Kept instead with reshard = false
+///   before_backward(u)  gathered again, when the gradient reaches one of the unit's outputs,
+///                       then the next `prefetch` units of the backward's order launched ahead
 ///   ready(i, param)     parameter i's gradient accumulated (its post-accumulate-grad hook):
 ///                       added into the unit's gradient buffer (allocated, zeros, at the first
 ///                       of the unit's), the parameter's .grad reset; the unit's parameters
@@ -29,6 +32,9 @@
 /// unit that is never released: it is gathered after every update and every load.
 /// Every rank gathers in the order of its forward and backward, which the same model and
 /// graph make the same on every rank (a unit called on some ranks only would hang them).
+/// Prefetch: each unit's successor in the forward and in the backward is recorded as the step
+/// runs (the same on every rank, as the order is); a gather launched ahead is waited for when
+/// its unit is called, and before its buffer is released or read in any other way.
 #include <trainkit/detail/partition.hpp>
 #include <trainkit/detail/released_storage.hpp>
 #include <trainkit/detail/unit_schedule.hpp>
@@ -38,7 +44,9 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -61,10 +69,15 @@ class ShardedUnits final : public UnitSchedule {
   /// `units`: their buffers (gathered, or released); `params[i]`: the storage's trainable
   /// parameter i, `member_of[i]` its unit and `at[i]` its first element in that unit's buffer;
   /// `local`: this rank's slices (its buffer lives as long as the storage).
+  /// `prefetch`: gathers launched ahead (TrainerOptions::unit_prefetch); `reshard`: release
+  /// after the forward (TrainerOptions::reshard_after_forward).
   ShardedUnits(std::vector<Unit> units, std::vector<torch::Tensor> params, std::vector<std::int64_t> member_of,
-               std::vector<std::int64_t> at, Replicas& replicas, Partition partition, torch::Tensor local)
+               std::vector<std::int64_t> at, Replicas& replicas, Partition partition, torch::Tensor local,
+               std::int64_t prefetch = 0, bool reshard = true)
       : units_(std::move(units)), params_(std::move(params)), member_of_(std::move(member_of)), at_(std::move(at)),
-        replicas_(&replicas), partition_(std::move(partition)), local_(std::move(local)), waiting_(units_.size(), 0) {
+        replicas_(&replicas), partition_(std::move(partition)), local_(std::move(local)), waiting_(units_.size(), 0),
+        pending_(units_.size()), next_forward_(units_.size(), -1), next_backward_(units_.size(), -1),
+        prefetch_(prefetch), reshard_(reshard) {
     for (size_t u = 0; u < units_.size(); ++u) {
       if (units_[u].module) modules_[units_[u].module] = static_cast<std::int64_t>(u);
       if (!units_[u].whole && gathered(static_cast<std::int64_t>(u))) now_ += units_[u].buffer.numel();
@@ -78,8 +91,21 @@ class ShardedUnits final : public UnitSchedule {
     const auto it = modules_.find(&module);
     return it == modules_.end() ? -1 : it->second;
   }
-  void before_forward(std::int64_t u) override { gather(u); }
-  void after_forward(std::int64_t u) override { release(u); }
+  /// The trainer's forward starts: the units it calls are its order, recorded anew.
+  void begin_forward() {
+    last_forward_ = -1;
+    backward_ = false;
+  }
+  void before_forward(std::int64_t u) override {
+    gather(u);
+    if (held_ || backward_) return;  // (a recomputation in the backward: the backward's order prefetches)
+    if (last_forward_ >= 0) next_forward_[static_cast<size_t>(last_forward_)] = u;
+    last_forward_ = u;
+    prefetch_after(u, next_forward_);
+  }
+  void after_forward(std::int64_t u) override {
+    if (reshard_ || backward_) release(u);
+  }
   // The unit the backward reached before this one is done (a unit's backward ends before the
   // gradient leaves its inputs): its reduce-scatter starts here, before this gather. The
   // backward's gathers come in the same order on every rank, so the reduce-scatters do too,
@@ -91,6 +117,10 @@ class ShardedUnits final : public UnitSchedule {
       previous_ = u;
     }
     gather(u);
+    if (held_ || !backward_) return;
+    if (last_backward_ >= 0 && last_backward_ != u) next_backward_[static_cast<size_t>(last_backward_)] = u;
+    last_backward_ = u;
+    prefetch_after(u, next_backward_);
   }
 
   /// A backward starts: every unit's parameters' gradients are to come. `reduction`: where
@@ -102,6 +132,8 @@ class ShardedUnits final : public UnitSchedule {
     launched_.assign(units_.size(), false);
     reached_.assign(units_.size(), false);
     previous_ = -1;
+    backward_ = true;
+    last_backward_ = -1;
   }
   /// The reduction armed by arm() is finished or dropped.
   void disarm() { reduction_ = nullptr; }
@@ -163,6 +195,7 @@ class ShardedUnits final : public UnitSchedule {
   /// After a backward, or before the update: only the root unit stays gathered.
   void release_all() {
     fired_.clear();
+    backward_ = false;
     for (size_t u = 0; u < units_.size(); ++u) release(static_cast<std::int64_t>(u));
   }
   /// The root unit gathered again from every rank's slices (after an update or a load); the
@@ -171,6 +204,7 @@ class ShardedUnits final : public UnitSchedule {
     release_all();
     for (size_t u = 0; u < units_.size(); ++u)
       if (units_[u].whole || held_) {  // (held: every unit, with its new values)
+        settle(static_cast<std::int64_t>(u));
         release_storage(units_[u].buffer);
         gather(static_cast<std::int64_t>(u));
       }
@@ -188,39 +222,84 @@ class ShardedUnits final : public UnitSchedule {
     release_all();
   }
   bool held() const override { return held_; }
-  /// The storage is gone: later calls (a graph outliving it) throw.
-  void close() { replicas_ = nullptr; }
+  /// The storage is gone: later calls (a graph outliving it) throw. A gather still in flight
+  /// is waited for first (it writes into a buffer that goes with the storage).
+  void close() {
+    for (auto& wait : pending_)
+      if (wait) {
+        try {
+          std::exchange(wait, nullptr)();
+        } catch (const std::exception&) {  // (the group's failure was said where it happened)
+        }
+      }
+    replicas_ = nullptr;
+  }
 
   const std::vector<Unit>& units() const { return units_; }
+  /// Appends every buffer of the units (their parameters, their gradients) to `out`, for
+  /// Trainer::held_bytes.
+  void held_tensors(std::vector<torch::Tensor>& out) const {
+    for (const auto& u : units_) out.push_back(u.buffer);
+    out.insert(out.end(), grads_.begin(), grads_.end());
+  }
   /// All-gathers of units since construction.
   std::int64_t gathers() const { return gathers_; }
   /// The most elements gathered at once outside the root unit, since construction.
   std::int64_t peak_gathered() const { return peak_; }
   /// The most gradient elements held at once (every unit's buffer counted while allocated).
   std::int64_t peak_gradient() const { return grad_peak_; }
+  /// Gathers launched ahead (prefetch), since construction.
+  std::int64_t gathers_ahead() const { return ahead_; }
+  /// Seconds the host spent in gathers, waiting for them or making them (on a GPU the waits
+  /// only order streams: there it is launch time), since construction.
+  double gather_seconds() const { return gather_seconds_; }
 
  private:
   bool gathered(std::int64_t u) const { return !is_released(units_[static_cast<size_t>(u)].buffer); }
+  // Unit u's parameters whole: its gather launched ahead waited for, or made now.
   void gather(std::int64_t u) {
+    const auto start = std::chrono::steady_clock::now();
+    if (pending_[static_cast<size_t>(u)]) settle(u);
+    else if (!gathered(u)) launch_gather(u)();
+    gather_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  // Unit u's all-gather started (its buffer allocated); returns its wait.
+  std::function<void()> launch_gather(std::int64_t u) {
     auto& unit = units_[static_cast<size_t>(u)];
-    if (gathered(u)) return;
     if (!replicas_)
       throw std::logic_error("tk::unit: unit '" + unit.name + "' belongs to a trainer that is gone; its parameters "
                              "were sharded (ZeRO stage 3) and exist no more in this process");
     allocate_released(unit.buffer, /*zero=*/false);
     const auto b = unit.bucket;
     const auto n = partition_.bucket(b).length / partition_.world_size();
-    replicas_->gather_bucket(local_.narrow(0, partition_.local(b), n), unit.buffer,
-                             "all-gather of unit " + (unit.name.empty() ? std::string("(root)") : "'" + unit.name + "'") +
-                                 " (" + std::to_string(b + 1) + "/" + std::to_string(partition_.buckets()) + ")");
+    auto wait = replicas_->start_gather_bucket(
+        local_.narrow(0, partition_.local(b), n), unit.buffer,
+        "all-gather of unit " + (unit.name.empty() ? std::string("(root)") : "'" + unit.name + "'") + " (" +
+            std::to_string(b + 1) + "/" + std::to_string(partition_.buckets()) + ")");
     ++gathers_;
     if (!unit.whole) {
       now_ += unit.buffer.numel();
       peak_ = std::max(peak_, now_);
     }
+    return wait;
+  }
+  // The `prefetch_` units after u in `next` (the forward's or the backward's order) launched,
+  // those not gathered yet.
+  void prefetch_after(std::int64_t u, const std::vector<std::int64_t>& next) {
+    for (std::int64_t k = 0, v = next[static_cast<size_t>(u)]; k < prefetch_ && v >= 0 && v != u;
+         ++k, v = next[static_cast<size_t>(v)]) {
+      if (gathered(v)) continue;
+      pending_[static_cast<size_t>(v)] = launch_gather(v);
+      ++ahead_;
+    }
+  }
+  // Unit u's gather launched ahead, if any, complete.
+  void settle(std::int64_t u) {
+    if (auto wait = std::exchange(pending_[static_cast<size_t>(u)], nullptr)) wait();
   }
   void release(std::int64_t u) {
     const auto& unit = units_[static_cast<size_t>(u)];
+    settle(u);
     if (unit.whole || held_ || !gathered(u)) return;
     release_storage(unit.buffer);
     now_ -= unit.buffer.numel();
@@ -245,6 +324,13 @@ class ShardedUnits final : public UnitSchedule {
   std::vector<torch::Tensor> grads_;  // each unit's gradient, allocated from its first gradient to its reduction
   std::int64_t gathers_ = 0, now_ = 0, peak_ = 0, grad_now_ = 0, grad_peak_ = 0;
   bool held_ = false;
+  // Prefetch: each unit's gather launched ahead (its wait), each unit's successor in the last
+  // forward and backward (-1: none yet), the unit called last in each.
+  std::vector<std::function<void()>> pending_;
+  std::vector<std::int64_t> next_forward_, next_backward_;
+  std::int64_t prefetch_ = 0, last_forward_ = -1, last_backward_ = -1, ahead_ = 0;
+  bool reshard_ = true, backward_ = false;
+  double gather_seconds_ = 0;
 };
 
 }  // namespace trainkit::detail

@@ -3,6 +3,9 @@
 /// by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
 #include <trainkit/storage/storage.hpp>
 
+#include <algorithm>
+#include <unordered_set>
+
 namespace trainkit {
 namespace detail {
 
@@ -416,11 +419,18 @@ TRAINKIT_INLINE void FlatStorage::validate(const TrainerOptions& options, const 
     throw std::invalid_argument(
         "trainkit::TrainerOptions: reduce_precision half needs master weights (PrecisionPolicy<MasterWeights<T>>): "
         "without them the gradient is fp32, and " + trainer + " all-reduces it as it is");
+  if (options.unit_prefetch() < 0)
+    throw std::invalid_argument("trainkit::TrainerOptions: unit_prefetch must be >= 0 (units gathered ahead), got " +
+                                std::to_string(options.unit_prefetch()));
 }
 
 TRAINKIT_INLINE FlatStorage::FlatStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
                                          at::ScalarType dtype)
-    : sharding_(options.sharding()), overlap_(options.overlap_reduction()), device_(device) {
+    : sharding_(options.sharding()),
+      overlap_(options.overlap_reduction()),
+      unit_prefetch_(options.unit_prefetch()),
+      reshard_after_forward_(options.reshard_after_forward()),
+      device_(device) {
   TORCH_CHECK(dtype == at::kFloat, "FlatStorage holds fp32 parameters, not ", dtype);
   place(model, options, device, /*element_size=*/4, /*any_floating_point=*/false);
   allocate(layout_.padded());
@@ -473,6 +483,23 @@ TRAINKIT_INLINE void FlatStorage::attach_units(Replicas& replicas, torch::nn::Mo
   detail::UnitRegistry::get().add(units_);
 }
 
+TRAINKIT_INLINE ModelSize detail::FlatParameters::model_size(torch::nn::Module& model) const {
+  ModelSize size;
+  std::vector<std::int64_t> units(unit_paths_.size() + 1, 0);
+  std::unordered_set<const c10::TensorImpl*> trained;
+  for (const auto& e : placed_) {
+    const auto n = e.param.numel();
+    size.trained += n;
+    units.at(static_cast<size_t>(e.unit)) += n;
+    trained.insert(e.param.unsafeGetTensorImpl());
+  }
+  size.root = units[0];
+  for (size_t u = 1; u < units.size(); ++u) size.largest_unit = std::max(size.largest_unit, units[u]);
+  for (const auto& p : model.parameters())
+    if (!trained.count(p.unsafeGetTensorImpl())) size.frozen += p.numel();
+  return size;
+}
+
 TRAINKIT_INLINE void FlatStorage::shard_parameters() {
   // Unit by unit: its buffer filled from the parameters' values, the parameters made views of
   // it, this rank's slice kept, the buffer released (the root unit's kept): the whole model is
@@ -511,7 +538,8 @@ TRAINKIT_INLINE void FlatStorage::shard_parameters() {
   std::vector<torch::Tensor> trainable;
   for (const auto& e : placed_) trainable.push_back(e.param);
   units_ = std::make_shared<detail::ShardedUnits>(std::move(units), std::move(trainable), std::move(member_of),
-                                                  std::move(at), *replicas_, partition_, params_);
+                                                  std::move(at), *replicas_, partition_, params_, unit_prefetch_,
+                                                  reshard_after_forward_);
   release_cached(device_);
 }
 

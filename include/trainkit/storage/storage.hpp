@@ -63,6 +63,7 @@
 #include <trainkit/step/options.hpp>
 #include <trainkit/step/precision.hpp>
 #include <trainkit/step/replicas.hpp>
+#include <trainkit/storage/held_bytes.hpp>
 #include <trainkit/storage/sharded_units.hpp>
 
 #include <c10/core/CachingDeviceAllocator.h>
@@ -178,6 +179,9 @@ class FlatParameters {
   const FlatLayout& layout() const { return layout_; }
   const std::vector<ParamGroup>& groups() const { return groups_; }
   std::int64_t parameter_count() const { return layout_.packed(); }
+  /// The model as predict_held (held_bytes.hpp) sees it: the trainable parameters, by unit when
+  /// units are named (TrainerOptions::units), and `model`'s others (frozen).
+  ModelSize model_size(torch::nn::Module& model) const;
   /// How the buffers are cut for the replicas (one bucket, replicated, in one process).
   const Partition& partition() const { return partition_; }
   /// Elements of the optimizer's flat state: the flat buffer, or this rank's slices.
@@ -194,6 +198,13 @@ class FlatParameters {
   /// The mean share of a backward's gradient still to come when its buckets were launched
   /// (Readiness::backward_left).
   double backward_left_at_launch() const { return readiness_ ? readiness_->backward_left() : 0.0; }
+
+  /// Appends the flat buffers of this base (the update's parameters, the reduced slices and
+  /// stage 3's units) to `out`, for Trainer::held_bytes; the storages add theirs.
+  void held_tensors(std::vector<torch::Tensor>& out) const {
+    out.insert(out.end(), {params_, local_grad_, scratch_});
+    if (units_) units_->held_tensors(out);
+  }
 
   /// Once per window, a pointer compare per parameter.
   void check() const;
@@ -376,6 +387,11 @@ class FlatStorage : public detail::FlatParameters {
   /// The flat gradient (every trainable parameter's .grad is a view into it). Sharded with
   /// Sharding::gradients, its memory exists only from a backward to the reduction after it.
   const torch::Tensor& gradients() const { return grad_; }
+  /// FlatParameters::held_tensors, and the gradient.
+  void held_tensors(std::vector<torch::Tensor>& out) const {
+    FlatParameters::held_tensors(out);
+    out.push_back(grad_);
+  }
   bool attach(Replicas& replicas, torch::nn::Module& model);
   // A backward that a reduction follows (the window's last; with Sharding::gradients every
   // one) starts that reduction before it when overlapping: its buckets leave as the hooks
@@ -477,6 +493,8 @@ class FlatStorage : public detail::FlatParameters {
 
   Sharding sharding_;
   bool overlap_;
+  std::int64_t unit_prefetch_;   // stage 3 (TrainerOptions::unit_prefetch)
+  bool reshard_after_forward_;
   torch::Device device_;
   std::unique_ptr<Reduction> reduction_;  // overlap: started before the backward, finished after
   torch::Tensor grad_;

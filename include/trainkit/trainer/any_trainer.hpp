@@ -34,6 +34,7 @@
 #include <trainkit/step/replicas.hpp>
 #include <trainkit/step/schedule.hpp>
 #include <trainkit/step/step_report.hpp>
+#include <trainkit/storage/held_bytes.hpp>
 #include <trainkit/trainer/nonfinite_watch.hpp>
 
 #include <torch/nn/module.h>
@@ -165,6 +166,16 @@ class AnyTrainer {
   /// over shards of different sizes) make no collective; the fit loop's validation runs so.
   /// Otherwise nothing.
   virtual void hold_parameters(bool) {}
+  /// The model as predict_held (storage/held_bytes.hpp) sees it, and how this trainer stores it:
+  /// with held_table(model_size(), storage_shape(), world), the bytes per rank of every stage.
+  virtual ModelSize model_size() const = 0;
+  virtual StorageShape storage_shape() const = 0;
+  /// predict_held for this trainer's stage over its replicas (one rank: stage 0's).
+  virtual HeldBytes predicted_held() const = 0;
+  /// The bytes of every tensor this trainer holds now, each storage counted once: the model's
+  /// parameters and gradients, the storage's buffers and the optimizer's flat state. Between
+  /// optimizer steps it is what predicted_held().total() predicts.
+  virtual std::int64_t held_bytes() const = 0;
   /// This rank's state as it holds it, without collectives (the rollback of a failed load).
   virtual void snapshot(torch::serialize::OutputArchive& archive) const { save(archive); }
   /// The state from `archive`, opened from `source` (named in errors): Trainer::load.

@@ -3,6 +3,8 @@
 /// by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
 #include <trainkit/trainer/trainer.hpp>
 
+#include <unordered_set>
+
 namespace trainkit::detail {
 
 TRAINKIT_INLINE torch::Tensor host_counters(std::int64_t windows, std::int64_t position) {
@@ -40,6 +42,31 @@ TRAINKIT_INLINE void TrainerCore::start(std::unique_ptr<UpdateRule> rule, bool h
   skipped_ = torch::zeros({1}, long_opts);
   window_loss_ = torch::zeros({}, torch::dtype(torch::kFloat).device(device_));
   set_schedule(std::make_shared<ConstantSchedule>());
+}
+
+TRAINKIT_INLINE HeldBytes TrainerCore::predicted_held() const {
+  return predict_held(model_size(), storage_shape(), static_cast<int>(options_.sharding()), replicas_->world_size());
+}
+
+TRAINKIT_INLINE std::int64_t TrainerCore::distinct_bytes(std::vector<torch::Tensor> tensors) const {
+  for (const auto& p : module_->parameters()) tensors.insert(tensors.end(), {p, p.grad()});
+  for (const auto* state : static_cast<const UpdateRule&>(*rule_).flat_states())
+    if (state->allocated()) tensors.push_back(state->flat());
+  std::unordered_set<const c10::StorageImpl*> seen;
+  std::int64_t bytes = 0;
+  for (const auto& t : tensors)
+    if (t.defined() && seen.insert(t.storage().unsafeGetStorageImpl()).second)
+      bytes += static_cast<std::int64_t>(t.storage().nbytes());
+  return bytes;
+}
+
+TRAINKIT_INLINE StorageShape TrainerCore::shape_of(bool master_weights) const {
+  StorageShape shape;
+  shape.master_weights = master_weights;
+  const UpdateRule& rule = *rule_;
+  shape.optimizer_values = rule.state_is_flat() ? static_cast<std::int64_t>(rule.flat_states().size()) : 0;
+  shape.accumulates = window_length() != 1;
+  return shape;
 }
 
 TRAINKIT_INLINE void TrainerCore::set_schedule(std::shared_ptr<Schedule> schedule) {

@@ -106,6 +106,7 @@ class TrainerCore : public AnyTrainer {
   torch::nn::Module& model() override { return *module_; }
   torch::Device device() const override { return device_; }
   double base_lr() const override { return rule_->base_lr(); }
+  TRAINKIT_INLINE HeldBytes predicted_held() const override;
 
  protected:
   TrainerCore(TrainerOptions options, std::shared_ptr<torch::nn::Module> module);
@@ -128,6 +129,12 @@ class TrainerCore : public AnyTrainer {
   /// trainer's, and every parameter and buffer of the model is in it with its shape. Throws
   /// naming `source` and the first mismatch.
   void check_checkpoint(torch::serialize::InputArchive& archive, const std::string& source) const;
+  /// held_bytes(): the bytes of the distinct storages among `tensors` (the storage's buffers),
+  /// the model's parameters and gradients and the rule's flat state.
+  TRAINKIT_INLINE std::int64_t distinct_bytes(std::vector<torch::Tensor> tensors) const;
+  /// storage_shape(): the rule's fp32 values per parameter (none counted for a torch::optim
+  /// optimizer's own state) and the window's length.
+  TRAINKIT_INLINE StorageShape shape_of(bool master_weights) const;
   /// The error of an optimizer state the rule cannot read (`prefix` names the archive).
   [[noreturn]] void refuse_optimizer_state(torch::serialize::InputArchive& archive, const std::string& prefix,
                                            const std::exception& e) const;
@@ -412,6 +419,13 @@ class Trainer final : public detail::TrainerCore {
   void snapshot(torch::serialize::OutputArchive& archive) const override { write_state(archive, /*snapshot=*/true); }
   bool saves_collectively() const override { return storage_.sharded(); }
   bool shards_parameters() const override { return storage_.sharded_units() != nullptr; }
+  ModelSize model_size() const override { return storage_.model_size(*module_); }
+  StorageShape storage_shape() const override { return shape_of(Precision::master_weights); }
+  std::int64_t held_bytes() const override {
+    std::vector<torch::Tensor> tensors;
+    storage_.held_tensors(tensors);
+    return distinct_bytes(std::move(tensors));
+  }
   void hold_parameters(bool hold) override {
     if (const auto& units = storage_.sharded_units()) hold ? units->hold() : units->release_held();
   }
@@ -591,7 +605,10 @@ class Trainer final : public detail::TrainerCore {
     torch::Tensor loss;
     {
       std::optional<detail::UnitScheduleScope> units;
-      if (storage_.sharded_units()) units.emplace(storage_.sharded_units());
+      if (const auto& schedule = storage_.sharded_units()) {
+        schedule->begin_forward();
+        units.emplace(schedule);
+      }
       [[maybe_unused]] const auto region = precision_.region();
       loss = closure();
     }

@@ -1,0 +1,97 @@
+// The bytes per rank predicted before launch (storage/held_bytes.hpp): ZeRO's formulas by stage
+// and world size, and, in one process, a trainer's prediction equal to what it measures it holds
+// after its first optimizer steps, for every precision, window and optimizer kind (the stages
+// over several ranks: test_sharding's "the bytes per rank each stage holds are predicted").
+#include "../support/helpers.hpp"
+
+#include <trainkit/storage/held_bytes.hpp>
+
+#include <string>
+
+namespace test_held_bytes {  // this file's names, apart from those of the files it shares a unity batch with
+
+namespace {
+
+// Two trained layers and a frozen one, every parameter a multiple of 16 elements (no gaps in
+// the flat layout, so the prediction is exact).
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    torch::manual_seed(3);
+    a = register_module("a", torch::nn::Linear(32, 64));
+    b = register_module("b", torch::nn::Linear(64, 32));
+    frozen = register_module("frozen", torch::nn::Linear(32, 32));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return frozen(b(torch::tanh(a(x)))); }
+  torch::nn::Linear a{nullptr}, b{nullptr}, frozen{nullptr};
+};
+TORCH_MODULE(Net);
+
+template <class P, int N>
+struct Combo {
+  using trainer = tk::Trainer<tk::PrecisionPolicy<P>, tk::AccumulationPolicy<N>, tk::ClipPolicy<tk::ClipNorm>>;
+  static constexpr int n = N;
+};
+
+}  // namespace
+
+TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
+  const tk::ModelSize model{1000, 0, 0, 0};
+  const tk::StorageShape fp32{false, 2, false}, master{true, 2, false};
+  auto per_param = [&](const tk::StorageShape& shape, int stage, std::int64_t world) {
+    return tk::predict_held(model, shape, stage, world).total() / 1000.0;
+  };
+  for (const std::int64_t w : {2, 4}) {
+    const double d = static_cast<double>(w);
+    CHECK(per_param(fp32, 0, w) == doctest::Approx(16));
+    CHECK(per_param(fp32, 1, w) == doctest::Approx(8 + 8 / d));
+    CHECK(per_param(fp32, 2, w) == doctest::Approx(4 + 8 / d));
+    CHECK(per_param(fp32, 3, w) == doctest::Approx(12 / d));
+    CHECK(per_param(master, 0, w) == doctest::Approx(16));
+    CHECK(per_param(master, 1, w) == doctest::Approx(4 + 12 / d));
+    CHECK(per_param(master, 2, w) == doctest::Approx(2 + 12 / d));
+  }
+  // One rank shards nothing; the root unit and frozen parameters are whole on every rank.
+  CHECK(per_param(fp32, 3, 1) == doctest::Approx(16));
+  const tk::HeldBytes three = tk::predict_held({1000, 200, 300, 100}, fp32, 3, 4);
+  CHECK(three.parameters == doctest::Approx(4.0 * (1000 / 4 + 200 + 100)));
+  CHECK(three.gradients == 0);
+  CHECK(three.gathered == doctest::Approx(4.0 * 300));
+  // Master weights with several micro-batches keep an fp32 sum of the window's gradient.
+  CHECK(tk::predict_held(model, {true, 2, true}, 0, 1).total() / 1000.0 == doctest::Approx(20));
+  CHECK(tk::predict_held(model, {true, 2, true}, 1, 2).total() / 1000.0 == doctest::Approx(4 + 4 + 6));
+  CHECK_THROWS_WITH(tk::predict_held(model, fp32, 4, 2), doctest::Contains("stage must be 0-3"));
+  CHECK(tk::StorageShape::optimizer_values_of(tk::OptimizerSettings{"SGD", 0.1, 0, 0.0}) == 0);
+  CHECK(tk::StorageShape::optimizer_values_of(tk::OptimizerSettings{"SGD", 0.1, 0, 0.9}) == 1);
+  CHECK(tk::StorageShape::optimizer_values_of(tk::OptimizerSettings{"AdamW"}) == 2);
+  const auto lines = tk::held_table({110'000'000, 0, 7'000'000, 0}, fp32, 4);
+  REQUIRE(lines.size() == 4);  // 1, 2, 4, 8 ranks
+  CHECK(lines[2] == "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 314.7 MiB (+ 26.7 MiB gathered)");
+}
+
+TEST_CASE_TEMPLATE("a trainer in one process holds what it predicts, once its optimizer's state exists", T,
+                   Combo<tk::FP32, 1>, Combo<tk::BF16, 2>, Combo<tk::MasterWeights<tk::FP16Dynamic>, 1>,
+                   Combo<tk::MasterWeights<tk::BF16>, 2>) {
+  for (const std::string optimizer : {"AdamW", "SGD momentum", "SGD"}) {
+    CAPTURE(optimizer);
+    Net model;
+    auto make = [&]() -> typename T::trainer {
+      if (optimizer == "AdamW") return typename T::trainer(model, tk::AdamW{1e-3});
+      return typename T::trainer(model, tk::SGD{0.1, optimizer == "SGD" ? 0.0 : 0.9});
+    };
+    typename T::trainer trainer = make();
+    const tk::ModelSize size = trainer.model_size();
+    CHECK(size.trained == 32 * 64 + 64 + 64 * 32 + 32);
+    CHECK(size.frozen == 32 * 32 + 32);
+    CHECK(size.root == size.trained);  // (no units)
+    CHECK(trainer.storage_shape().optimizer_values == (optimizer == "AdamW" ? 2 : optimizer == "SGD" ? 0 : 1));
+    const auto x = torch::randn({4, 32});
+    for (int step = 0; step < 2 * T::n; ++step) trainer.micro_step([&] { return model->forward(x).square().mean(); });
+    const double predicted = trainer.predicted_held().total();
+    MESSAGE(T::trainer::name() << " " << optimizer << ": held " << trainer.held_bytes() << " bytes, predicted "
+                               << predicted);
+    CHECK(static_cast<double>(trainer.held_bytes()) == predicted);
+  }
+}
+
+}  // namespace test_held_bytes
