@@ -10,6 +10,7 @@
 //   build/benchmarks/sharding --table memory|overlap --windows 6 --accumulate 4 --layers 16 --width 1024 --repeat 3
 //                             --bucket-mib 25 (DataParallel's bucket) --stages 0123 (the stages measured)
 //   build/benchmarks/sharding --table checkpoint --layers 8 --repeat 3
+//   build/benchmarks/sharding --table prefetch --repeat 3     (stage 3's gathers: --prefetch N --reshard 0|1)
 //   (a configuration's processes: --child 1 with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 //
 // SHARDING_TRACE=1 in the environment: each rank prints its high-water mark and resident memory
@@ -77,7 +78,7 @@ struct Settings {
   std::int64_t layers = 16, width = 1024, batch = 8, overlap_batch = 32, windows = 6, accumulate = 1, repeat = 3;
   std::int64_t bucket_mib = 25;  // DataParallel's bucket (25 MiB, DDP's default)
   std::string precision = "fp32", table = "both", format = "single", stages = "0123";
-  int stage = 0, overlap = 1, no_decay = 1, background = 0;
+  int stage = 0, overlap = 1, no_decay = 1, background = 0, prefetch = 1, reshard = 1;
   std::string out;
 };
 
@@ -189,6 +190,8 @@ int child(const Settings& s) {
                       .accumulation_steps(s.accumulate)
                       .sharding(sharding)
                       .overlap_reduction(s.overlap != 0)
+                      .unit_prefetch(s.prefetch)
+                      .reshard_after_forward(s.reshard != 0)
                       .units({"layers.*"})
                       .no_decay(s.no_decay ? std::vector<std::string>{"bias"} : std::vector<std::string>{}));
   const bool trace = std::getenv("SHARDING_TRACE") != nullptr;
@@ -222,12 +225,19 @@ int child(const Settings& s) {
   std::ofstream(s.out + ".rank" + std::to_string(group.rank()))
       << static_cast<double>(trainer.held_bytes()) / params << " "
       << trainer.predicted_held().total() / params << " " << (status_bytes("VmHWM:") - baseline) / params << " "
-      << ms[1 + (ms.size() - 1) / 2] << " " << in_backward << " " << trainer.storage().backward_left_at_launch() << "\n";
+      << ms[1 + (ms.size() - 1) / 2] << " " << in_backward << " " << trainer.storage().backward_left_at_launch();
+  // Stage 3: gathers per window, those launched ahead, the host's ms in gathers per window.
+  const auto& units = trainer.storage().sharded_units();
+  const double windows = static_cast<double>(s.windows);
+  std::ofstream(s.out + ".rank" + std::to_string(group.rank()), std::ios::app)
+      << " " << (units ? static_cast<double>(units->gathers()) / windows : 0.0) << " "
+      << (units ? static_cast<double>(units->gathers_ahead()) / windows : 0.0) << " "
+      << (units ? units->gather_seconds() * 1e3 / windows : 0.0) << "\n";
   return 0;
 }
 
 struct Result {
-  double held = 0, predicted = 0, peak = 0, ms = 0, in_backward = 0, left = 0;
+  double held = 0, predicted = 0, peak = 0, ms = 0, in_backward = 0, left = 0, gathers = 0, ahead = 0, gather_ms = 0;
 };
 
 void run_ranks(const std::string& self, const Settings& s, int world, int port);
@@ -236,7 +246,7 @@ void run_ranks(const std::string& self, const Settings& s, int world, int port);
 Result launch(const std::string& self, const Settings& s, int world, int port) {
   run_ranks(self, s, world, port);
   Result r;
-  std::ifstream(s.out + ".rank0") >> r.held >> r.predicted >> r.peak >> r.ms >> r.in_backward >> r.left;
+  std::ifstream(s.out + ".rank0") >> r.held >> r.predicted >> r.peak >> r.ms >> r.in_backward >> r.left >> r.gathers >> r.ahead >> r.gather_ms;
   return r;
 }
 
@@ -278,6 +288,7 @@ void run_ranks(const std::string& self, const Settings& s, int world, int port) 
                                   "--batch", std::to_string(s.batch), "--windows", std::to_string(s.windows),
                                   "--accumulate", std::to_string(s.accumulate), "--overlap", std::to_string(s.overlap),
                                   "--bucket-mib", std::to_string(s.bucket_mib), "--no-decay", std::to_string(s.no_decay),
+                                  "--prefetch", std::to_string(s.prefetch), "--reshard", std::to_string(s.reshard),
                                   "--out", s.out};
     std::vector<char*> argv, envp;
     for (auto& a : args) argv.push_back(a.data());
@@ -320,6 +331,8 @@ int main(int argc, char** argv) {
       else if (k == "--background") s.background = std::stoi(v);
       else if (k == "--bucket-mib") s.bucket_mib = std::stoll(v);
       else if (k == "--no-decay") s.no_decay = std::stoi(v);
+      else if (k == "--prefetch") s.prefetch = std::stoi(v);
+      else if (k == "--reshard") s.reshard = std::stoi(v);
       else if (k == "--repeat") s.repeat = std::stoll(v);
       else if (k == "--stages") s.stages = v;
       else if (k == "--out") s.out = v;
@@ -346,7 +359,8 @@ int main(int argc, char** argv) {
       std::vector<Result> runs;
       for (std::int64_t k = 0; k < run.repeat; ++k) runs.push_back(launch(path, run, world, ++port));
       Result m;
-      for (double Result::*field : {&Result::held, &Result::predicted, &Result::peak, &Result::ms, &Result::in_backward, &Result::left}) {
+      for (double Result::*field : {&Result::held, &Result::predicted, &Result::peak, &Result::ms, &Result::in_backward, &Result::left,
+                                        &Result::gathers, &Result::ahead, &Result::gather_ms}) {
         std::vector<double> v;
         for (const auto& r : runs) v.push_back(r.*field);
         std::sort(v.begin(), v.end());
@@ -403,6 +417,24 @@ int main(int argc, char** argv) {
         const Result on = measure(run, 2);
         std::printf("| %d | %.1f | %.1f | %.1f | %.2f | %.0f%% | %.0f%% | %.0f%% |\n", stage, alone, off, on.ms, on.ms / off,
                     100.0 * (off - on.ms) / std::max(off - alone, 1e-9), 100.0 * on.in_backward, 100.0 * on.left);
+        std::fflush(stdout);
+      }
+    }
+    if (s.table == "prefetch") {
+      std::printf("\nStage 3 gathers: FP32, %.1f M parameters in %lld units, batch %lld, N = %lld, 2 processes, median of "
+                  "%lld\n",
+                  millions, static_cast<long long>(s.layers), static_cast<long long>(s.batch),
+                  static_cast<long long>(s.accumulate), static_cast<long long>(s.repeat));
+      std::printf("| unit_prefetch | reshard_after_forward | window ms | gathers / window | launched ahead / window | "
+                  "host ms in gathers / window | peak B/param |\n|---|---|---|---|---|---|---|\n");
+      for (const auto& [prefetch, reshard] : std::vector<std::pair<int, int>>{{0, 1}, {1, 1}, {2, 1}, {0, 0}, {1, 0}}) {
+        Settings run = s;
+        run.stage = 3;
+        run.prefetch = prefetch;
+        run.reshard = reshard;
+        const Result m = measure(run, 2);
+        std::printf("| %d | %s | %.1f | %.1f | %.1f | %.1f | %.2f |\n", prefetch, reshard ? "true" : "false", m.ms, m.gathers,
+                    m.ahead, m.gather_ms, m.peak);
         std::fflush(stdout);
       }
     }
