@@ -165,31 +165,44 @@ std::int64_t parameter_count(const std::string& flag, const std::string& text) {
 }
 
 // derived.memory_per_rank: this run's bytes per rank by kind, and every stage's at 1, 2, 4, 8
-// and the plan's world size.
+// and the plan's world size (one rank: stage 0's; stage 3 null without the units' sizes or with
+// master weights, which it does not shard).
 json memory_per_rank(const tk::RunPlan& d, const tk::ModelSize& model) {
   tk::StorageShape shape;
   shape.master_weights = d.trainer.master_weights;
   shape.optimizer_values = tk::StorageShape::optimizer_values_of(d.optimizer);
   shape.accumulates = d.accumulation_steps != 1;
-  const int stage = static_cast<int>(d.trainer_options.sharding());
-  const tk::HeldBytes run = tk::predict_held(model, shape, stage, d.world_size);
+  shape.unit_prefetch = d.trainer_options.unit_prefetch();
+  shape.reshard_after_forward = d.trainer_options.reshard_after_forward();
+  auto stage_at = [&](int stage, std::int64_t world) { return world == 1 ? 0 : stage; };
+  auto predictable = [&](int stage) { return stage < 3 || tk::predicts_stage3(model, shape); };
   json by_world = json::object();
   for (const std::int64_t w : {std::int64_t{1}, std::int64_t{2}, std::int64_t{4}, std::int64_t{8}, d.world_size}) {
     json stages = json::object();
-    for (int s = 0; s <= 3; ++s) stages[std::to_string(s)] = tk::predict_held(model, shape, s, w).total();
+    for (int s = 0; s <= 3; ++s)
+      stages[std::to_string(s)] =
+          predictable(stage_at(s, w)) ? json(tk::predict_held(model, shape, stage_at(s, w), w).total()) : json(nullptr);
     by_world[std::to_string(w)] = stages;
   }
-  return {{"parameters", model.trained},
-          {"this_run", {{"stage", stage},
-                        {"world_size", d.world_size},
-                        {"bytes", run.total()},
-                        {"text", tk::format_bytes(run.total())},
-                        {"parameters", run.parameters},
-                        {"gradients", run.gradients},
-                        {"masters", run.masters},
-                        {"optimizer", run.optimizer},
-                        {"gathered_in_step", run.gathered}}},
-          {"by_world_size_and_stage", by_world}};
+  const int stage = stage_at(static_cast<int>(d.trainer_options.sharding()), d.world_size);
+  json run = nullptr;
+  if (predictable(stage)) {
+    const tk::HeldBytes held = tk::predict_held(model, shape, stage, d.world_size);
+    run = {{"stage", stage},
+           {"world_size", d.world_size},
+           {"bytes", held.total()},
+           {"text", tk::format_bytes(held.total())},
+           {"parameters", held.parameters},
+           {"gradients", held.gradients},
+           {"masters", held.masters},
+           {"optimizer", held.optimizer},
+           {"gathered_in_step", held.gathered}};
+  }
+  json out = {{"parameters", model.trained}, {"this_run", run}, {"by_world_size_and_stage", by_world}};
+  if (!tk::predicts_stage3(model, shape))
+    out["stage_3"] = shape.master_weights ? "not predicted: ZERO_STAGE 3 does not shard master weights"
+                                          : "not predicted: give --largest-unit (and --root) to describe the units";
+  return out;
 }
 
 int check(const std::vector<std::string>& args) {

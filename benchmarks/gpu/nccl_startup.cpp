@@ -11,7 +11,12 @@
 //      sharded run cuts them (DataParallel::shard_at_world_size_one), so that reduce-scatter
 //      with PREMUL_SUM (item counts), all-gather, gather to rank 0 (a save), the gradient
 //      released between windows and buckets launched by the hooks all run on NCCL, counted
-//      and asserted; the losses equal one process's, and a resume is exact.
+//      and asserted; the losses equal one process's, and a resume is exact;
+//   5. ZeRO stage 3 the same way: a stack of Linear layers, each a unit through tk::unit, its
+//      units all-gathered for every forward and backward (one launched ahead:
+//      unit_prefetch 1), each unit's gradient reduce-scattered and released; counted and
+//      asserted, the losses equal one process's, and the memory held between steps equal to
+//      the trainer's prediction.
 // Its last line is PASS or FAIL: and the list (exit 1).
 //
 //   nccl_startup             # cuda:0, NCCL
@@ -23,12 +28,35 @@
 #include <trainkit/parallel/data_parallel.hpp>
 #include <trainkit/trainkit.hpp>
 
+#include <trainkit/trainer/unit.hpp>
+
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
 
 namespace tk = trainkit;
+
+namespace {
+
+// Step 5's model: Linear(256, 256) layers with tanh between, each called through tk::unit.
+struct StackImpl : torch::nn::Module {
+  explicit StackImpl(int64_t n) {
+    layers = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < n; ++i) layers->push_back(torch::nn::Linear(256, 256));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (const auto& m : *layers) {
+      auto* layer = m->as<torch::nn::LinearImpl>();
+      x = torch::tanh(tk::unit(layer, [&](const torch::Tensor& in) { return layer->forward(in); }, x));
+    }
+    return x;
+  }
+  torch::nn::ModuleList layers{nullptr};
+};
+TORCH_MODULE(Stack);
+
+}  // namespace
 
 int main(int argc, char** argv) try {
   const bool dry = argc > 1 && std::string(argv[1]) == "--dry-run";
@@ -165,6 +193,70 @@ int main(int argc, char** argv) try {
     return t;
   });
   bench::report_resume("DataParallel/fp32, stage 2 cut as sharded", sh, dry ? 0.0 : 1e-6, failed);
+
+  // 5. Stage 3 at world size 1, cut as a sharded run: 6 units, 12 windows of 2 micro-batches.
+  {
+    constexpr int64_t kUnits = 6, kWindows = 12;
+    const auto x = torch::randn({32, 256}, torch::TensorOptions().device(device));
+    auto losses = [&](bool stage3, std::string* said) {
+      torch::manual_seed(5);
+      Stack model(kUnits);
+      model->to(device);
+      auto o = tk::TrainerOptions(options).accumulation_steps(2);
+      if (stage3) o.sharding(tk::Sharding::parameters).units({"layers.*"}).unit_prefetch(1);
+      T t(model, tk::AdamW{1e-3, 1e-2}, o);
+      if (stage3) t.set_replicas(sharded_replicas());
+      std::vector<double> out;
+      for (int64_t k = 0; static_cast<int64_t>(out.size()) < kWindows; ++k) {
+        auto r = t.micro_step([&] { return (model->forward(x) * (1.0 + 0.01 * static_cast<double>(k))).square().mean(); });
+        if (r.window_closed) out.push_back(r.report.loss());
+      }
+      if (stage3) {
+        const auto& units = t.storage().sharded_units();
+        if (!units) {
+          failed.push_back("stage 3 at world size 1 did not shard its units");
+          return out;
+        }
+        const double held = static_cast<double>(t.held_bytes()), predicted = t.predicted_held().total();
+        char text[320];
+        std::snprintf(text, sizeof text, "%lld unit gathers (%lld launched ahead), gathered peak %lld elements, gradient "
+                      "peak %lld; held %.0f bytes, predicted %.0f",
+                      static_cast<long long>(units->gathers()), static_cast<long long>(units->gathers_ahead()),
+                      static_cast<long long>(units->peak_gathered()), static_cast<long long>(units->peak_gradient()),
+                      held, predicted);
+        *said = text;
+        // Every micro-batch gathers each unit for its forward and its backward.
+        if (units->gathers() < 2 * kUnits * 2 * kWindows)
+          failed.push_back("stage 3 gathered " + std::to_string(units->gathers()) + " units, fewer than " +
+                           std::to_string(2 * kUnits * 2 * kWindows));
+        if (units->gathers_ahead() == 0) failed.push_back("stage 3 launched no gather ahead (unit_prefetch 1)");
+        if (units->peak_gathered() > 2 * (256 * 256 + 256))
+          failed.push_back("stage 3 held " + std::to_string(units->peak_gathered()) + " elements gathered at once, more "
+                           "than two units");
+        if (std::abs(held - predicted) > 0.01 * held)
+          failed.push_back("stage 3 held " + std::to_string(held) + " bytes between steps, predicted " +
+                           std::to_string(predicted));
+      }
+      return out;
+    };
+    const auto before_gathers = counter->all_gather_calls, before_scatters = counter->reduce_scatter_calls;
+    std::string said;
+    const auto unsharded = losses(false, nullptr);
+    const auto stage3 = losses(true, &said);
+    double diff = 0.0;
+    for (size_t i = 0; i < unsharded.size() && i < stage3.size(); ++i)
+      diff = std::max(diff, std::abs(unsharded[i] - stage3[i]));
+    std::printf("- stage 3 cut as sharded at world size 1 (%lld units), %lld windows of 2 micro-batches: all-gathers "
+                "%lld, reduce-scatters %lld, %s; max |loss difference| from one process %.3g\n",
+                static_cast<long long>(kUnits), static_cast<long long>(kWindows),
+                static_cast<long long>(counter->all_gather_calls - before_gathers),
+                static_cast<long long>(counter->reduce_scatter_calls - before_scatters), said.c_str(), diff);
+    if (counter->reduce_scatter_calls - before_scatters < kUnits * 2 * kWindows)
+      failed.push_back("stage 3 reduce-scattered " + std::to_string(counter->reduce_scatter_calls - before_scatters) +
+                       " units' gradients, fewer than " + std::to_string(kUnits * 2 * kWindows));
+    if (stage3.size() != unsharded.size() || !(diff <= 1e-6 * std::abs(unsharded.front())))
+      failed.push_back("stage 3 at world size 1 differs from one process by " + std::to_string(diff));
+  }
 
   if (failed.empty()) {
     std::printf("PASS\n");

@@ -25,7 +25,9 @@
 #      fresh DataParallel trainer; then ZeRO stage 2 cut as a sharded run (shard_at_world_size_one):
 #      reduce-scatter with PREMUL_SUM, all-gather, gather to rank 0, the released gradient and
 #      hook-launched buckets on NCCL, counted and asserted, against one process and resumed;
-#      torch.distributed's start-up for reference.
+#      then ZeRO stage 3 the same way (6 units through tk::unit, one gathered ahead: unit
+#      all-gathers, per-unit reduce-scatters, released buffers, the held bytes against the
+#      prediction); torch.distributed's start-up for reference.
 # The unit tests are not run there: they run in CI on the CPU, building them would cost most of
 # the machine's time, and their one CUDA case (test_recompute.cpp's "recompute on CUDA") runs in
 # gpu_check, on the same model and code (tests/support/recompute_model.hpp). Each step has a time limit out of one budget (TRAINKIT_GPU_BUDGET

@@ -52,6 +52,8 @@
 //                                                  --overflow-rank R --overflow-window W makes rank R's
 //                                                  loss infinite from epoch 0's micro-batch W (1-based) on
 //       [--forward-peaks 1]                        with --fit: FitOptions::forward_peaks (TRAIN.FORWARD_PEAKS)
+//       [--memory-budget B] [--piece-items N]      with --fit: FitOptions::memory_budget (bytes, or a fraction
+//                                                  of the device's memory) and piece_items
 //       [--validate 1]                             with --fit: a validation after each epoch in which rank r
 //                                                  runs r + 1 forwards (shards of different sizes)
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
@@ -94,7 +96,8 @@ struct Args {
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
-  double cap = 0, dropout = 0, cap_mib = 0;
+  double cap = 0, dropout = 0, cap_mib = 0, memory_budget = 0;
+  std::int64_t piece_items = 0;
 };
 
 Args parse(int argc, char** argv) {
@@ -125,6 +128,7 @@ Args parse(int argc, char** argv) {
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
   take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
   take("units", a.units), take("prefetch", a.prefetch), take("reshard", a.reshard);
+  take("memory-budget", a.memory_budget), take("piece-items", a.piece_items);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -371,6 +375,8 @@ int run(const Args& a) {
                                     .log_frequent(a.log_frequent)
                                     .nonfinite_patience(a.patience)
                                     .forward_peaks(a.forward_peaks != 0)
+                                    .memory_budget(a.memory_budget)
+                                    .piece_items(a.piece_items)
                                     .checkpoint_format(tk::checkpoint_format_of(a.checkpoint_format))
                                     .auto_resume(a.resume != 0)
                                     .handle_signals(false)
@@ -453,6 +459,7 @@ int run(const Args& a) {
                       {"unit_peak", units ? units->peak_gathered() : 0},
                       {"unit_gradient_peak", units ? units->peak_gradient() : 0},
                       {"unit_gathers_ahead", units ? units->gathers_ahead() : 0},
+                      {"unit_gathers_ahead_in_backward", units ? units->gathers_ahead_in_backward() : 0},
                       {"unit_gather_seconds", units ? units->gather_seconds() : 0.0},
                       {"parameter_bytes", parameter_bytes(*model)},
                       {"held_bytes", trainer.held_bytes()},

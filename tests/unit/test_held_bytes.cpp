@@ -36,7 +36,7 @@ struct Combo {
 }  // namespace
 
 TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
-  const tk::ModelSize model{1000, 0, 0, 0};
+  const tk::ModelSize model{1000, 0, 100, 0};  // (units of at most 100 parameters, none in the root unit)
   const tk::StorageShape fp32{false, 2, false}, master{true, 2, false};
   auto per_param = [&](const tk::StorageShape& shape, int stage, std::int64_t world) {
     return tk::predict_held(model, shape, stage, world).total() / 1000.0;
@@ -51,12 +51,19 @@ TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
     CHECK(per_param(master, 1, w) == doctest::Approx(4 + 12 / d));
     CHECK(per_param(master, 2, w) == doctest::Approx(2 + 12 / d));
   }
-  // One rank shards nothing; the root unit and frozen parameters are whole on every rank.
-  CHECK(per_param(fp32, 3, 1) == doctest::Approx(16));
+  // A world of one cut as several (DataParallel::shard_at_world_size_one) holds stage 3's 12 / 1.
+  CHECK(per_param(fp32, 3, 1) == doctest::Approx(12));
+  // The root unit and frozen parameters are whole on every rank; inside a step the largest unit
+  // and those gathered ahead, or with reshard_after_forward false every unit.
   const tk::HeldBytes three = tk::predict_held({1000, 200, 300, 100}, fp32, 3, 4);
   CHECK(three.parameters == doctest::Approx(4.0 * (1000 / 4 + 200 + 100)));
   CHECK(three.gradients == 0);
-  CHECK(three.gathered == doctest::Approx(4.0 * 300));
+  CHECK(three.gathered == doctest::Approx(4.0 * 300 * 2));  // (unit_prefetch 1: two units)
+  CHECK(tk::predict_held({1000, 200, 300, 100}, {false, 2, false, 0, true}, 3, 4).gathered == doctest::Approx(4.0 * 300));
+  CHECK(tk::predict_held({1000, 200, 300, 100}, {false, 2, false, 1, false}, 3, 4).gathered == doctest::Approx(4.0 * 800));
+  // Stage 3 needs the units, and does not shard master weights.
+  CHECK_THROWS_WITH(tk::predict_held({1000, 0, 0, 0}, fp32, 3, 4), doctest::Contains("needs the model's units"));
+  CHECK_THROWS_WITH(tk::predict_held(model, master, 3, 4), doctest::Contains("master weights"));
   // Master weights with several micro-batches keep an fp32 sum of the window's gradient.
   CHECK(tk::predict_held(model, {true, 2, true}, 0, 1).total() / 1000.0 == doctest::Approx(20));
   CHECK(tk::predict_held(model, {true, 2, true}, 1, 2).total() / 1000.0 == doctest::Approx(4 + 4 + 6));
@@ -66,7 +73,12 @@ TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
   CHECK(tk::StorageShape::optimizer_values_of(tk::OptimizerSettings{"AdamW"}) == 2);
   const auto lines = tk::held_table({110'000'000, 0, 7'000'000, 0}, fp32, 4);
   REQUIRE(lines.size() == 4);  // 1, 2, 4, 8 ranks
-  CHECK(lines[2] == "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 314.7 MiB (+ 26.7 MiB gathered)");
+  CHECK(lines[0] == "  1 rank:  every stage 1.64 GiB");
+  CHECK(lines[2] == "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 314.7 MiB (+ 53.4 MiB gathered)");
+  CHECK(tk::held_table({110'000'000, 0, 0, 0}, fp32, 4)[2] == "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 needs the units");
+  const std::string said = tk::held_summary({110'000'000, 0, 0, 0}, master, 2, 4);
+  CHECK(said.find("each rank will hold 524.5 MiB") == 0);  // (2 + 12 / 4 bytes per parameter)
+  CHECK(said.find("3: not with master weights") != std::string::npos);
 }
 
 TEST_CASE_TEMPLATE("a trainer in one process holds what it predicts, once its optimizer's state exists", T,

@@ -443,6 +443,33 @@ TEST_CASE("stage 3 with no units: every rank stops at set_replicas, saying so") 
   }
 }
 
+TEST_CASE("stage 3 refuses the memory plan and pieces in tk::fit: every rank stops before training, naming the key") {
+  testing::TempDir dir;
+  struct Refused {
+    const char* option;
+    const char* value;
+    const char* key;
+  };
+  for (const Refused r : {Refused{"--memory-budget", "0.5", "TRAIN.MEMORY_BUDGET"},
+                          Refused{"--piece-items", "2", "TRAIN.PIECE_ITEMS"}}) {
+    CAPTURE(std::string(r.key));
+    const std::string out = dir / r.key;
+    auto ranks = spawn_ranks(2, out, std::to_string(free_port()),
+                             {"--steps", "1", "--sharding", "3", "--fit", out, r.option, r.value});
+    for (auto& c : ranks) {
+      CHECK(wait_exit(c, 120) == 1);
+      const std::string err = slurp(c.err);
+      CHECK(err.find(r.key) != std::string::npos);
+      CHECK(err.find("ZERO_STAGE 3") != std::string::npos);
+    }
+    CHECK(!testing::file_exists(out + "/model-0000.ckpt"));  // (nothing trained)
+  }
+  // The same options at stage 2 are taken (the refusal is stage 3's, not the driver's).
+  const std::string out = dir / "stage2";
+  run_ranks(2, out, {"--steps", "1", "--sharding", "2", "--fit", out, "--piece-items", "2"});
+  CHECK(testing::file_exists(out + "/model-0000.ckpt"));  // (the name the refused runs did not write)
+}
+
 TEST_CASE("stage 3: a model whose replicated training does not fit a memory cap trains under the same cap at 4 "
           "ranks") {
   testing::TempDir dir;
@@ -518,6 +545,11 @@ TEST_CASE("stage 3 gathers ahead (unit_prefetch) or keeps units until their back
   CHECK(at("none ahead", "unit_gathers_ahead") == 0);
   CHECK(at("none ahead", "unit_peak") == mid);
   CHECK(at("1 ahead", "unit_gathers_ahead") > 0);
+  // Ahead in the forward and in the backward: from the second micro-batch on, every unit but
+  // the first of each pass (5 + 5 a micro-batch).
+  CHECK(at("1 ahead", "unit_gathers_ahead_in_backward") > 0);
+  CHECK(at("1 ahead", "unit_gathers_ahead") == 2 * at("1 ahead", "unit_gathers_ahead_in_backward"));
+  CHECK(at("kept, 2 ahead", "unit_gathers_ahead_in_backward") == 0);  // (every unit is gathered still)
   CHECK(at("1 ahead", "unit_gathers") == at("none ahead", "unit_gathers"));  // (launched earlier, not more)
   CHECK(at("1 ahead", "unit_peak") == 2 * mid);
   CHECK(at("3 ahead", "unit_peak") == 4 * mid);

@@ -51,7 +51,7 @@ TRAINKIT_INLINE void RunLog::started() {
   // matters (several ranks), in the text log always, with every stage at other world sizes.
   const ModelSize size = trainer_.model_size();
   const StorageShape shape = trainer_.storage_shape();
-  const std::string held = "trainkit: " + held_summary(size, shape, static_cast<int>(trainer_.options().sharding()), world);
+  const std::string held = "trainkit: " + held_summary(size, shape, trainer_.sharding_stage(), world);
   if (world > 1) say(held);
   if (text_log_) {
     if (world == 1) text_log_->line(held);

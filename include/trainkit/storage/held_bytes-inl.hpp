@@ -12,7 +12,10 @@ namespace trainkit {
 TRAINKIT_INLINE HeldBytes predict_held(const ModelSize& model, const StorageShape& shape, int stage, std::int64_t world) {
   if (stage < 0 || stage > 3) throw std::invalid_argument("predict_held: stage must be 0-3, got " + std::to_string(stage));
   if (world < 1) throw std::invalid_argument("predict_held: world must be >= 1, got " + std::to_string(world));
-  if (world == 1) stage = 0;
+  if (stage == 3 && !predicts_stage3(model, shape))
+    throw std::invalid_argument(shape.master_weights
+                                    ? "predict_held: stage 3 does not shard master weights"
+                                    : "predict_held: stage 3 needs the model's units (ModelSize::largest_unit)");
   const double w = static_cast<double>(world), trained = static_cast<double>(model.trained);
   const double element = shape.master_weights ? 2 : 4;  // the model's parameters and gradients
   // What stage s shards is divided by the world size; the rest every rank holds whole
@@ -25,8 +28,11 @@ TRAINKIT_INLINE HeldBytes predict_held(const ModelSize& model, const StorageShap
   // Master weights sum a window's micro-batches in fp32 where the window is reduced once.
   if (shape.master_weights && shape.accumulates && stage < 2) held.gradients += 4 * trained;
   held.masters = shape.master_weights ? 4 * sharded_state : 0;
-  held.optimizer = 4 * static_cast<double>(shape.optimizer_values) * sharded_state;
-  if (stage == 3) held.gathered = element * static_cast<double>(model.largest_unit);
+  held.optimizer = 4 * static_cast<double>(std::max<std::int64_t>(shape.optimizer_values, 0)) * sharded_state;
+  if (stage == 3)
+    held.gathered = element * (shape.reshard_after_forward
+                                   ? static_cast<double>(model.largest_unit) * static_cast<double>(1 + shape.unit_prefetch)
+                                   : trained - static_cast<double>(model.root));
   return held;
 }
 
@@ -48,13 +54,18 @@ TRAINKIT_INLINE std::string held_summary(const ModelSize& model, const StorageSh
   line += world > 1 ? ", ZeRO stage " + std::to_string(stage) + " over " + std::to_string(world) + " ranks" : "";
   line += ": parameters " + format_bytes(held.parameters) + ", gradients " + format_bytes(held.gradients);
   if (shape.master_weights) line += ", fp32 masters " + format_bytes(held.masters);
-  line += ", optimizer state " + format_bytes(held.optimizer) + ")";
-  if (held.gathered > 0) line += ", and " + format_bytes(held.gathered) + " more for its largest unit inside a step";
+  line += ", optimizer state " +
+          (shape.optimizer_values < 0 ? std::string("not counted (a torch::optim optimizer's own)")
+                                      : format_bytes(held.optimizer)) +
+          ")";
+  if (held.gathered > 0) line += ", and " + format_bytes(held.gathered) + " more for the units gathered inside a step";
   if (world > 1) {
     line += "; at stage";
     for (int other = 0, said = 0; other <= 3; ++other)
-      if (other != stage)
+      if (other != stage && (other < 3 || predicts_stage3(model, shape)))
         line += (said++ ? ", " : " ") + std::to_string(other) + " " + format_bytes(predict_held(model, shape, other, world).total());
+    if (stage != 3 && !predicts_stage3(model, shape))
+      line += shape.master_weights ? " (3: not with master weights)" : " (3: name the units to see it)";
   }
   return line;
 }
@@ -69,10 +80,15 @@ TRAINKIT_INLINE std::vector<std::string> held_table(const ModelSize& model, cons
     if (w == 1) {
       line += "every stage " + format_bytes(predict_held(model, shape, 0, 1).total());
     } else {
-      for (int stage = 0; stage <= 3; ++stage)
+      for (int stage = 0; stage <= 2; ++stage)
         line += (stage == 0 ? "stage 0 " : ", " + std::to_string(stage) + " ") +
                 format_bytes(predict_held(model, shape, stage, w).total());
-      line += " (+ " + format_bytes(predict_held(model, shape, 3, w).gathered) + " gathered)";
+      if (predicts_stage3(model, shape)) {
+        const HeldBytes three = predict_held(model, shape, 3, w);
+        line += ", 3 " + format_bytes(three.total()) + " (+ " + format_bytes(three.gathered) + " gathered)";
+      } else {
+        line += shape.master_weights ? ", 3 not with master weights" : ", 3 needs the units";
+      }
     }
     lines.push_back(line);
   }

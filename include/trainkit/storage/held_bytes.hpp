@@ -28,13 +28,18 @@ struct ModelSize {
   std::int64_t root = 0;          ///< of them, those in no unit of stage 3 (kept whole on every rank)
   std::int64_t largest_unit = 0;  ///< the most parameters one unit of stage 3 holds (gathered one at a time)
   std::int64_t frozen = 0;        ///< the parameters it does not update (the model keeps them whole)
+  /// Whether the units are known (named and resolved): stage 3 can be predicted.
+  bool units_known() const { return largest_unit > 0; }
 };
 
 /// How a trainer stores its parameters: the precision's element size and the optimizer's state.
 struct StorageShape {
   bool master_weights = false;        ///< half parameters and gradients (2 bytes), fp32 masters (4)
-  std::int64_t optimizer_values = 2;  ///< fp32 values of optimizer state per parameter
+  std::int64_t optimizer_values = 2;  ///< fp32 values of optimizer state per parameter (-1: not known,
+                                      ///< a torch::optim optimizer's own state; counted as none)
   bool accumulates = false;           ///< several micro-batches per window
+  std::int64_t unit_prefetch = 1;     ///< stage 3: units gathered ahead (TrainerOptions::unit_prefetch)
+  bool reshard_after_forward = true;  ///< stage 3: units released after their forward
 
   /// The fp32 values per parameter of the optimizer `settings` name: Adam and AdamW 2 (their
   /// moments), SGD 1 with momentum, 0 without.
@@ -50,20 +55,30 @@ struct HeldBytes {
   double gradients = 0;   ///< the gradient (none kept between steps at stages 2 and 3)
   double masters = 0;     ///< master weights' fp32 copy (this rank's slices at stages 1-3)
   double optimizer = 0;   ///< the optimizer's state (this rank's slices at stages 1-3)
-  double gathered = 0;    ///< stage 3, on top inside a step: the largest unit's parameters gathered
+  double gathered = 0;    ///< stage 3, on top inside a step: the units gathered at once (the
+                          ///< largest, and as many ahead as prefetched; every unit when kept)
   double total() const { return parameters + gradients + masters + optimizer; }
 };
 
-/// What `model` stored as `shape` holds per rank at ZeRO `stage` (0-3) over `world` ranks. One
-/// rank shards nothing: any stage over 1 rank holds what stage 0 does.
+/// What `model` stored as `shape` holds per rank at ZeRO `stage` (0-3) over `world` ranks.
+/// `stage` is what the run shards: one rank shards nothing (pass 0), unless its replicas cut a
+/// world of one as several (DataParallel::shard_at_world_size_one); Trainer::predicted_held
+/// passes what its replicas do. Stage 3 needs the units (model.units_known()) and no master weights.
 TRAINKIT_INLINE HeldBytes predict_held(const ModelSize& model, const StorageShape& shape, int stage, std::int64_t world);
 
+/// Whether stage 3 can be predicted (and run) for `model` stored as `shape`: its units are
+/// known, and it has no master weights.
+inline bool predicts_stage3(const ModelSize& model, const StorageShape& shape) {
+  return model.units_known() && !shape.master_weights;
+}
+
 /// The prediction for stages 0-3 over 1, 2, 4, 8 and `world` ranks as lines of text, one per
-/// world size, for a log: "  4 ranks: stage 0 1.61 GiB, 1 ..., 2 ..., 3 ... (+ 12.0 MiB gathered)".
+/// world size, for a log: "  4 ranks: stage 0 1.61 GiB, 1 ..., 2 ..., 3 ... (+ 12.0 MiB gathered)"
+/// (stage 3 only where predicts_stage3).
 TRAINKIT_INLINE std::vector<std::string> held_table(const ModelSize& model, const StorageShape& shape, std::int64_t world);
 
-/// One line for a run's log: what each rank will hold at `stage` over `world` ranks, by kind,
-/// and what the other stages would hold there.
+/// One line for a run's log: what each rank will hold at `stage` (as predict_held takes it) over
+/// `world` ranks, by kind, and what the other stages would hold there.
 TRAINKIT_INLINE std::string held_summary(const ModelSize& model, const StorageShape& shape, int stage, std::int64_t world);
 
 /// `bytes` as "512.0 MiB" / "1.61 GiB" / "800 B".

@@ -33,8 +33,11 @@
 /// Every rank gathers in the order of its forward and backward, which the same model and
 /// graph make the same on every rank (a unit called on some ranks only would hang them).
 /// Prefetch: each unit's successor in the forward and in the backward is recorded as the step
-/// runs (the same on every rank, as the order is); a gather launched ahead is waited for when
-/// its unit is called, and before its buffer is released or read in any other way.
+/// runs (the same on every rank, as the order is); what to launch ahead is decided from what
+/// every rank shares (that order, the units called or reached in this pass, the launches made),
+/// never from whether this rank still holds a unit. A gather launched ahead is waited for when
+/// its unit is called, and before its buffer is released, re-gathered or this rank's slices
+/// (its input) are written (settle_all: the update, a load); one its pass did not use is dropped.
 #include <trainkit/detail/partition.hpp>
 #include <trainkit/detail/released_storage.hpp>
 #include <trainkit/detail/unit_schedule.hpp>
@@ -46,6 +49,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -77,7 +81,7 @@ class ShardedUnits final : public UnitSchedule {
       : units_(std::move(units)), params_(std::move(params)), member_of_(std::move(member_of)), at_(std::move(at)),
         replicas_(&replicas), partition_(std::move(partition)), local_(std::move(local)), waiting_(units_.size(), 0),
         pending_(units_.size()), next_forward_(units_.size(), -1), next_backward_(units_.size(), -1),
-        prefetch_(prefetch), reshard_(reshard) {
+        called_(units_.size(), false), visited_(units_.size(), false), prefetch_(prefetch), reshard_(reshard) {
     for (size_t u = 0; u < units_.size(); ++u) {
       if (units_[u].module) modules_[units_[u].module] = static_cast<std::int64_t>(u);
       if (!units_[u].whole && gathered(static_cast<std::int64_t>(u))) now_ += units_[u].buffer.numel();
@@ -91,20 +95,24 @@ class ShardedUnits final : public UnitSchedule {
     const auto it = modules_.find(&module);
     return it == modules_.end() ? -1 : it->second;
   }
-  /// The trainer's forward starts: the units it calls are its order, recorded anew.
+  /// The trainer's forward starts: the units it calls are its order, recorded anew. A gather
+  /// still launched ahead (a forward that ended without its backward) is dropped.
   void begin_forward() {
+    drop_pending();
+    called_.assign(units_.size(), false);
     last_forward_ = -1;
     backward_ = false;
   }
   void before_forward(std::int64_t u) override {
     gather(u);
-    if (held_ || backward_) return;  // (a recomputation in the backward: the backward's order prefetches)
+    if (held_) return;
+    called_[static_cast<size_t>(u)] = true;
     if (last_forward_ >= 0) next_forward_[static_cast<size_t>(last_forward_)] = u;
     last_forward_ = u;
-    prefetch_after(u, next_forward_);
+    prefetch_after(u, next_forward_, called_);
   }
   void after_forward(std::int64_t u) override {
-    if (reshard_ || backward_) release(u);
+    if (reshard_) release(u);
   }
   // The unit the backward reached before this one is done (a unit's backward ends before the
   // gradient leaves its inputs): its reduce-scatter starts here, before this gather. The
@@ -120,7 +128,8 @@ class ShardedUnits final : public UnitSchedule {
     if (held_ || !backward_) return;
     if (last_backward_ >= 0 && last_backward_ != u) next_backward_[static_cast<size_t>(last_backward_)] = u;
     last_backward_ = u;
-    prefetch_after(u, next_backward_);
+    visited_[static_cast<size_t>(u)] = true;
+    if (reshard_) prefetch_after(u, next_backward_, visited_);  // (kept: every unit is gathered still)
   }
 
   /// A backward starts: every unit's parameters' gradients are to come. `reduction`: where
@@ -132,7 +141,9 @@ class ShardedUnits final : public UnitSchedule {
     launched_.assign(units_.size(), false);
     reached_.assign(units_.size(), false);
     previous_ = -1;
+    drop_pending();  // (gathered ahead for a forward call that did not come)
     backward_ = true;
+    visited_.assign(units_.size(), false);
     last_backward_ = -1;
   }
   /// The reduction armed by arm() is finished or dropped.
@@ -196,7 +207,20 @@ class ShardedUnits final : public UnitSchedule {
   void release_all() {
     fired_.clear();
     backward_ = false;
-    for (size_t u = 0; u < units_.size(); ++u) release(static_cast<std::int64_t>(u));
+    std::exception_ptr failed;  // (a failed wait: every other unit is released all the same)
+    for (size_t u = 0; u < units_.size(); ++u) {
+      try {
+        release(static_cast<std::int64_t>(u));
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+    }
+    if (failed) std::rethrow_exception(failed);
+  }
+  /// Every gather launched ahead complete (before this rank's slices, their input, are
+  /// written: the update, a load).
+  void settle_all() {
+    for (size_t u = 0; u < units_.size(); ++u) settle(static_cast<std::int64_t>(u));
   }
   /// The root unit gathered again from every rank's slices (after an update or a load); the
   /// others released.
@@ -205,6 +229,7 @@ class ShardedUnits final : public UnitSchedule {
     for (size_t u = 0; u < units_.size(); ++u)
       if (units_[u].whole || held_) {  // (held: every unit, with its new values)
         settle(static_cast<std::int64_t>(u));
+        if (!units_[u].whole && gathered(static_cast<std::int64_t>(u))) now_ -= units_[u].buffer.numel();
         release_storage(units_[u].buffer);
         gather(static_cast<std::int64_t>(u));
       }
@@ -248,8 +273,9 @@ class ShardedUnits final : public UnitSchedule {
   std::int64_t peak_gathered() const { return peak_; }
   /// The most gradient elements held at once (every unit's buffer counted while allocated).
   std::int64_t peak_gradient() const { return grad_peak_; }
-  /// Gathers launched ahead (prefetch), since construction.
+  /// Gathers launched ahead (prefetch), since construction; of them, in backwards.
   std::int64_t gathers_ahead() const { return ahead_; }
+  std::int64_t gathers_ahead_in_backward() const { return ahead_backward_; }
   /// Seconds the host spent in gathers, waiting for them or making them (on a GPU the waits
   /// only order streams: there it is launch time), since construction.
   double gather_seconds() const { return gather_seconds_; }
@@ -259,50 +285,83 @@ class ShardedUnits final : public UnitSchedule {
   // Unit u's parameters whole: its gather launched ahead waited for, or made now.
   void gather(std::int64_t u) {
     const auto start = std::chrono::steady_clock::now();
-    if (pending_[static_cast<size_t>(u)]) settle(u);
-    else if (!gathered(u)) launch_gather(u)();
+    if (!pending_[static_cast<size_t>(u)] && !gathered(u)) pending_[static_cast<size_t>(u)] = launch_gather(u);
+    settle(u);
     gather_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
-  // Unit u's all-gather started (its buffer allocated); returns its wait.
+  // Unit u's all-gather started (its buffer allocated where released: a unit this rank still
+  // holds is gathered into again, with the same values); returns its wait.
   std::function<void()> launch_gather(std::int64_t u) {
     auto& unit = units_[static_cast<size_t>(u)];
     if (!replicas_)
       throw std::logic_error("tk::unit: unit '" + unit.name + "' belongs to a trainer that is gone; its parameters "
                              "were sharded (ZeRO stage 3) and exist no more in this process");
-    allocate_released(unit.buffer, /*zero=*/false);
-    const auto b = unit.bucket;
-    const auto n = partition_.bucket(b).length / partition_.world_size();
-    auto wait = replicas_->start_gather_bucket(
-        local_.narrow(0, partition_.local(b), n), unit.buffer,
-        "all-gather of unit " + (unit.name.empty() ? std::string("(root)") : "'" + unit.name + "'") + " (" +
-            std::to_string(b + 1) + "/" + std::to_string(partition_.buckets()) + ")");
-    ++gathers_;
-    if (!unit.whole) {
-      now_ += unit.buffer.numel();
+    const bool allocated = !gathered(u);
+    if (allocated) {
+      allocate_released(unit.buffer, /*zero=*/false);
+      if (!unit.whole) now_ += unit.buffer.numel();
       peak_ = std::max(peak_, now_);
     }
-    return wait;
-  }
-  // The `prefetch_` units after u in `next` (the forward's or the backward's order) launched,
-  // those not gathered yet.
-  void prefetch_after(std::int64_t u, const std::vector<std::int64_t>& next) {
-    for (std::int64_t k = 0, v = next[static_cast<size_t>(u)]; k < prefetch_ && v >= 0 && v != u;
-         ++k, v = next[static_cast<size_t>(v)]) {
-      if (gathered(v)) continue;
-      pending_[static_cast<size_t>(v)] = launch_gather(v);
-      ++ahead_;
+    const auto b = unit.bucket;
+    const auto n = partition_.bucket(b).length / partition_.world_size();
+    try {
+      auto wait = replicas_->start_gather_bucket(
+          local_.narrow(0, partition_.local(b), n), unit.buffer,
+          "all-gather of unit " + (unit.name.empty() ? std::string("(root)") : "'" + unit.name + "'") + " (" +
+              std::to_string(b + 1) + "/" + std::to_string(partition_.buckets()) + ")");
+      ++gathers_;
+      return wait;
+    } catch (...) {
+      if (allocated) drop_buffer(u);  // (never counted as gathered with nothing in it)
+      throw;
     }
   }
-  // Unit u's gather launched ahead, if any, complete.
+  // The `prefetch_` units after u in `next` (the forward's or the backward's order) launched,
+  // except those `done` in this pass (called or reached already) or launched already. The
+  // decision reads only what every rank shares (the order, `done`, the launches), never
+  // whether this rank still holds a unit, so every rank launches the same gathers. A gather
+  // launched ahead that u's successors no longer name (the order changed) is dropped.
+  void prefetch_after(std::int64_t u, const std::vector<std::int64_t>& next, const std::vector<bool>& done) {
+    std::vector<bool> wanted(units_.size(), false);
+    for (std::int64_t k = 0, v = next[static_cast<size_t>(u)]; k < prefetch_ && v >= 0 && v != u && !done[static_cast<size_t>(v)];
+         ++k, v = next[static_cast<size_t>(v)]) {
+      wanted[static_cast<size_t>(v)] = true;
+      if (pending_[static_cast<size_t>(v)]) continue;
+      pending_[static_cast<size_t>(v)] = launch_gather(v);
+      ++ahead_;
+      if (backward_) ++ahead_backward_;
+    }
+    for (size_t w = 0; w < units_.size(); ++w)
+      if (pending_[w] && !wanted[w]) release(static_cast<std::int64_t>(w));
+  }
+  // Every gather launched ahead complete and its unit released (a pass that did not call it).
+  void drop_pending() {
+    for (size_t w = 0; w < units_.size(); ++w)
+      if (pending_[w]) release(static_cast<std::int64_t>(w));
+  }
+  // Unit u's gather launched ahead, if any, complete. A failed wait releases the buffer (it
+  // holds no unit) before the error goes on.
   void settle(std::int64_t u) {
-    if (auto wait = std::exchange(pending_[static_cast<size_t>(u)], nullptr)) wait();
+    auto wait = std::exchange(pending_[static_cast<size_t>(u)], nullptr);
+    if (!wait) return;
+    try {
+      wait();
+    } catch (...) {
+      drop_buffer(u);
+      throw;
+    }
+  }
+  void drop_buffer(std::int64_t u) {
+    const auto& unit = units_[static_cast<size_t>(u)];
+    if (!gathered(u)) return;
+    release_storage(unit.buffer);
+    if (!unit.whole) now_ -= unit.buffer.numel();
   }
   void release(std::int64_t u) {
     const auto& unit = units_[static_cast<size_t>(u)];
     settle(u);
-    if (unit.whole || held_ || !gathered(u)) return;
-    release_storage(unit.buffer);
-    now_ -= unit.buffer.numel();
+    if (unit.whole || held_) return;
+    drop_buffer(u);
   }
   void launch(std::int64_t b) {
     launched_[static_cast<size_t>(b)] = true;
@@ -328,7 +387,8 @@ class ShardedUnits final : public UnitSchedule {
   // forward and backward (-1: none yet), the unit called last in each.
   std::vector<std::function<void()>> pending_;
   std::vector<std::int64_t> next_forward_, next_backward_;
-  std::int64_t prefetch_ = 0, last_forward_ = -1, last_backward_ = -1, ahead_ = 0;
+  std::vector<bool> called_, visited_;  // units called in this forward, reached in this backward
+  std::int64_t prefetch_ = 0, last_forward_ = -1, last_backward_ = -1, ahead_ = 0, ahead_backward_ = 0;
   bool reshard_ = true, backward_ = false;
   double gather_seconds_ = 0;
 };

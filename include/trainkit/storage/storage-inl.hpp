@@ -635,6 +635,7 @@ TRAINKIT_INLINE void FlatStorage::snapshot(torch::serialize::OutputArchive& arch
 TRAINKIT_INLINE void FlatStorage::restore(torch::serialize::InputArchive& archive, torch::nn::Module& module,
                                           detail::UpdateRule& rule) {
   if (units_) {
+    units_->settle_all();
     read_frozen(archive, module);
     detail::read_into(archive, "snapshot.params_local", params_);
     detail::read_into(archive, "snapshot.root", replicated_state());
@@ -696,6 +697,7 @@ TRAINKIT_INLINE void FlatStorage::load_parameters(torch::serialize::InputArchive
   if (units_) {
     // Stage 3: this rank's slices (from a set, only their byte ranges); the root unit gathered
     // from them (a collective: every rank loads).
+    units_->settle_all();  // (the slices are a gather's input)
     read_by_name(archive, "model.param.", params_);
     read_frozen(archive, module);
     return;  // (the root unit is gathered in after_load(), once every rank has read its part)

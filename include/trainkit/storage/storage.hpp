@@ -423,6 +423,7 @@ class FlatStorage : public detail::FlatParameters {
       f(groups_, grad_);
       return;
     }
+    if (units_) units_->settle_all();  // (this rank's slices are a gather's input)
     for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
       auto part = local_grad_.narrow(0, partition_.local(b), partition_.slice(b).length);
       f(slice_groups(b, params_, /*params_local=*/units_ != nullptr, local_grad_), part);

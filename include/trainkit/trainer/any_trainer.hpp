@@ -172,6 +172,7 @@ class AnyTrainer {
   virtual StorageShape storage_shape() const = 0;
   /// predict_held for this trainer's stage over its replicas (one rank: stage 0's).
   virtual HeldBytes predicted_held() const = 0;
+  virtual int sharding_stage() const = 0;
   /// The bytes of every tensor this trainer holds now, each storage counted once: the model's
   /// parameters and gradients, the storage's buffers and the optimizer's flat state. Between
   /// optimizer steps it is what predicted_held().total() predicts.

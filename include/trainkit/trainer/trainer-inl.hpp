@@ -44,8 +44,12 @@ TRAINKIT_INLINE void TrainerCore::start(std::unique_ptr<UpdateRule> rule, bool h
   set_schedule(std::make_shared<ConstantSchedule>());
 }
 
+TRAINKIT_INLINE int TrainerCore::sharding_stage() const {
+  return replicas_->communicates() ? static_cast<int>(options_.sharding()) : 0;
+}
+
 TRAINKIT_INLINE HeldBytes TrainerCore::predicted_held() const {
-  return predict_held(model_size(), storage_shape(), static_cast<int>(options_.sharding()), replicas_->world_size());
+  return predict_held(model_size(), storage_shape(), sharding_stage(), replicas_->world_size());
 }
 
 TRAINKIT_INLINE std::int64_t TrainerCore::distinct_bytes(std::vector<torch::Tensor> tensors) const {
@@ -64,8 +68,10 @@ TRAINKIT_INLINE StorageShape TrainerCore::shape_of(bool master_weights) const {
   StorageShape shape;
   shape.master_weights = master_weights;
   const UpdateRule& rule = *rule_;
-  shape.optimizer_values = rule.state_is_flat() ? static_cast<std::int64_t>(rule.flat_states().size()) : 0;
+  shape.optimizer_values = rule.state_is_flat() ? static_cast<std::int64_t>(rule.flat_states().size()) : -1;
   shape.accumulates = window_length() != 1;
+  shape.unit_prefetch = options_.unit_prefetch();
+  shape.reshard_after_forward = options_.reshard_after_forward();
   return shape;
 }
 

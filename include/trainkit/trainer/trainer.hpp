@@ -107,6 +107,9 @@ class TrainerCore : public AnyTrainer {
   torch::Device device() const override { return device_; }
   double base_lr() const override { return rule_->base_lr(); }
   TRAINKIT_INLINE HeldBytes predicted_held() const override;
+  /// The ZeRO stage the update runs at: the option's, or 0 where the replicas do not
+  /// communicate (one process).
+  TRAINKIT_INLINE int sharding_stage() const override;
 
  protected:
   TrainerCore(TrainerOptions options, std::shared_ptr<torch::nn::Module> module);
