@@ -106,4 +106,20 @@ TEST_CASE_TEMPLATE("a trainer in one process holds what it predicts, once its op
   }
 }
 
+TEST_CASE("a stage-3 trainer holds the model once until its replicas are attached; in one process it then trains as "
+          "stage 0, holding what it predicts") {
+  Net model;
+  tk::Trainer<> trainer(model, tk::AdamW{1e-3}, tk::TrainerOptions().sharding(tk::Sharding::parameters).units({"a", "b"}));
+  const tk::ModelSize size = trainer.model_size();
+  CHECK(size.root == 0);
+  CHECK(size.largest_unit == 32 * 64 + 64);
+  // The parameters alone (the flat copy and the frozen layer): no gradient, no optimizer state yet.
+  CHECK(trainer.held_bytes() == 4 * (size.trained + size.frozen));
+  const auto x = torch::randn({4, 32});
+  for (int step = 0; step < 2; ++step) trainer.micro_step([&] { return model->forward(x).square().mean(); });
+  CHECK(trainer.sharding_stage() == 0);  // (one process shards nothing)
+  CHECK(static_cast<double>(trainer.held_bytes()) == trainer.predicted_held().total());
+  CHECK(trainer.held_bytes() == 16 * size.trained + 4 * size.frozen);
+}
+
 }  // namespace test_held_bytes

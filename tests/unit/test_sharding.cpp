@@ -477,10 +477,11 @@ TEST_CASE("stage 3: a model whose replicated training does not fit a memory cap 
   // replicated rank holds 16 bytes per parameter (134 MB: parameters, gradient, two moments);
   // stage 3 at 4 ranks 12/4 bytes of its slices, the gathered units and their gradients until
   // each is reduce-scattered. Every rank's address space is capped (RLIMIT_AS) at what it held
-  // before the model was built plus 80 MiB: stage 3's peak is its construction's (the trainer's
-  // flat copy of the model and its gradient, 67 MB, before set_replicas shards them), and
-  // replicated training needs more. (Measured on this 2-core VM with Gloo: replicated fails at
-  // 100 MiB and trains at 120; stage 3 trains at 60 and fails at 50, in its construction.)
+  // before the model was built plus 80 MiB: stage 3's construction holds the trainer's flat copy
+  // of the model (34 MB, until set_replicas shards it), its training the slices, a unit and the
+  // one gathered ahead, and the gradients in flight; replicated training needs more. (Measured
+  // on this 2-core VM with Gloo: replicated fails at 100 MiB and trains at 120; stage 3 with
+  // unit_prefetch 1 trains at 70 and fails at 65, in a unit's all-gather.)
   const std::vector<std::string> common{"--model", "deep", "--width", "1024", "--layers", "8", "--batch", "4",
                                         "--steps", "3", "--precision", "fp32", "--cap-mib", "80"};
   auto ranks = spawn_ranks(4, dir / "replicated", std::to_string(free_port()), with(common, {"--sharding", "0"}));

@@ -120,7 +120,10 @@ class ShardedUnits final : public UnitSchedule {
   // interleaved with them alike, whichever parameters got a gradient on which rank.
   void before_backward(std::int64_t u) override {
     if (reduction_ != nullptr && !reached_[static_cast<size_t>(u)]) {
-      if (previous_ >= 0 && !launched_[static_cast<size_t>(previous_)]) launch(previous_);
+      if (previous_ >= 0 && !launched_[static_cast<size_t>(previous_)]) {
+        launch(previous_);
+        release(previous_);  // (its backward is done: a parameter that got no gradient keeps it no longer)
+      }
       reached_[static_cast<size_t>(u)] = true;
       previous_ = u;
     }

@@ -597,7 +597,7 @@ TRAINKIT_INLINE void FlatStorage::zero() {
     units_->drop_gradients();
   }
   if (!sharded()) {
-    grad_.zero_();
+    if (grad_.defined()) grad_.zero_();  // (none yet: stage 3 before its first backward)
     return;
   }
   if (shards_gradients()) {
@@ -717,6 +717,19 @@ TRAINKIT_INLINE void FlatStorage::allocate(std::int64_t numel) {
   for (auto& e : placed_) e.param.set_data(copy_in(e, flat));  // (releases the old storage)
   params_ = flat;
   release_cached(device_);
+  // Stage 3 holds a gradient per unit once attached: until then (at construction) there is no
+  // flat one; allocate_gradient makes it at its first use if the replicas never shard, so that
+  // construction holds the model once, not twice.
+  if (sharding_ == Sharding::parameters && replicas_ == nullptr) {
+    views_.clear();
+    for (const auto& e : placed_) record_view(e);
+    make_groups(grad_);
+    return;
+  }
+  bind_flat_gradient(numel);
+}
+
+TRAINKIT_INLINE void FlatStorage::bind_flat_gradient(std::int64_t numel) {
   grad_ = torch::zeros({numel}, params_.options());
   views_.clear();
   for (auto& e : placed_) {
@@ -727,7 +740,9 @@ TRAINKIT_INLINE void FlatStorage::allocate(std::int64_t numel) {
 }
 
 TRAINKIT_INLINE void FlatStorage::allocate_gradient() {
-  if (!units_ && detail::is_released(grad_)) detail::allocate_released(grad_);  // (stage 3: one per unit, as needed)
+  if (units_) return;  // (stage 3: one per unit, as needed)
+  if (!grad_.defined()) bind_flat_gradient(params_.numel());  // (stage 3 in one process: its first use)
+  else if (detail::is_released(grad_)) detail::allocate_released(grad_);
 }
 
 TRAINKIT_INLINE GradientBuckets FlatStorage::unit_gradients() const {

@@ -480,6 +480,8 @@ class FlatStorage : public detail::FlatParameters {
   // The flat buffers at `numel` elements: the parameters copied in and their views re-pointed,
   // the gradient zero (at construction, and at attach() when the partition pads the buffers).
   void allocate(std::int64_t numel);
+  // The flat gradient of `numel` elements (zeros), the parameters' .grad its views.
+  void bind_flat_gradient(std::int64_t numel);
 
   // Where a reduction's result goes: nowhere but the gradient itself (replicated: summed in
   // place), or this rank's slices (the window's sum, or with Sharding::gradients a scratch
