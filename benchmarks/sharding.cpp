@@ -421,12 +421,10 @@ int main(int argc, char** argv) {
       }
     }
     if (s.table == "prefetch") {
-      std::printf("\nStage 3 gathers: FP32, %.1f M parameters in %lld units, batch %lld, N = %lld, 2 processes, median of "
-                  "%lld\n",
-                  millions, static_cast<long long>(s.layers), static_cast<long long>(s.batch),
-                  static_cast<long long>(s.accumulate), static_cast<long long>(s.repeat));
-      std::printf("| unit_prefetch | reshard_after_forward | window ms | gathers / window | launched ahead / window | "
-                  "host ms in gathers / window | peak B/param |\n|---|---|---|---|---|---|---|\n");
+      std::cout << "\nStage 3 gathers: FP32, " << millions << " M parameters in " << s.layers << " units, batch "
+                << s.batch << ", N = " << s.accumulate << ", 2 processes, median of " << s.repeat << "\n"
+                << "| unit_prefetch | reshard_after_forward | window ms | gathers / window | launched ahead / window | "
+                   "host ms in gathers / window | peak B/param |\n|---|---|---|---|---|---|---|\n";
       for (const auto& [prefetch, reshard] : std::vector<std::pair<int, int>>{{0, 1}, {1, 1}, {2, 1}, {0, 0}, {1, 0}}) {
         Settings run = s;
         run.stage = 3;

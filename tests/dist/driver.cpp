@@ -52,6 +52,9 @@
 //                                                  --overflow-rank R --overflow-window W makes rank R's
 //                                                  loss infinite from epoch 0's micro-batch W (1-based) on
 //       [--forward-peaks 1]                        with --fit: FitOptions::forward_peaks (TRAIN.FORWARD_PEAKS)
+//       [--export PATH [--export-hold 0]]          after training, the model's weights written by rank 0
+//                                                  (tk::write_weights), every unit held gathered meanwhile
+//                                                  (--export-hold 0: not held)
 //       [--memory-budget B] [--piece-items N]      with --fit: FitOptions::memory_budget (bytes, or a fraction
 //                                                  of the device's memory) and piece_items
 //       [--validate 1]                             with --fit: a validation after each epoch in which rank r
@@ -60,6 +63,7 @@
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/parallel/data_parallel.hpp>
 #include <trainkit/fit/fit.hpp>
+#include <trainkit/io/weights.hpp>
 #include <trainkit/parallel/sampler.hpp>
 #include <trainkit/trainer/trainer.hpp>
 #include <trainkit/trainer/unit.hpp>
@@ -88,11 +92,11 @@ namespace {
 
 struct Args {
   std::string out, load, load_rank1, save, save_set, fit, precision = "fp32", model = "mlp", reduce = "auto";
-  std::string checkpoint_format = "auto", units = "model";
+  std::string checkpoint_format = "auto", units = "model", export_weights;
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
-  int validate = 0, prefetch = 1, reshard = 1;
+  int validate = 0, prefetch = 1, reshard = 1, export_hold = 1;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -128,7 +132,8 @@ Args parse(int argc, char** argv) {
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
   take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
   take("units", a.units), take("prefetch", a.prefetch), take("reshard", a.reshard);
-  take("memory-budget", a.memory_budget), take("piece-items", a.piece_items);
+  take("memory-budget", a.memory_budget), take("piece-items", a.piece_items), take("export", a.export_weights),
+      take("export-hold", a.export_hold);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -417,6 +422,11 @@ int run(const Args& a) {
   const auto training_calls = counter->all_reduce_calls - calls_before;
   const auto training_bytes = counter->all_reduce_bytes - bytes_before;
   if (!a.save.empty() && (group.is_main() || trainer.saves_collectively())) trainer.save(a.save);
+  if (!a.export_weights.empty()) {
+    if (a.export_hold) trainer.hold_parameters(true);  // (every rank: stage 3 gathers each unit; otherwise nothing)
+    if (group.is_main()) tk::write_weights(a.export_weights, tk::model_weights(*model));
+    if (a.export_hold) trainer.hold_parameters(false);
+  }
   if (!a.save_set.empty()) {
     tk::CheckpointManager set(a.save_set, "set");
     set.set_format(tk::CheckpointFormat::sharded);

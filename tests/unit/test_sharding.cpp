@@ -7,6 +7,7 @@
 #include "../support/helpers.hpp"
 #include "../support/dist_driver.hpp"
 
+#include <trainkit/io/weights.hpp>
 #include <trainkit/run/plan.hpp>
 
 #include <chrono>
@@ -387,6 +388,31 @@ TEST_CASE("a checkpoint set: each rank writes its own slices, and any world size
       std::ofstream(damaged, std::ios::binary | std::ios::trunc) << bytes;
     }
   }
+}
+
+TEST_CASE("stage 3: the model's weights written while every unit is held are the checkpoint's parameters, bit for "
+          "bit; written without the hold, they are refused, naming a parameter") {
+  testing::TempDir dir;
+  const std::string ckpt = dir / "s.ckpt", weights = dir / "w.safetensors";
+  const auto args = with(kCompared, {"--precision", "fp32", "--sharding", "3", "--save", ckpt});
+  run_ranks(2, dir / "e", with(args, {"--export", weights}));
+  const auto saved = records(ckpt, {"model.param."});
+  const auto written = tk::read_weights(weights);
+  REQUIRE(written.size() == saved.size());
+  for (const auto& [name, t] : written) {
+    CAPTURE(name);
+    const auto it = saved.find("model.param." + name);
+    REQUIRE(it != saved.end());
+    CHECK(torch::equal(t, it->second.reshape(t.sizes())));
+  }
+  auto ranks = spawn_ranks(2, dir / "unheld", std::to_string(free_port()),
+                           with(args, {"--export", dir / "unheld.safetensors", "--export-hold", "0", "--timeout", "10"}));
+  CHECK(wait_exit(ranks[0], 120) == 1);
+  const std::string err = slurp(ranks[0].err);
+  CHECK(err.find("writing the model's weights") != std::string::npos);
+  CHECK(err.find("fc1.weight") != std::string::npos);
+  CHECK(wait_exit(ranks[1], 120) != 0);  // (its peer is gone)
+  CHECK(!testing::file_exists(dir / "unheld.safetensors"));
 }
 
 TEST_CASE("stage 3 checkpoints: a file and a set with the same records, loaded bit for bit at any world size and "
