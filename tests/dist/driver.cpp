@@ -41,6 +41,8 @@
 //       [--model deep --width H --layers L]       Linear(8, H), L times tanh(Linear(H, H)), Linear(H, 4),
 //                                                  every Linear a unit with --sharding 3
 //       [--units P1,P2,...]                        stage 3's units (default: the model's own, below)
+//       [--alternate-order 1] [--unused-bias-rank R]  --model deep: every other forward runs the mids
+//                                                  in reverse; rank R leaves the first mid's bias unused
 //       [--prefetch N] [--reshard 0|1]             stage 3: TrainerOptions::unit_prefetch (default 1) and
 //                                                  reshard_after_forward (default 1)
 //       [--model wide --width H --dropout P]       three H-wide layers with dropout: activations
@@ -73,6 +75,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <set>
 #include <cstdio>
@@ -96,7 +99,7 @@ struct Args {
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
-  int validate = 0, prefetch = 1, reshard = 1, export_hold = 1;
+  int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -133,7 +136,8 @@ Args parse(int argc, char** argv) {
   take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
   take("units", a.units), take("prefetch", a.prefetch), take("reshard", a.reshard);
   take("memory-budget", a.memory_budget), take("piece-items", a.piece_items), take("export", a.export_weights),
-      take("export-hold", a.export_hold);
+      take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
+  take("unused-bias-rank", a.unused_bias_rank);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -172,9 +176,17 @@ struct MlpImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     if (deep) {
       auto h = torch::relu(tk::unit(fc1, x));
-      for (const auto& m : *mids) {
-        auto* mid = m->as<torch::nn::LinearImpl>();
-        h = torch::tanh(tk::unit(mid, [&](const torch::Tensor& in) { return mid->forward(in); }, h));
+      // --alternate-order: every other forward runs the mids in reverse; --unused-bias: the first
+      // mid's bias is not used on this rank (its gradient never comes here).
+      std::vector<size_t> order(mids->size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      if (alternate_order && forwards++ % 2 == 1) std::reverse(order.begin(), order.end());
+      for (const size_t i : order) {
+        auto* mid = mids[i]->as<torch::nn::LinearImpl>();
+        const bool no_bias = unused_bias && i == 0;
+        h = torch::tanh(tk::unit(mid, [&](const torch::Tensor& in) {
+          return no_bias ? torch::nn::functional::linear(in, mid->weight) : mid->forward(in);
+        }, h));
       }
       return tk::unit(fc2, h);
     }
@@ -198,7 +210,8 @@ struct MlpImpl : torch::nn::Module {
     }
     return tk::unit(fc2, h);
   }
-  bool affine, wide, deep, oom_in_backward = false;
+  bool affine, wide, deep, oom_in_backward = false, alternate_order = false, unused_bias = false;
+  std::int64_t forwards = 0;
   torch::nn::ModuleList mids{nullptr};
   double p;
   torch::nn::Linear fc1, fc2, mid1{nullptr}, mid2{nullptr};
@@ -299,6 +312,8 @@ int run(const Args& a) {
   if (a.model != "mlp" && a.model != "affine" && a.model != "mlp-ln" && a.model != "wide" && a.model != "deep")
     throw std::invalid_argument("--model must be mlp, mlp-ln, affine, wide or deep");
   Mlp model(a.model, a.model == "wide" || a.model == "deep" ? a.width : 16, a.dropout, a.layers);
+  model->alternate_order = a.alternate_order != 0;
+  model->unused_bias = a.unused_bias_rank == rank;
   auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
   const auto x = torch::randn({a.samples, 8}, data_gen);
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
