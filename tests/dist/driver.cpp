@@ -43,6 +43,7 @@
 //       [--units P1,P2,...]                        stage 3's units (default: the model's own, below)
 //       [--alternate-order 1] [--unused-bias-rank R]  --model deep: every other forward runs the mids
 //                                                  in reverse; rank R leaves the first mid's bias unused
+//       [--recompute-around 1]                     --model deep: each mid's tk::unit call inside tk::recompute
 //       [--prefetch N] [--reshard 0|1]             stage 3: TrainerOptions::unit_prefetch (default 1) and
 //                                                  reshard_after_forward (default 1)
 //       [--model wide --width H --dropout P]       three H-wide layers with dropout: activations
@@ -68,6 +69,7 @@
 #include <trainkit/io/weights.hpp>
 #include <trainkit/parallel/sampler.hpp>
 #include <trainkit/trainer/trainer.hpp>
+#include <trainkit/trainer/recompute.hpp>
 #include <trainkit/trainer/unit.hpp>
 
 #include "../support/counting_backend.hpp"
@@ -99,7 +101,8 @@ struct Args {
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
-  int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1;
+  int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1,
+      recompute_around = 0;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -137,7 +140,7 @@ Args parse(int argc, char** argv) {
   take("units", a.units), take("prefetch", a.prefetch), take("reshard", a.reshard);
   take("memory-budget", a.memory_budget), take("piece-items", a.piece_items), take("export", a.export_weights),
       take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
-  take("unused-bias-rank", a.unused_bias_rank);
+  take("unused-bias-rank", a.unused_bias_rank), take("recompute-around", a.recompute_around);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -184,9 +187,12 @@ struct MlpImpl : torch::nn::Module {
       for (const size_t i : order) {
         auto* mid = mids[i]->as<torch::nn::LinearImpl>();
         const bool no_bias = unused_bias && i == 0;
-        h = torch::tanh(tk::unit(mid, [&](const torch::Tensor& in) {
-          return no_bias ? torch::nn::functional::linear(in, mid->weight) : mid->forward(in);
-        }, h));
+        auto call = [mid, no_bias](const torch::Tensor& in) {
+          return tk::unit(mid, [&](const torch::Tensor& y) {
+            return no_bias ? torch::nn::functional::linear(y, mid->weight) : mid->forward(y);
+          }, in);
+        };
+        h = torch::tanh(recompute_around ? tk::recompute(call, h) : call(h));
       }
       return tk::unit(fc2, h);
     }
@@ -210,7 +216,7 @@ struct MlpImpl : torch::nn::Module {
     }
     return tk::unit(fc2, h);
   }
-  bool affine, wide, deep, oom_in_backward = false, alternate_order = false, unused_bias = false;
+  bool affine, wide, deep, oom_in_backward = false, alternate_order = false, unused_bias = false, recompute_around = false;
   std::int64_t forwards = 0;
   torch::nn::ModuleList mids{nullptr};
   double p;
@@ -314,6 +320,7 @@ int run(const Args& a) {
   Mlp model(a.model, a.model == "wide" || a.model == "deep" ? a.width : 16, a.dropout, a.layers);
   model->alternate_order = a.alternate_order != 0;
   model->unused_bias = a.unused_bias_rank == rank;
+  model->recompute_around = a.recompute_around != 0;
   auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
   const auto x = torch::randn({a.samples, 8}, data_gen);
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));

@@ -614,6 +614,12 @@ TEST_CASE("stage 3 gathering ahead stays in step when the units' order changes b
       CHECK(equal_records(state, none_ahead));
     }
   }
+  // tk::recompute around each mid's tk::unit call: the recomputation in the backward is
+  // gathered by the step's schedule, and the state is the same, bit for bit.
+  const std::string around = dir / "around.ckpt", plain = dir / "plain.ckpt";
+  run_ranks(2, dir / "b", with(args, {"--prefetch", "1", "--save", plain}), 120);
+  run_ranks(2, dir / "b", with(args, {"--prefetch", "1", "--recompute-around", "1", "--save", around}), 120);
+  CHECK(equal_records(records(around, kState), records(plain, kState)));
 }
 
 TEST_CASE("the bytes per rank each stage holds are predicted before launch (within 1%, on every rank)") {

@@ -99,6 +99,30 @@ TEST_CASE("without a schedule a unit is its call; with one, gathered around its 
   }
 }
 
+TEST_CASE("tk::recompute around a unit: the recomputation in the backward is gathered by the forward's schedule") {
+  const auto x = torch::randn({3, 4});
+  Net plain;
+  plain->forward(x, false).sum().backward();
+  const auto expected = gradients(plain);
+  Net net;
+  auto schedule = std::make_shared<Recorder>();
+  schedule->units = {{net->layer0.get(), 0}, {net->layer1.get(), 1}};
+  events.clear();
+  {
+    tk::detail::UnitScheduleScope scope(schedule);
+    auto h = tk::unit(net->layer0, net->embed(x));
+    h = tk::recompute([l = net->layer1](const torch::Tensor& y) mutable { return tk::unit(l, y); }, h);
+    net->head(h).sum().backward();  // (the backward runs on autograd's thread: no schedule active there)
+  }
+  // The first forward records no graph (no hook); the recomputation is gathered and hooked.
+  CHECK(events == std::vector<std::string>{"gather 0", "run layer0", "release 0", "gather 1", "run layer1", "release 1",
+                                           "gather 1", "run layer1", "release 1", "gather for backward 1",
+                                           "gather for backward 0"});
+  const auto got = gradients(net);
+  REQUIRE(got.size() == expected.size());
+  for (size_t i = 0; i < got.size(); ++i) CHECK(torch::equal(got[i], expected[i]));
+}
+
 TEST_CASE("a module that is no unit of the schedule, and a forward without a graph, make no call of it") {
   Net net;
   auto schedule = std::make_shared<Recorder>();

@@ -105,14 +105,15 @@ class ShardedUnits final : public UnitSchedule {
   }
   void before_forward(std::int64_t u) override {
     gather(u);
-    if (held_) return;
+    if (held_ || backward_) return;  // (a recomputation in the backward: not the forward's order)
     called_[static_cast<size_t>(u)] = true;
     if (last_forward_ >= 0) next_forward_[static_cast<size_t>(last_forward_)] = u;
     last_forward_ = u;
     prefetch_after(u, next_forward_, called_);
   }
+  // In the backward (tk::recompute around the unit) the unit stays: its backward follows.
   void after_forward(std::int64_t u) override {
-    if (reshard_) release(u);
+    if (reshard_ && !backward_) release(u);
   }
   // The unit the backward reached before this one is done (a unit's backward ends before the
   // gradient leaves its inputs): its reduce-scatter starts here, before this gather. The

@@ -74,6 +74,7 @@ TRAINKIT_INLINE torch::autograd::variable_list RecomputeFunction::forward(torch:
   // Apply() runs this under grad mode off: fn keeps no graph, hence no activations.
   state->rng = RngStates::capture(rng_devices(inputs));
   state->autocast = AutocastState::capture(autocast_device_types(inputs));
+  state->units = active_unit_schedule();
   torch::autograd::variable_list outputs;
   {
     AutocastCacheOff no_cache;
@@ -111,6 +112,9 @@ TRAINKIT_INLINE torch::autograd::variable_list RecomputeFunction::backward(torch
   {
     RngReplay rng(state->rng);
     AutocastReplay autocast(state->autocast);
+    // (A tk::unit inside fn is gathered again for its recomputation, by the schedule of the
+    // forward that recorded it: the backward runs on autograd's thread, where none is active.)
+    UnitScheduleScope units(state->units);
     torch::AutoGradMode grad(true);
     outputs = state->forward(inputs);
   }

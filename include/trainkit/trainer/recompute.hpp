@@ -39,6 +39,7 @@
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/module_of.hpp>
 #include <trainkit/detail/rng_state.hpp>
+#include <trainkit/detail/unit_schedule.hpp>
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
@@ -136,6 +137,7 @@ struct RecomputeState : torch::CustomClassHolder {
   std::function<torch::autograd::variable_list(const torch::autograd::variable_list&)> forward;
   RngStates rng;
   AutocastState autocast;
+  std::shared_ptr<UnitSchedule> units;  // the forward's stage-3 schedule: the recomputation's too
 };
 
 /// The autograd Function. Inputs: the state (not a tensor), a dummy tensor that requires grad
