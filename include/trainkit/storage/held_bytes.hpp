@@ -4,7 +4,8 @@
 /// stage and world size. No LibTorch: trainkit-config prints it from a count alone.
 ///
 ///   tk::ModelSize model{.trained = 110'000'000};
-///   const tk::HeldBytes held = tk::predict_held(model, tk::StorageShape::of(key, optimizer), 2, 4);
+///   tk::StorageShape shape;  // FP32; optimizer_values = StorageShape::optimizer_values_of(settings)
+///   const tk::HeldBytes held = tk::predict_held(model, shape, 2, 4);
 ///   held.total();   // bytes on each of 4 ranks at ZeRO stage 2
 ///
 /// A trainer predicts its own (Trainer::predicted_held, from its layout and units) and measures

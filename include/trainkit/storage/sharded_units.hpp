@@ -68,6 +68,7 @@ class ShardedUnits final : public UnitSchedule {
     torch::Tensor buffer;                         ///< the bucket's elements, whole when gathered
     std::int64_t members = 0;                     ///< trainable parameters in it
     bool whole = false;                           ///< the root unit: never released
+    std::string label = {};                       ///< "all-gather of unit ... (b/N)", for errors
   };
 
   /// `units`: their buffers (gathered, or released); `params[i]`: the storage's trainable
@@ -83,6 +84,9 @@ class ShardedUnits final : public UnitSchedule {
         pending_(units_.size()), next_forward_(units_.size(), -1), next_backward_(units_.size(), -1),
         called_(units_.size(), false), visited_(units_.size(), false), prefetch_(prefetch), reshard_(reshard) {
     for (size_t u = 0; u < units_.size(); ++u) {
+      auto& unit = units_[u];
+      unit.label = "all-gather of unit " + (unit.name.empty() ? std::string("(root)") : "'" + unit.name + "'") + " (" +
+                   std::to_string(unit.bucket + 1) + "/" + std::to_string(partition_.buckets()) + ")";
       if (units_[u].module) modules_[units_[u].module] = static_cast<std::int64_t>(u);
       if (!units_[u].whole && gathered(static_cast<std::int64_t>(u))) now_ += units_[u].buffer.numel();
       grads_.push_back(torch::empty({units_[u].buffer.numel()}, units_[u].buffer.options()));
@@ -232,9 +236,7 @@ class ShardedUnits final : public UnitSchedule {
     release_all();
     for (size_t u = 0; u < units_.size(); ++u)
       if (units_[u].whole || held_) {  // (held: every unit, with its new values)
-        settle(static_cast<std::int64_t>(u));
-        if (!units_[u].whole && gathered(static_cast<std::int64_t>(u))) now_ -= units_[u].buffer.numel();
-        release_storage(units_[u].buffer);
+        drop_buffer(static_cast<std::int64_t>(u));  // (release_all settled every gather)
         gather(static_cast<std::int64_t>(u));
       }
   }
@@ -288,6 +290,7 @@ class ShardedUnits final : public UnitSchedule {
   bool gathered(std::int64_t u) const { return !is_released(units_[static_cast<size_t>(u)].buffer); }
   // Unit u's parameters whole: its gather launched ahead waited for, or made now.
   void gather(std::int64_t u) {
+    if (!pending_[static_cast<size_t>(u)] && gathered(u)) return;  // (kept, held, or the root unit)
     const auto start = std::chrono::steady_clock::now();
     if (!pending_[static_cast<size_t>(u)] && !gathered(u)) pending_[static_cast<size_t>(u)] = launch_gather(u);
     settle(u);
@@ -309,10 +312,7 @@ class ShardedUnits final : public UnitSchedule {
     const auto b = unit.bucket;
     const auto n = partition_.bucket(b).length / partition_.world_size();
     try {
-      auto wait = replicas_->start_gather_bucket(
-          local_.narrow(0, partition_.local(b), n), unit.buffer,
-          "all-gather of unit " + (unit.name.empty() ? std::string("(root)") : "'" + unit.name + "'") + " (" +
-              std::to_string(b + 1) + "/" + std::to_string(partition_.buckets()) + ")");
+      auto wait = replicas_->start_gather_bucket(local_.narrow(0, partition_.local(b), n), unit.buffer, unit.label);
       ++gathers_;
       return wait;
     } catch (...) {
@@ -326,7 +326,8 @@ class ShardedUnits final : public UnitSchedule {
   // whether this rank still holds a unit, so every rank launches the same gathers. A gather
   // launched ahead that u's successors no longer name (the order changed) is dropped.
   void prefetch_after(std::int64_t u, const std::vector<std::int64_t>& next, const std::vector<bool>& done) {
-    std::vector<bool> wanted(units_.size(), false);
+    std::vector<bool>& wanted = wanted_;  // (a member: no allocation per call)
+    wanted.assign(units_.size(), false);
     for (std::int64_t k = 0, v = next[static_cast<size_t>(u)]; k < prefetch_ && v >= 0 && v != u && !done[static_cast<size_t>(v)];
          ++k, v = next[static_cast<size_t>(v)]) {
       wanted[static_cast<size_t>(v)] = true;
@@ -392,6 +393,7 @@ class ShardedUnits final : public UnitSchedule {
   std::vector<std::function<void()>> pending_;
   std::vector<std::int64_t> next_forward_, next_backward_;
   std::vector<bool> called_, visited_;  // units called in this forward, reached in this backward
+  std::vector<bool> wanted_;            // prefetch_after's: the units its chain names
   std::int64_t prefetch_ = 0, last_forward_ = -1, last_backward_ = -1, ahead_ = 0, ahead_backward_ = 0;
   bool reshard_ = true, backward_ = false;
   double gather_seconds_ = 0;
