@@ -1,14 +1,15 @@
 // Memory per rank and window time of data parallelism replicated and sharded (ZeRO stages 1, 2
 // and 3, TrainerOptions::sharding), over 1, 2 and 4 Gloo processes on this machine, for FP32 and
 // FP16 master weights, AdamW, on an MLP whose memory is its parameters (16 x Linear(1024, 1024):
-// 16.8 M parameters, each layer a unit of stage 3 through tk::unit; micro-batches of 8 rows;
-// stage 3 with FP32 only: it does not shard master weights yet); and the reduction overlapped with the backward
+// 16.8 M parameters, each layer a unit of stage 3 through tk::unit; micro-batches of 8 rows);
+// and the reduction overlapped with the backward
 // or not (TrainerOptions::overlap_reduction), 2 processes, FP32, micro-batches of --overlap-batch
 // rows (32), so that the backward has work to hide the communication behind.
 //
 //   build/benchmarks/sharding                        # both tables: every configuration, W processes each
 //   build/benchmarks/sharding --table memory|overlap --windows 6 --accumulate 4 --layers 16 --width 1024 --repeat 3
 //                             --bucket-mib 25 (DataParallel's bucket) --stages 0123 (the stages measured)
+//                             --precisions fp32,master (the memory table's precisions)
 //   build/benchmarks/sharding --table checkpoint --layers 8 --repeat 3
 //   build/benchmarks/sharding --table prefetch --repeat 3     (stage 3's gathers: --prefetch N --reshard 0|1)
 //   (a configuration's processes: --child 1 with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
@@ -78,6 +79,7 @@ struct Settings {
   std::int64_t layers = 16, width = 1024, batch = 8, overlap_batch = 32, windows = 6, accumulate = 1, repeat = 3;
   std::int64_t bucket_mib = 25;  // DataParallel's bucket (25 MiB, DDP's default)
   std::string precision = "fp32", table = "both", format = "single", stages = "0123";
+  std::string precisions = "fp32,master";  // the memory table's rows
   int stage = 0, overlap = 1, no_decay = 1, background = 0, prefetch = 1, reshard = 1;
   std::string out;
 };
@@ -318,6 +320,7 @@ int main(int argc, char** argv) {
       const std::string k = argv[i], v = argv[i + 1];
       if (k == "--child") is_child = true;
       else if (k == "--precision") s.precision = v;
+      else if (k == "--precisions") s.precisions = v;
       else if (k == "--stage") s.stage = std::stoi(v);
       else if (k == "--layers") s.layers = std::stoll(v);
       else if (k == "--width") s.width = std::stoll(v);
@@ -383,7 +386,7 @@ int main(int argc, char** argv) {
           for (const int stage : {0, 1, 2, 3}) {
             if (world == 1 && stage > 0) continue;  // one process shards nothing
             if (s.stages.find(static_cast<char>('0' + stage)) == std::string::npos) continue;
-            if (stage == 3 && precision == "master") continue;  // (not yet)
+            if (s.precisions.find(precision) == std::string::npos) continue;
             Settings run = s;
             run.precision = precision;
             run.stage = stage;

@@ -200,8 +200,7 @@ json memory_per_rank(const tk::RunPlan& d, const tk::ModelSize& model) {
   }
   json out = {{"parameters", model.trained}, {"this_run", run}, {"by_world_size_and_stage", by_world}};
   if (!tk::predicts_stage3(model, shape))
-    out["stage_3"] = shape.master_weights ? "not predicted: ZERO_STAGE 3 does not shard master weights"
-                                          : "not predicted: give --largest-unit (and --root) to describe the units";
+    out["stage_3"] = "not predicted: give --largest-unit (and --root) to describe the units";
   return out;
 }
 

@@ -235,8 +235,10 @@ tk::ReducePrecision reduce_precision(const Args& a) {
 // Bytes the model's flat gradient holds now (0: released between windows, Sharding::gradients).
 template <class Trainer>
 std::int64_t gradient_bytes(const Trainer& trainer) {
-  if constexpr (Trainer::precision::master_weights)
-    return static_cast<std::int64_t>(trainer.storage().half_gradients().storage().nbytes());
+  if constexpr (Trainer::precision::master_weights) {
+    const auto& half = trainer.storage().half_gradients();  // (stage 3: none, a gradient per unit)
+    return half.defined() ? static_cast<std::int64_t>(half.storage().nbytes()) : 0;
+  }
   else
     return static_cast<std::int64_t>(trainer.storage().gradients().storage().nbytes());
 }
@@ -460,10 +462,11 @@ int run(const Args& a) {
 
   // The flat fp32 parameters (the masters with master weights). Sharded master weights hold
   // only their slices of the masters: the model's half parameters in fp32, back to back, stand
-  // for them (--save has the masters).
+  // for them (--save has the masters). Stage 3: the root unit (half with master weights).
   torch::Tensor params = trainer.parameters().contiguous();
-  if (a.sharding == 3) params = trainer.storage().replicated_state().contiguous();  // (the root unit)
-  if (Trainer::precision::master_weights && trainer.saves_collectively()) {
+  if (a.sharding == 3) {
+    params = trainer.storage().replicated_state().to(torch::kFloat).contiguous();
+  } else if (Trainer::precision::master_weights && trainer.saves_collectively()) {
     std::vector<torch::Tensor> flat;
     for (const auto& p : model->parameters()) flat.push_back(p.detach().reshape({-1}).to(torch::kFloat));
     params = torch::cat(flat).contiguous();

@@ -50,6 +50,8 @@ TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
     CHECK(per_param(master, 0, w) == doctest::Approx(16));
     CHECK(per_param(master, 1, w) == doctest::Approx(4 + 12 / d));
     CHECK(per_param(master, 2, w) == doctest::Approx(2 + 12 / d));
+    // Stage 3 with master weights: the half slices (2), the masters (4), the moments (8).
+    CHECK(per_param(master, 3, w) == doctest::Approx(14 / d));
   }
   // A world of one cut as several (DataParallel::shard_at_world_size_one) holds stage 3's 12 / 1.
   CHECK(per_param(fp32, 3, 1) == doctest::Approx(12));
@@ -61,9 +63,15 @@ TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
   CHECK(three.gathered == doctest::Approx(4.0 * 300 * 2));  // (unit_prefetch 1: two units)
   CHECK(tk::predict_held({1000, 200, 300, 100}, {false, 2, false, 0, true}, 3, 4).gathered == doctest::Approx(4.0 * 300));
   CHECK(tk::predict_held({1000, 200, 300, 100}, {false, 2, false, 1, false}, 3, 4).gathered == doctest::Approx(4.0 * 800));
-  // Stage 3 needs the units, and does not shard master weights.
+  // With master weights the root unit, the frozen parameters and the gathered units are half.
+  const tk::HeldBytes half = tk::predict_held({1000, 200, 300, 100}, master, 3, 4);
+  CHECK(half.parameters == doctest::Approx(2.0 * (1000 / 4 + 200 + 100)));
+  CHECK(half.masters == doctest::Approx(4.0 * 1000 / 4));
+  CHECK(half.gradients == 0);
+  CHECK(half.gathered == doctest::Approx(2.0 * 300 * 2));
+  // Stage 3 needs the units.
   CHECK_THROWS_WITH(tk::predict_held({1000, 0, 0, 0}, fp32, 3, 4), doctest::Contains("needs the model's units"));
-  CHECK_THROWS_WITH(tk::predict_held(model, master, 3, 4), doctest::Contains("master weights"));
+  CHECK_THROWS_WITH(tk::predict_held({1000, 0, 0, 0}, master, 3, 4), doctest::Contains("needs the model's units"));
   // Master weights with several micro-batches keep an fp32 sum of the window's gradient.
   CHECK(tk::predict_held(model, {true, 2, true}, 0, 1).total() / 1000.0 == doctest::Approx(20));
   CHECK(tk::predict_held(model, {true, 2, true}, 1, 2).total() / 1000.0 == doctest::Approx(4 + 4 + 6));

@@ -160,7 +160,7 @@ TRAINKIT_INLINE Schema train_schema() {
       "data parallel: what each rank keeps of the update (ZeRO's stages): 0 everything (replicated); 1 the optimizer's "
       "state and fp32 master weights of its slices of the parameters only; 2 also the gradient: none between optimizer "
       "steps, and inside a window of several micro-batches only its slices of their sum; 3 also the parameters of the "
-      "model's UNITS, each gathered for its forward and its backward only (not with MASTER_WEIGHTS or MEMORY_BUDGET "
+      "model's UNITS, each gathered for its forward and its backward only (not with MEMORY_BUDGET "
       "yet). No effect with one process");
   s.list("UNITS", Field::string("").check([](const nlohmann::json& v) -> std::string {
      return v.get<std::string>().empty() ? "expected a module path (encoder.layer.3, or encoder.layer.* for each child)"

@@ -61,9 +61,6 @@ TRAINKIT_INLINE void plan_parameters(const nlohmann::json& t, TrainerOptions& o)
              : stage == 2 ? Sharding::gradients
              : stage == 1 ? Sharding::optimizer
                           : Sharding::none);
-  if (stage == 3 && t["MASTER_WEIGHTS"].get<bool>())
-    throw ConfigError("TRAIN.ZERO_STAGE", "3 does not shard master weights' half parameters yet (TRAIN.MASTER_WEIGHTS "
-                                          "is true); use ZERO_STAGE 2 with master weights, or 3 without them");
   o.units(t["UNITS"].get<std::vector<std::string>>());
   o.unit_prefetch(t["UNIT_PREFETCH"].get<std::int64_t>());
   o.reshard_after_forward(t["RESHARD_AFTER_FORWARD"].get<bool>());

@@ -13,9 +13,7 @@ TRAINKIT_INLINE HeldBytes predict_held(const ModelSize& model, const StorageShap
   if (stage < 0 || stage > 3) throw std::invalid_argument("predict_held: stage must be 0-3, got " + std::to_string(stage));
   if (world < 1) throw std::invalid_argument("predict_held: world must be >= 1, got " + std::to_string(world));
   if (stage == 3 && !predicts_stage3(model, shape))
-    throw std::invalid_argument(shape.master_weights
-                                    ? "predict_held: stage 3 does not shard master weights"
-                                    : "predict_held: stage 3 needs the model's units (ModelSize::largest_unit)");
+    throw std::invalid_argument("predict_held: stage 3 needs the model's units (ModelSize::largest_unit)");
   const double w = static_cast<double>(world), trained = static_cast<double>(model.trained);
   const double element = shape.master_weights ? 2 : 4;  // the model's parameters and gradients
   // What stage s shards is divided by the world size; the rest every rank holds whole

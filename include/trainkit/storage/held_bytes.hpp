@@ -64,13 +64,14 @@ struct HeldBytes {
 /// What `model` stored as `shape` holds per rank at ZeRO `stage` (0-3) over `world` ranks.
 /// `stage` is what the run shards: one rank shards nothing (pass 0), unless its replicas cut a
 /// world of one as several (DataParallel::shard_at_world_size_one); Trainer::predicted_held
-/// passes what its replicas do. Stage 3 needs the units (model.units_known()) and no master weights.
+/// passes what its replicas do. Stage 3 needs the units (model.units_known()).
 TRAINKIT_INLINE HeldBytes predict_held(const ModelSize& model, const StorageShape& shape, int stage, std::int64_t world);
 
 /// Whether stage 3 can be predicted (and run) for `model` stored as `shape`: its units are
-/// known, and it has no master weights.
+/// known (every storage shape: master weights' half units too).
 inline bool predicts_stage3(const ModelSize& model, const StorageShape& shape) {
-  return model.units_known() && !shape.master_weights;
+  (void)shape;  // (every storage shape: master weights too)
+  return model.units_known();
 }
 
 /// The prediction for stages 0-3 over 1, 2, 4, 8 and `world` ranks as lines of text, one per

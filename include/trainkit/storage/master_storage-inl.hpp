@@ -7,7 +7,8 @@ namespace trainkit {
 
 TRAINKIT_INLINE MasterStorage::MasterStorage(torch::nn::Module& model, const TrainerOptions& options,
                                              torch::Device device, at::ScalarType half)
-    : options_(options), device_(device) {
+    : options_(options), device_(device), half_dtype_(half) {
+  overlap_ = options.overlap_reduction();
   place(model, options, device, static_cast<std::int64_t>(c10::elementSize(half)), /*any_floating_point=*/true);
   params_ = allocate_flat(layout_.padded(), device);
   std::unordered_set<const c10::TensorImpl*> kept;  // parameters that stay fp32 (views into the masters)
@@ -42,6 +43,16 @@ TRAINKIT_INLINE MasterStorage::MasterStorage(torch::nn::Module& model, const Tra
 TRAINKIT_INLINE bool MasterStorage::attach(Replicas& replicas, torch::nn::Module& model) {
   TORCH_CHECK(!sharded(), "MasterStorage: the replicas are attached once when the update is sharded");
   replicas_ = &replicas;
+  if (options_.sharding() == Sharding::parameters && replicas.communicates()) {
+    require_units();
+    single_process_ = false;
+    for (auto& e : placed_) e.param.mutable_grad() = torch::Tensor();  // (one gradient per unit, as needed)
+    views_.clear();
+    replicas.attach(model, params_, /*rewritten=*/half_.params());
+    shard_units();
+    install_hooks(/*overlap=*/false);  // (the units launch their reductions from the backward's gathers)
+    return true;
+  }
   replicas.attach(model, params_, /*rewritten=*/half_.params());
   half_.write_back(params_);  // rank 0's masters, into the half parameters attach left alone
   single_process_ = dynamic_cast<const SingleProcess*>(&replicas) != nullptr;
@@ -51,6 +62,11 @@ TRAINKIT_INLINE bool MasterStorage::attach(Replicas& replicas, torch::nn::Module
 }
 
 TRAINKIT_INLINE void MasterStorage::backward_done(const detail::BackwardDone& done) {
+  if (units_) {
+    units_->release_all();  // (the units whose parameters got no gradient)
+    if (!done.closes && done.micro_batch_ends) finish_reduction(*replicas_, done.window, /*closes=*/false);
+    return;
+  }
   if (done.closes) return;
   if (!shards_gradients()) {
     half_.accumulate();
@@ -62,6 +78,7 @@ TRAINKIT_INLINE void MasterStorage::backward_done(const detail::BackwardDone& do
 }
 
 TRAINKIT_INLINE GradientFactor MasterStorage::reduce(Replicas& replicas, const WindowWeights& window) {
+  if (units_) return finish_reduction(replicas, window, /*closes=*/true);
   if (sharded()) {
     half_.allocate_if_released();  // (a window flushed after a reduced micro-batch: zeros)
     const auto factor = scatter_into_sum(window, /*closes=*/true);
@@ -86,7 +103,12 @@ TRAINKIT_INLINE torch::Tensor MasterStorage::norm() {
 }
 
 TRAINKIT_INLINE void MasterStorage::zero() {
-  half_.zero_grad(/*release=*/shards_gradients());
+  if (units_) {  // (after a failed forward or backward too)
+    drop_reduction();
+    drop_unit_gradients();
+  } else {
+    half_.zero_grad(/*release=*/shards_gradients());
+  }
   grad_ = torch::Tensor();
   chunk_ = torch::Tensor();
   if (!sharded()) bind_gradients(grad_);
@@ -104,17 +126,21 @@ TRAINKIT_INLINE void MasterStorage::save(torch::serialize::OutputArchive& archiv
 
 TRAINKIT_INLINE void MasterStorage::load(torch::serialize::InputArchive& archive, torch::nn::Module& module,
                                          detail::UpdateRule& rule) {
+  if (units_) units_->settle_all();  // (the half slices are a gather's input)
   read_by_name(archive, "model.param.", params_);
   torch::NoGradGuard no_grad;
   if (sharded()) {
     // The half model and the kept parameters from the records (every rank reads them all):
-    // no collective.
+    // no collective. Stage 3: the kept parameters, and this rank's half slices from its
+    // masters; the root unit is gathered in after_load().
     for (size_t i = 0; i < placed_.size(); ++i) {
       const auto& e = placed_[i];
+      if (units_ && !kept_[i]) continue;
       const auto saved = detail::read_tensor(archive, "model.param." + e.name).reshape({-1});
-      half_.params().narrow(0, e.offset, e.param.numel()).copy_(saved);
+      if (!units_) half_.params().narrow(0, e.offset, e.param.numel()).copy_(saved);
       if (kept_[i]) e.param.view({-1}).copy_(saved);
     }
+    if (units_) unit_slices_.copy_(params_);
   } else {
     half_.write_back(params_);
   }
@@ -126,7 +152,8 @@ TRAINKIT_INLINE void MasterStorage::load(torch::serialize::InputArchive& archive
 TRAINKIT_INLINE void MasterStorage::snapshot(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
                                              const detail::UpdateRule& rule) const {
   detail::write_tensor(archive, "snapshot.masters", params_);
-  detail::write_tensor(archive, "snapshot.half", half_.params());
+  detail::write_tensor(archive, "snapshot.half", units_ ? unit_slices_ : half_.params());
+  if (units_) detail::write_tensor(archive, "snapshot.root", root_unit());
   if (kept_params_.defined()) detail::write_tensor(archive, "snapshot.kept", kept_params_);
   for (const auto& p : module.named_parameters(true))
     if (!p.value().requires_grad()) detail::write_tensor(archive, "model.param." + p.key(), p.value());
@@ -136,12 +163,15 @@ TRAINKIT_INLINE void MasterStorage::snapshot(torch::serialize::OutputArchive& ar
 TRAINKIT_INLINE void MasterStorage::restore(torch::serialize::InputArchive& archive, torch::nn::Module& module,
                                             detail::UpdateRule& rule) {
   torch::NoGradGuard no_grad;
+  if (units_) units_->settle_all();  // (the half slices are a gather's input)
   detail::read_into(archive, "snapshot.masters", params_);
-  detail::read_into(archive, "snapshot.half", half_.params());
+  detail::read_into(archive, "snapshot.half", units_ ? unit_slices_ : half_.params());
+  if (units_) detail::read_into(archive, "snapshot.root", root_unit());
   if (kept_params_.defined()) detail::read_into(archive, "snapshot.kept", kept_params_);
   for (const auto& p : module.named_parameters(true))
     if (!p.value().requires_grad()) detail::read_into(archive, "model.param." + p.key(), p.value());
   for (auto* s : rule.flat_states()) detail::read_into(archive, "snapshot." + s->kind(), s->flat());
+  if (units_) units_->release_all();
 }
 
 TRAINKIT_INLINE void MasterStorage::save_window(torch::serialize::OutputArchive& archive, bool snapshot) const {
@@ -169,7 +199,7 @@ TRAINKIT_INLINE void MasterStorage::load_window(torch::serialize::InputArchive& 
 TRAINKIT_INLINE bool MasterStorage::reduce_half() const {
   const auto p = options_.reduce_precision();
   const bool half = p == ReducePrecision::half ||
-                    (p == ReducePrecision::automatic && half_.params().scalar_type() == at::kHalf);
+                    (p == ReducePrecision::automatic && half_dtype_ == at::kHalf);
   return half && !single_process_ && !half_.summed().defined();
 }
 
@@ -181,33 +211,19 @@ TRAINKIT_INLINE void MasterStorage::shard() {
     params_ = masters;
   }
   half_.extend(total);
-  std::int64_t kept_numel = 0;
-  for (size_t i = 0; i < placed_.size(); ++i) kept_numel += kept_[i] ? placed_[i].param.numel() : 0;
-  if (kept_numel > 0) kept_params_ = torch::empty({kept_numel}, params_.options());
-  std::vector<std::int64_t> local_positions, kept_positions;
-  std::int64_t at = 0;
   torch::NoGradGuard no_grad;
+  move_kept(params_);
   views_.clear();
   for (size_t i = 0; i < placed_.size(); ++i) {
     auto& e = placed_[i];
     const auto n = e.param.numel();
-    if (kept_[i]) {
-      auto view = kept_params_.narrow(0, at, n);
-      view.copy_(params_.narrow(0, e.offset, n));
-      e.param.set_data(view.view(e.param.sizes()));
-      for_each_piece(e, [&](std::int64_t local, std::int64_t from, std::int64_t k) {
-        for (std::int64_t j = 0; j < k; ++j) {
-          local_positions.push_back(local + j);
-          kept_positions.push_back(at + from + j);
-        }
-      });
-      at += n;
-    } else {
+    if (!kept_[i]) {
       e.param.set_data(half_.param_view(e.offset, n).view(e.param.sizes()));
       e.param.mutable_grad() = half_.grad_view(e.offset, n).view(e.param.sizes());
     }
     record_view(e);
   }
+  index_kept();
   auto local = torch::zeros({partition_.local_total()}, params_.options());
   for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
     const auto s = partition_.slice(b);
@@ -215,12 +231,57 @@ TRAINKIT_INLINE void MasterStorage::shard() {
   }
   params_ = local;  // (the whole masters go)
   for (auto& g : groups_) g.params = g.grads = torch::Tensor();  // metadata only: see parameters()
-  const auto long_opts = torch::dtype(torch::kLong).device(device_);
-  if (!local_positions.empty()) {
-    kept_local_index_ = torch::tensor(local_positions, torch::kLong).to(long_opts);
-    kept_compact_index_ = torch::tensor(kept_positions, torch::kLong).to(long_opts);
-  }
   release_cached(device_);
+}
+
+TRAINKIT_INLINE void MasterStorage::shard_units() {
+  torch::NoGradGuard no_grad;
+  const auto masters = params_;  // rank 0's, in the construction's layout (until sharded)
+  move_kept(masters);
+  std::vector<std::int64_t> offsets;  // (shard_into_units lays the parameters out again)
+  for (const auto& e : placed_) offsets.push_back(e.offset);
+  half_ = detail::HalfStorage();  // (the parameters keep the whole half model until they move)
+  shard_into_units(
+      half_dtype_, [&](size_t i) { return masters.narrow(0, offsets[i], placed_[i].param.numel()); }, kept_,
+      options_.unit_prefetch(), options_.reshard_after_forward(), device_);
+  index_kept();
+}
+
+TRAINKIT_INLINE void MasterStorage::move_kept(const torch::Tensor& masters) {
+  std::int64_t kept_numel = 0;
+  for (size_t i = 0; i < placed_.size(); ++i) kept_numel += kept_[i] ? placed_[i].param.numel() : 0;
+  if (kept_numel == 0) return;
+  kept_params_ = torch::empty({kept_numel}, params_.options());
+  std::int64_t at = 0;
+  for (size_t i = 0; i < placed_.size(); ++i) {
+    if (!kept_[i]) continue;
+    auto& e = placed_[i];
+    const auto n = e.param.numel();
+    auto view = kept_params_.narrow(0, at, n);
+    view.copy_(masters.narrow(0, e.offset, n));
+    e.param.set_data(view.view(e.param.sizes()));
+    at += n;
+  }
+}
+
+TRAINKIT_INLINE void MasterStorage::index_kept() {
+  std::vector<std::int64_t> local_positions, kept_positions;
+  std::int64_t at = 0;
+  for (size_t i = 0; i < placed_.size(); ++i) {
+    if (!kept_[i]) continue;
+    const auto& e = placed_[i];
+    for_each_piece(e, [&](std::int64_t local, std::int64_t from, std::int64_t k) {
+      for (std::int64_t j = 0; j < k; ++j) {
+        local_positions.push_back(local + j);
+        kept_positions.push_back(at + from + j);
+      }
+    });
+    at += e.param.numel();
+  }
+  if (local_positions.empty()) return;
+  const auto long_opts = torch::dtype(torch::kLong).device(device_);
+  kept_local_index_ = torch::tensor(local_positions, torch::kLong).to(long_opts);
+  kept_compact_index_ = torch::tensor(kept_positions, torch::kLong).to(long_opts);
 }
 
 TRAINKIT_INLINE GradientFactor MasterStorage::scatter_into_sum(const WindowWeights& window, bool closes) {
@@ -244,12 +305,13 @@ TRAINKIT_INLINE GradientFactor MasterStorage::scatter_into_sum(const WindowWeigh
 
 TRAINKIT_INLINE bool MasterStorage::half_precision_reduction() const {
   const auto p = options_.reduce_precision();
-  return p == ReducePrecision::half || (p == ReducePrecision::automatic && half_.params().scalar_type() == at::kHalf);
+  return p == ReducePrecision::half || (p == ReducePrecision::automatic && half_dtype_ == at::kHalf);
 }
 
 TRAINKIT_INLINE void MasterStorage::write_back_sharded() {
   torch::NoGradGuard no_grad;
-  for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
+  if (units_) unit_slices_.copy_(params_);  // (settled before the update)
+  for (std::int64_t b = 0; b < partition_.buckets() && !units_; ++b) {
     const auto s = partition_.slice(b);
     half_.params().narrow(0, s.begin, s.length).copy_(params_.narrow(0, partition_.local(b), s.length));
   }
@@ -259,6 +321,7 @@ TRAINKIT_INLINE void MasterStorage::write_back_sharded() {
       kept_params_.index_copy_(0, kept_compact_index_, params_.index_select(0, kept_local_index_));
     replicas_->sum(kept_params_);
   }
+  if (units_) return units_->refresh();  // (the root unit; the others where they are used)
   auto half = half_.params();
   replicas_->all_gather(half, partition_);
 }

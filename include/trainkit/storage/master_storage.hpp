@@ -24,6 +24,14 @@
 /// After the update the half parameters are rewritten from the masters (one copy; sharded,
 /// this rank's slices, then an all-gather); a skipped step left the masters unchanged, so it
 /// rewrites the same values (no host sync to tell).
+///
+/// ZeRO stage 3 (Sharding::parameters over several ranks) holds no whole half model either:
+/// each unit's half parameters are all-gathered where it is used (storage/sharded_units.hpp)
+/// from every rank's half copy of its fp32 master slices (unit_slices_, rewritten after each
+/// update); each unit's gradient is summed in fp32 as its half gradients arrive and
+/// reduce-scattered in fp32 into this rank's slices at each micro-batch's end. The parameters
+/// kept in fp32 stay whole beside the units, as sharded above (their gradient goes through
+/// their unit's).
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/storage/master_weights.hpp>
 #include <trainkit/storage/storage.hpp>
@@ -39,10 +47,15 @@ class MasterStorage : public detail::FlatParameters {
   /// A torch::optim::Optimizer would update the model's half parameters, not the masters.
   static constexpr bool accepts_torch_optimizer = false;
   static void validate(const TrainerOptions& options, const std::string& trainer) {
-    if (options.sharding() == Sharding::parameters)
-      throw std::invalid_argument("trainkit::TrainerOptions: " + trainer + ": ZeRO stage 3 (Sharding::parameters, "
-                                  "TRAIN.ZERO_STAGE: 3) does not shard master weights' half parameters yet; use stage "
-                                  "2 with master weights, or stage 3 with FP32, BF16 or FP16 (PrecisionPolicy<T>)");
+    if (options.sharding() == Sharding::parameters && options.reduce_precision() == ReducePrecision::half)
+      throw std::invalid_argument("trainkit::TrainerOptions: " + trainer + ": reduce_precision half "
+                                  "with ZeRO stage 3 (Sharding::parameters, "
+                                  "TRAIN.ZERO_STAGE: 3): each unit's gradient is summed in fp32 as its half gradients "
+                                  "arrive and reduce-scattered in fp32 at each micro-batch's end; set reduce_precision "
+                                  "automatic or fp32, or use stage 2 for a half reduction");
+    if (options.unit_prefetch() < 0)
+      throw std::invalid_argument("trainkit::TrainerOptions: unit_prefetch must be >= 0 (units gathered ahead), got " +
+                                  std::to_string(options.unit_prefetch()));
   }
 
   MasterStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device, at::ScalarType half);
@@ -66,16 +79,25 @@ class MasterStorage : public detail::FlatParameters {
   std::int64_t phase_chunks() const { return phase_chunks_; }
 
   bool attach(Replicas& replicas, torch::nn::Module& model);
-  void backward_begins(const detail::BackwardDone&) { half_.allocate_if_released(); }
+  void backward_begins(const detail::BackwardDone& done) {
+    if (units_) begin_unit_backward(done);
+    else half_.allocate_if_released();
+  }
   /// The half gradient's memory, where Sharding::gradients released it, allocated (zeros): for
   /// a backward outside the step (the memory plan's measurement), which zero() releases again.
-  void allocate_gradient() { half_.allocate_if_released(); }
+  void allocate_gradient() {
+    if (!units_) half_.allocate_if_released();  // (stage 3: one per unit, as needed)
+  }
   /// Sharding::gradients with several ranks: each micro-batch's gradient is reduce-scattered
   /// into this rank's slices of the window's sum at its end.
   bool reduces_each_micro_batch() const { return shards_gradients(); }
   /// With reduces_each_micro_batch(): the half gradient of a micro-batch that failed before
   /// its reduction dropped; the window's earlier micro-batches, already summed, stay.
-  void discard_micro_batch() { half_.zero_grad(/*release=*/true); }
+  void discard_micro_batch() {
+    if (!units_) return half_.zero_grad(/*release=*/true);
+    drop_reduction();
+    drop_unit_gradients();
+  }
   // A backward the phase does not follow: its half gradient joins the window's fp32 sum, or
   // with Sharding::gradients this rank's slices of it (at the micro-batch's end).
   void backward_done(const detail::BackwardDone& done);
@@ -100,6 +122,7 @@ class MasterStorage : public detail::FlatParameters {
   void update(Update&& f) {
     phase_chunks_ = 0;
     if (sharded()) {
+      if (units_) units_->settle_all();  // (the half slices are a gather's input)
       for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
         auto part = local_grad_.narrow(0, partition_.local(b), partition_.slice(b).length);
         f(slice_groups(b, params_, /*params_local=*/true, local_grad_), part);
@@ -131,8 +154,11 @@ class MasterStorage : public detail::FlatParameters {
   void snapshot(torch::serialize::OutputArchive& archive, torch::nn::Module& module,
                 const detail::UpdateRule& rule) const;
   void restore(torch::serialize::InputArchive& archive, torch::nn::Module& module, detail::UpdateRule& rule);
-  /// What every rank must hold alike after a load: the masters, or sharded the half model.
-  const torch::Tensor& replicated_state() const { return sharded() ? half_.params() : params_; }
+  /// What every rank must hold alike after a load: the masters, or sharded the half model
+  /// (stage 3: its root unit).
+  const torch::Tensor& replicated_state() const {
+    return units_ ? root_unit() : sharded() ? half_.params() : params_;
+  }
 
   /// The open window's gradient (a checkpoint inside a window, PARTIAL_WINDOW: span): the half
   /// gradient and the fp32 sum as they are, or with Sharding::gradients the reduced sum of the
@@ -141,7 +167,9 @@ class MasterStorage : public detail::FlatParameters {
   void load_window(torch::serialize::InputArchive& archive, bool snapshot = false);
 
  private:
-  bool shards_gradients() const { return sharded() && options_.sharding() == Sharding::gradients; }
+  bool shards_gradients() const {
+    return sharded() && (options_.sharding() == Sharding::gradients || options_.sharding() == Sharding::parameters);
+  }
 
   // Whether this phase all-reduces the half gradient: data parallel, no fp32 sum in the
   // window, and reduce_precision half (automatic: half for FP16, fp32 for BF16).
@@ -150,6 +178,15 @@ class MasterStorage : public detail::FlatParameters {
   // attach() with sharding: the half buffers padded to the partition, the masters cut to this
   // rank's slices, the kept parameters moved into a buffer of their own.
   void shard();
+  // attach() with stage 3: the kept parameters moved into a buffer of their own, the whole
+  // half buffers dropped, the masters cut into units (FlatParameters::shard_into_units).
+  void shard_units();
+  // The kept parameters made views of kept_params_ (back to back), their values from `masters`
+  // (the whole fp32 masters, in the layout the parameters are placed in now).
+  void move_kept(const torch::Tensor& masters);
+  // Once the partition is made: the kept elements this rank updates, in its slices and in
+  // kept_params_ (kept_local_index_, kept_compact_index_).
+  void index_kept();
 
   // Sharded: the window's gradient reduce-scattered into this rank's slices (in half when
   // reduce_precision asks for it and the window has one micro-batch; else from the fp32
@@ -159,7 +196,7 @@ class MasterStorage : public detail::FlatParameters {
 
   // Sharded phase 9's end: this rank's masters into its slices of the half model, the kept
   // parameters from every rank's masters (an all-reduce of those elements), then the half
-  // model's slices from every rank.
+  // model's slices from every rank (stage 3: into the half slices, and the root unit gathered).
   void write_back_sharded();
 
   TrainerOptions options_;
@@ -169,6 +206,7 @@ class MasterStorage : public detail::FlatParameters {
   torch::Tensor grad_;      // the phase's whole fp32 gradient
   torch::Tensor chunk_;     // the chunked phase's fp32 chunk
   bool single_process_ = true;
+  at::ScalarType half_dtype_;
   std::int64_t phase_chunks_ = 0;
   // Sharded:
   torch::Tensor kept_params_;  // the parameters kept in fp32, back to back

@@ -1,10 +1,12 @@
 #pragma once
 /// ZeRO stage 3's schedule (Sharding::parameters, TRAIN.ZERO_STAGE: 3): where each unit's
-/// parameters exist whole. FlatStorage builds it when it shards a model over several ranks.
+/// parameters exist whole. A storage builds it when it shards a model over several ranks
+/// (FlatParameters::shard_into_units): FlatStorage with fp32 units, MasterStorage with half
+/// ones gathered from half copies of this rank's fp32 masters.
 ///
 /// A unit (TrainerOptions::units) is one bucket of the partition: its parameters lie back to
-/// back in the flat layout, and each rank holds one slice of it in its local buffer (the fp32
-/// values the update writes). The model's parameters of the unit are views of the unit's own
+/// back in the flat layout, and each rank holds one slice of it in its local buffer (the
+/// values the update writes, or their half copy). The model's parameters of the unit are views of the unit's own
 /// buffer, whose memory exists only while gathered:
 ///   begin_forward()     the trainer's forward starts (the forward's order is recorded anew)
 ///   before_forward(u)   one all-gather of the unit's bucket into its buffer (tk::unit calls it),
@@ -15,7 +17,7 @@
 ///   before_backward(u)  gathered again, when the gradient reaches one of the unit's outputs,
 ///                       then the next `prefetch` units of the backward's order launched ahead
 ///   ready(i, param)     parameter i's gradient accumulated (its post-accumulate-grad hook):
-///                       added into the unit's gradient buffer (allocated, zeros, at the first
+///                       added into the unit's fp32 gradient buffer (allocated, zeros, at the first
 ///                       of the unit's), the parameter's .grad reset; the unit's parameters
 ///                       released after its last parameter's
 ///   gradient(b)         bucket b's gradient for its reduce-scatter (zeros where no parameter
@@ -89,7 +91,8 @@ class ShardedUnits final : public UnitSchedule {
                    std::to_string(unit.bucket + 1) + "/" + std::to_string(partition_.buckets()) + ")";
       if (units_[u].module) modules_[units_[u].module] = static_cast<std::int64_t>(u);
       if (!units_[u].whole && gathered(static_cast<std::int64_t>(u))) now_ += units_[u].buffer.numel();
-      grads_.push_back(torch::empty({units_[u].buffer.numel()}, units_[u].buffer.options()));
+      // (fp32 whatever the units' dtype: master weights' half gradients are summed in fp32)
+      grads_.push_back(torch::empty({units_[u].buffer.numel()}, units_[u].buffer.options().dtype(torch::kFloat)));
       release_storage(grads_.back());
     }
     peak_ = now_;

@@ -410,6 +410,151 @@ TRAINKIT_INLINE bool FlatParameters::load_reduced_window(torch::serialize::Input
   return true;
 }
 
+TRAINKIT_INLINE FlatParameters::~FlatParameters() {
+  if (!units_) return;
+  UnitRegistry::get().remove(units_.get());
+  units_->close();
+}
+
+TRAINKIT_INLINE void FlatParameters::require_units() const {
+  if (std::none_of(placed_.begin(), placed_.end(), [](const PlacedParameter& e) { return e.unit != 0; }))
+    throw std::invalid_argument("set_replicas: ZeRO stage 3 (Sharding::parameters, TRAIN.ZERO_STAGE: 3) with no "
+                                "units (TrainerOptions::units, TRAIN.UNITS): every parameter would be kept whole, as "
+                                "stage 2 keeps them; name the model's units (its layers), or use stage 2");
+}
+
+TRAINKIT_INLINE void FlatParameters::shard_into_units(at::ScalarType unit_dtype,
+                                                      const std::function<torch::Tensor(size_t)>& values,
+                                                      const std::vector<bool>& skip, std::int64_t prefetch,
+                                                      bool reshard, torch::Device device) {
+  // Each unit one bucket, cut in as many aligned slices as there are ranks.
+  const std::int64_t multiple = align_ * replicas_->world_size();
+  place_offsets(multiple);
+  partition_ = Partition(unit_ranges(multiple), replicas_->world_size(), replicas_->rank());
+  // Unit by unit: an fp32 buffer filled from the parameters' values, this rank's slice of it
+  // kept, the unit's own buffer (that one, or its cast) what the parameters become views of,
+  // released but the root unit's: the whole model is held once plus one unit, never twice.
+  torch::NoGradGuard no_grad;
+  const auto fp32 = torch::dtype(torch::kFloat).device(device);
+  std::vector<ShardedUnits::Unit> units;
+  std::vector<std::int64_t> member_of(placed_.size(), 0), at(placed_.size(), 0);
+  auto local = torch::zeros({partition_.local_total()}, fp32);
+  torch::Tensor filling;  // the open unit's fp32 values
+  const auto finish = [&](ShardedUnits::Unit& u) {
+    const auto bucket = partition_.bucket(u.bucket), s = partition_.slice(u.bucket);
+    local.narrow(0, partition_.local(u.bucket), s.length).copy_(filling.narrow(0, s.begin - bucket.begin, s.length));
+    if (unit_dtype != at::kFloat) u.buffer.copy_(filling);
+    filling = torch::Tensor();
+    if (!u.whole) release_storage(u.buffer);
+  };
+  for (size_t i = 0; i < placed_.size(); ++i) {
+    auto& e = placed_[i];
+    if (i == 0 || e.unit != placed_[i - 1].unit) {
+      if (!units.empty()) finish(units.back());
+      const auto b = static_cast<std::int64_t>(units.size());
+      const auto& [name, module] = unit_paths_.at(static_cast<size_t>(e.unit));
+      filling = torch::zeros({partition_.bucket(b).length}, fp32);
+      auto buffer = unit_dtype == at::kFloat ? filling : torch::empty_like(filling, filling.options().dtype(unit_dtype));
+      units.push_back({name, module, b, buffer, 0, e.unit == 0});
+    }
+    auto& u = units.back();
+    const auto begin = partition_.bucket(u.bucket).begin;
+    const auto n = e.param.numel();
+    filling.narrow(0, e.offset - begin, n).copy_(values(i));
+    if (skip.empty() || !skip[i]) e.param.set_data(u.buffer.narrow(0, e.offset - begin, n).view(e.param.sizes()));
+    ++u.members;
+    member_of[i] = u.bucket;
+    at[i] = e.offset - begin;
+  }
+  if (!units.empty()) finish(units.back());
+  params_ = local;  // (the construction's flat buffer goes)
+  unit_slices_ = unit_dtype == at::kFloat ? params_ : params_.to(unit_dtype);
+  make_groups(torch::Tensor(), /*bind_params=*/false);  // metadata only: the update reads this rank's slices
+  views_.clear();
+  for (const auto& e : placed_) record_view(e);
+  std::vector<torch::Tensor> trainable;
+  for (const auto& e : placed_) trainable.push_back(e.param);
+  units_ = std::make_shared<ShardedUnits>(std::move(units), std::move(trainable), std::move(member_of), std::move(at),
+                                          *replicas_, partition_, unit_slices_, prefetch, reshard);
+  release_cached(device);
+  UnitRegistry::get().add(units_);
+}
+
+TRAINKIT_INLINE void FlatParameters::begin_unit_backward(const BackwardDone& done) {
+  if (units_->held())
+    throw std::logic_error("trainkit: a micro-step while every unit is held gathered (hold_parameters(true)); "
+                           "call hold_parameters(false) on every rank first");
+  if (overlap_ && done.micro_batch_ends)
+    reduction_ = replicas_->start_unit_reduction(unit_gradients(), reduction_target(), partition_, done.window, done.closes);
+  units_->arm(reduction_.get());
+}
+
+TRAINKIT_INLINE void FlatParameters::drop_unit_gradients() {
+  units_->release_all();
+  units_->drop_gradients();
+}
+
+TRAINKIT_INLINE const torch::Tensor& FlatParameters::root_unit() const {
+  for (const auto& u : units_->units())
+    if (u.whole) return u.buffer;
+  return no_state_;
+}
+
+TRAINKIT_INLINE GradientBuckets FlatParameters::unit_gradients() const {
+  GradientBuckets buckets;
+  buckets.input = [units = units_.get()](std::int64_t b) { return units->gradient(b); };
+  buckets.done = [units = units_.get()](std::int64_t b) { units->gradient_done(b); };
+  return buckets;
+}
+
+TRAINKIT_INLINE torch::Tensor FlatParameters::reduction_target() {
+  if (!sharded()) return {};
+  torch::Tensor& target = summed_ ? scratch_ : local_grad_;
+  if (!target.defined()) target = torch::empty({partition_.local_total()}, params_.options());
+  return target;
+}
+
+TRAINKIT_INLINE GradientFactor FlatParameters::finish_reduction(Replicas& replicas, const WindowWeights& window,
+                                                                bool closes, torch::Tensor* flat) {
+  GradientFactor factor;
+  if (reduction_) {
+    if (readiness_) {
+      readiness_->launch_rest();  // (parameters that got no gradient), in the launch order
+      readiness_->disarm();
+    }
+    if (units_) units_->disarm();  // (finish() launches the units the backward did not, last first)
+    factor = reduction_->finish();
+    reduction_.reset();
+  } else if (units_) {
+    factor = replicas.start_unit_reduction(unit_gradients(), reduction_target(), partition_, window, closes)->finish();
+  } else {
+    TORCH_CHECK(flat != nullptr, "finish_reduction: no gradient to reduce");
+    factor = replicas.reduce_buckets(*flat, reduction_target(), partition_, window, closes);
+  }
+  if (sharded()) {
+    if (summed_) local_grad_.add_(scratch_);
+    summed_ = true;
+  }
+  return factor;
+}
+
+TRAINKIT_INLINE void FlatParameters::drop_reduction() {
+  if (!reduction_) return;
+  const auto launched = readiness_ ? readiness_->launched() : units_ ? units_->launched() : 0;
+  if (readiness_) readiness_->disarm();
+  if (units_) units_->disarm();
+  if (launched == 0) {
+    reduction_.reset();  // nothing sent
+    return;
+  }
+  throw std::runtime_error(
+      "trainkit: the window was dropped (an out-of-memory error in its backward?) after " + std::to_string(launched) +
+      " bucket(s) of its gradient reduction had started on this rank, overlapped with the backward: the other ranks "
+      "cannot replay it with this one, so training stops here. Resume from the last checkpoint with a smaller "
+      "micro-batch or TRAIN.MEMORY_BUDGET, or set TRAIN.OVERLAP_REDUCTION: false "
+      "(TrainerOptions::overlap_reduction) to reduce after the backward, where such a window can be replayed");
+}
+
 }  // namespace detail
 }  // namespace trainkit
 namespace trainkit {
@@ -427,19 +572,13 @@ TRAINKIT_INLINE void FlatStorage::validate(const TrainerOptions& options, const 
 TRAINKIT_INLINE FlatStorage::FlatStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
                                          at::ScalarType dtype)
     : sharding_(options.sharding()),
-      overlap_(options.overlap_reduction()),
       unit_prefetch_(options.unit_prefetch()),
       reshard_after_forward_(options.reshard_after_forward()),
       device_(device) {
   TORCH_CHECK(dtype == at::kFloat, "FlatStorage holds fp32 parameters, not ", dtype);
+  overlap_ = options.overlap_reduction();
   place(model, options, device, /*element_size=*/4, /*any_floating_point=*/false);
   allocate(layout_.padded());
-}
-
-TRAINKIT_INLINE FlatStorage::~FlatStorage() {
-  if (!units_) return;
-  detail::UnitRegistry::get().remove(units_.get());
-  units_->close();
 }
 
 TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& model) {
@@ -448,10 +587,6 @@ TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& 
                            "the replicas once");
   replicas_ = &replicas;
   if (sharding_ == Sharding::parameters && replicas.communicates()) {
-    if (std::none_of(placed_.begin(), placed_.end(), [](const detail::PlacedParameter& e) { return e.unit != 0; }))
-      throw std::invalid_argument("set_replicas: ZeRO stage 3 (Sharding::parameters, TRAIN.ZERO_STAGE: 3) with no "
-                                  "units (TrainerOptions::units, TRAIN.UNITS): every parameter would be kept whole, as "
-                                  "stage 2 keeps them; name the model's units (its layers), or use stage 2");
     attach_units(replicas, model);
   } else {
     partition_ = partition_for(replicas, sharding_, /*element_size=*/4);
@@ -468,6 +603,7 @@ TRAINKIT_INLINE bool FlatStorage::attach(Replicas& replicas, torch::nn::Module& 
 }
 
 TRAINKIT_INLINE void FlatStorage::attach_units(Replicas& replicas, torch::nn::Module& model) {
+  require_units();
   // The whole gradient goes first (stage 3 holds one per unit, and only as needed); every rank
   // takes rank 0's values in the construction's layout (one broadcast).
   for (auto& e : placed_) e.param.mutable_grad() = torch::Tensor();
@@ -475,12 +611,9 @@ TRAINKIT_INLINE void FlatStorage::attach_units(Replicas& replicas, torch::nn::Mo
   views_.clear();
   grad_ = torch::empty({0}, params_.options());
   replicas.attach(model, params_);
-  // Each unit one bucket, cut in as many aligned slices as there are ranks.
-  const std::int64_t multiple = align_ * replicas.world_size();
-  place_offsets(multiple);
-  partition_ = detail::Partition(unit_ranges(multiple), replicas.world_size(), replicas.rank());
-  shard_parameters();
-  detail::UnitRegistry::get().add(units_);
+  // Each parameter's values are its own view of the construction's flat buffer until moved.
+  shard_into_units(at::kFloat, [&](size_t i) { return placed_[i].param.reshape({-1}); }, {}, unit_prefetch_,
+                   reshard_after_forward_, device_);
 }
 
 TRAINKIT_INLINE ModelSize detail::FlatParameters::model_size(torch::nn::Module& model) const {
@@ -500,57 +633,9 @@ TRAINKIT_INLINE ModelSize detail::FlatParameters::model_size(torch::nn::Module& 
   return size;
 }
 
-TRAINKIT_INLINE void FlatStorage::shard_parameters() {
-  // Unit by unit: its buffer filled from the parameters' values, the parameters made views of
-  // it, this rank's slice kept, the buffer released (the root unit's kept): the whole model is
-  // held once (the construction's flat buffer) plus one unit, never twice.
-  torch::NoGradGuard no_grad;
-  std::vector<detail::ShardedUnits::Unit> units;
-  std::vector<std::int64_t> member_of(placed_.size(), 0), at(placed_.size(), 0);
-  auto local = torch::zeros({partition_.local_total()}, params_.options());
-  const auto finish = [&](detail::ShardedUnits::Unit& u) {
-    const auto bucket = partition_.bucket(u.bucket), s = partition_.slice(u.bucket);
-    local.narrow(0, partition_.local(u.bucket), s.length).copy_(u.buffer.narrow(0, s.begin - bucket.begin, s.length));
-    if (!u.whole) detail::release_storage(u.buffer);
-  };
-  for (size_t i = 0; i < placed_.size(); ++i) {
-    auto& e = placed_[i];
-    if (i == 0 || e.unit != placed_[i - 1].unit) {
-      if (!units.empty()) finish(units.back());
-      const auto b = static_cast<std::int64_t>(units.size());
-      const auto& [name, module] = unit_paths_.at(static_cast<size_t>(e.unit));
-      units.push_back({name, module, b, torch::zeros({partition_.bucket(b).length}, params_.options()), 0, e.unit == 0});
-    }
-    auto& u = units.back();
-    const auto begin = partition_.bucket(u.bucket).begin;
-    auto view = u.buffer.narrow(0, e.offset - begin, e.param.numel());
-    view.copy_(e.param.reshape({-1}));
-    e.param.set_data(view.view(e.param.sizes()));
-    ++u.members;
-    member_of[i] = u.bucket;
-    at[i] = e.offset - begin;
-  }
-  if (!units.empty()) finish(units.back());
-  params_ = local;  // (the construction's flat buffer goes)
-  make_groups(torch::Tensor(), /*bind_params=*/false);  // metadata only: the update reads this rank's slices
-  views_.clear();
-  for (const auto& e : placed_) record_view(e);
-  std::vector<torch::Tensor> trainable;
-  for (const auto& e : placed_) trainable.push_back(e.param);
-  units_ = std::make_shared<detail::ShardedUnits>(std::move(units), std::move(trainable), std::move(member_of),
-                                                  std::move(at), *replicas_, partition_, params_, unit_prefetch_,
-                                                  reshard_after_forward_);
-  release_cached(device_);
-}
-
 TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& done) {
   if (units_) {
-    if (units_->held())
-      throw std::logic_error("trainkit: a micro-step while every unit is held gathered (hold_parameters(true)); "
-                             "call hold_parameters(false) on every rank first");
-    if (overlap_ && done.micro_batch_ends)
-      reduction_ = replicas_->start_unit_reduction(unit_gradients(), reduction_target(), partition_, done.window, done.closes);
-    units_->arm(reduction_.get());
+    begin_unit_backward(done);
     return;
   }
   allocate_gradient();
@@ -563,7 +648,7 @@ TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& do
 TRAINKIT_INLINE void FlatStorage::backward_done(const detail::BackwardDone& done) {
   if (units_) units_->release_all();  // (the units whose parameters got no gradient)
   if (done.closes || !done.micro_batch_ends || !shards_gradients()) return;
-  finish_reduction(*replicas_, done.window, /*closes=*/false);
+  finish_reduction(*replicas_, done.window, /*closes=*/false, &grad_);
   detail::release_storage(grad_);
 }
 
@@ -571,7 +656,7 @@ TRAINKIT_INLINE GradientFactor FlatStorage::reduce(Replicas& replicas, const Win
   // (A window flushed at an epoch's end after a reduced micro-batch has no gradient left:
   // zeros stand for it, and the reduction still brings the window's item total.)
   if (!units_) allocate_gradient();
-  const GradientFactor factor = finish_reduction(replicas, window, /*closes=*/true);
+  const GradientFactor factor = finish_reduction(replicas, window, /*closes=*/true, &grad_);
   if (shards_gradients()) detail::release_storage(grad_);
   return factor;
 }
@@ -582,20 +667,14 @@ TRAINKIT_INLINE torch::Tensor FlatStorage::norm() const {
 
 TRAINKIT_INLINE void FlatStorage::discard_micro_batch() {
   drop_reduction();
-  if (units_) {
-    units_->release_all();
-    units_->drop_gradients();
-  }
+  if (units_) drop_unit_gradients();
   if (!detail::is_released(grad_)) detail::release_storage(grad_);
 }
 
 TRAINKIT_INLINE void FlatStorage::zero() {
   drop_reduction();
   summed_ = false;
-  if (units_) {  // (after a failed forward or backward)
-    units_->release_all();
-    units_->drop_gradients();
-  }
+  if (units_) drop_unit_gradients();  // (after a failed forward or backward)
   if (!sharded()) {
     if (grad_.defined()) grad_.zero_();  // (none yet: stage 3 before its first backward)
     return;
@@ -743,60 +822,6 @@ TRAINKIT_INLINE void FlatStorage::allocate_gradient() {
   if (units_) return;  // (stage 3: one per unit, as needed)
   if (!grad_.defined()) bind_flat_gradient(params_.numel());  // (stage 3 in one process: its first use)
   else if (detail::is_released(grad_)) detail::allocate_released(grad_);
-}
-
-TRAINKIT_INLINE GradientBuckets FlatStorage::unit_gradients() const {
-  GradientBuckets buckets;
-  buckets.input = [units = units_.get()](std::int64_t b) { return units->gradient(b); };
-  buckets.done = [units = units_.get()](std::int64_t b) { units->gradient_done(b); };
-  return buckets;
-}
-
-TRAINKIT_INLINE torch::Tensor FlatStorage::reduction_target() {
-  if (!sharded()) return {};
-  torch::Tensor& target = summed_ ? scratch_ : local_grad_;
-  if (!target.defined()) target = torch::empty({partition_.local_total()}, params_.options());
-  return target;
-}
-
-TRAINKIT_INLINE GradientFactor FlatStorage::finish_reduction(Replicas& replicas, const WindowWeights& window,
-                                                             bool closes) {
-  GradientFactor factor;
-  if (reduction_) {
-    if (readiness_) {
-      readiness_->launch_rest();  // (parameters that got no gradient), in the launch order
-      readiness_->disarm();
-    }
-    if (units_) units_->disarm();  // (finish() launches the units the backward did not, last first)
-    factor = reduction_->finish();
-    reduction_.reset();
-  } else if (units_) {
-    factor = replicas.start_unit_reduction(unit_gradients(), reduction_target(), partition_, window, closes)->finish();
-  } else {
-    factor = replicas.reduce_buckets(grad_, reduction_target(), partition_, window, closes);
-  }
-  if (sharded()) {
-    if (summed_) local_grad_.add_(scratch_);
-    summed_ = true;
-  }
-  return factor;
-}
-
-TRAINKIT_INLINE void FlatStorage::drop_reduction() {
-  if (!reduction_) return;
-  const auto launched = readiness_ ? readiness_->launched() : units_ ? units_->launched() : 0;
-  if (readiness_) readiness_->disarm();
-  if (units_) units_->disarm();
-  if (launched == 0) {
-    reduction_.reset();  // nothing sent
-    return;
-  }
-  throw std::runtime_error(
-      "trainkit: the window was dropped (an out-of-memory error in its backward?) after " + std::to_string(launched) +
-      " bucket(s) of its gradient reduction had started on this rank, overlapped with the backward: the other ranks "
-      "cannot replay it with this one, so training stops here. Resume from the last checkpoint with a smaller "
-      "micro-batch or TRAIN.MEMORY_BUDGET, or set TRAIN.OVERLAP_REDUCTION: false "
-      "(TrainerOptions::overlap_reduction) to reduce after the backward, where such a window can be replayed");
 }
 
 }  // namespace trainkit

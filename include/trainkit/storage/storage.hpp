@@ -75,6 +75,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <stdexcept>
@@ -202,7 +203,7 @@ class FlatParameters {
   /// Appends the flat buffers of this base (the update's parameters, the reduced slices and
   /// stage 3's units) to `out`, for Trainer::held_bytes; the storages add theirs.
   void held_tensors(std::vector<torch::Tensor>& out) const {
-    out.insert(out.end(), {params_, local_grad_, scratch_});
+    out.insert(out.end(), {params_, local_grad_, scratch_, unit_slices_});
     if (units_) units_->held_tensors(out);
   }
 
@@ -218,6 +219,51 @@ class FlatParameters {
   }
 
  protected:
+  FlatParameters() = default;
+  /// Stage 3: the schedule leaves the process's registry, and a graph that outlives the storage
+  /// finds it closed (a gather still in flight waited for first).
+  TRAINKIT_INLINE ~FlatParameters();
+  FlatParameters(const FlatParameters&) = delete;
+  FlatParameters& operator=(const FlatParameters&) = delete;
+
+  // --- ZeRO stage 3 (Sharding::parameters over several ranks), for both storages ------------
+  /// Throws when no unit is named (every parameter would be the root unit's, kept whole).
+  void require_units() const;
+  /// At attach, after replicas.attach(): the layout laid out again in units (each one bucket
+  /// of the partition), each unit's parameters made views of its own buffer of `unit_dtype`
+  /// (the root unit's gathered, the others released), this rank's slices of the fp32 values
+  /// kept in params_ and, in `unit_dtype`, in unit_slices_ (the gathers' input; params_ itself
+  /// when fp32), and the schedule (units_) made and registered. `values(i)`: placed parameter
+  /// i's fp32 values, flat (read before any parameter moves); `skip[i]` (empty: none): the
+  /// parameter stays where it is (master weights' fp32-kept norms), its gradient still its
+  /// unit's. One unit's fp32 buffer exists at a time beside the caller's.
+  void shard_into_units(at::ScalarType unit_dtype, const std::function<torch::Tensor(size_t)>& values,
+                        const std::vector<bool>& skip, std::int64_t prefetch, bool reshard, torch::Device device);
+  /// Before a stage-3 backward: its units' reduce-scatters started as the backward leaves them
+  /// (overlap_), or after it.
+  void begin_unit_backward(const BackwardDone& done);
+  /// Stage 3: every unit released and every unit's gradient dropped (a failed micro-batch, a
+  /// dropped window, zero()).
+  void drop_unit_gradients();
+  /// Stage 3: the root unit's gathered buffer (every rank holds it alike), or an empty tensor.
+  const torch::Tensor& root_unit() const;
+
+  // --- the reduction ------------------------------------------------------------------------
+  /// Where a reduction's result goes: nowhere but the gradient itself (replicated: summed in
+  /// place), or this rank's slices (the window's sum, or with the gradients sharded a scratch
+  /// buffer added to the sum of the window's earlier micro-batches).
+  torch::Tensor reduction_target();
+  /// The reduction of the gradient: the one started before the backward (overlap), the
+  /// units' (stage 3), or `flat`'s (the whole flat gradient) now; sharded, added to the slices'
+  /// sum of the window's earlier micro-batches.
+  GradientFactor finish_reduction(Replicas& replicas, const WindowWeights& window, bool closes,
+                                  torch::Tensor* flat = nullptr);
+  /// A window dropped (replayed after an out-of-memory error) while its reduction had started.
+  /// Buckets already sent cannot be taken back from the other ranks: the ranks would disagree.
+  void drop_reduction();
+  /// Stage 3: each unit's gradient buffer for a reduction (ShardedUnits::gradient), released
+  /// as its collective completes.
+  GradientBuckets unit_gradients() const;
   /// The overflow diagnosis's view (trainer/nonfinite_watch.hpp) of `gradient`, a buffer in
   /// this rank's local layout: each parameter's parts of it, and each part's parameter (its
   /// place among the model's trainable parameters).
@@ -351,6 +397,10 @@ class FlatParameters {
   // schedule once the parameters are sharded over several ranks.
   std::vector<std::pair<std::string, const torch::nn::Module*>> unit_paths_;
   std::shared_ptr<ShardedUnits> units_;
+  torch::Tensor unit_slices_;  // stage 3: this rank's slices in the units' dtype (the gathers' input)
+  torch::Tensor no_state_ = torch::zeros({0});  // stage 3 without a root unit: nothing replicated
+  bool overlap_ = false;  // TrainerOptions::overlap_reduction
+  std::unique_ptr<Reduction> reduction_;  // overlap: started before the backward, finished after
   // Sharded:
   torch::Tensor local_grad_;  // this rank's slices of the reduced gradient
   torch::Tensor scratch_;     // Sharding::gradients with several micro-batches: one reduction's slices
@@ -380,9 +430,6 @@ class FlatStorage : public detail::FlatParameters {
   /// `dtype`: the precision's storage_dtype, fp32 (the model's parameters are the flat buffer).
   FlatStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
               at::ScalarType dtype = at::kFloat);
-  TRAINKIT_INLINE ~FlatStorage();
-  FlatStorage(const FlatStorage&) = delete;
-  FlatStorage& operator=(const FlatStorage&) = delete;
 
   /// The flat gradient (every trainable parameter's .grad is a view into it). Sharded with
   /// Sharding::gradients, its memory exists only from a backward to the reduction after it.
@@ -444,12 +491,7 @@ class FlatStorage : public detail::FlatParameters {
   void restore(torch::serialize::InputArchive& archive, torch::nn::Module& module, detail::UpdateRule& rule);
   /// What every rank must hold alike after a load (compared across the ranks): the parameters,
   /// or with stage 3 the root unit's (the rest is each rank's own slices).
-  const torch::Tensor& replicated_state() const {
-    if (!units_) return params_;
-    for (const auto& u : units_->units())
-      if (u.whole) return u.buffer;
-    return no_state_;
-  }
+  const torch::Tensor& replicated_state() const { return units_ ? root_unit() : params_; }
 
   /// The open window's gradient (a checkpoint inside a window, PARTIAL_WINDOW: span): this
   /// rank's gradient as it is (replicated and Sharding::optimizer: the main rank's, as every
@@ -467,14 +509,8 @@ class FlatStorage : public detail::FlatParameters {
   }
   // Stage 3 at attach: the layout in units, the buffers cut, the parameters sharded.
   void attach_units(Replicas& replicas, torch::nn::Module& model);
-  // Stage 3: each unit's parameters become views of its own buffer, this rank's slices the
-  // local parameters (params_), and the units but the root released.
-  void shard_parameters();
   // Stage 3: the frozen parameters (those the trainer does not hold) by name.
   void write_frozen(torch::serialize::OutputArchive& archive, torch::nn::Module& module) const;
-  // Stage 3: each unit's gradient buffer for a reduction (ShardedUnits::gradient), released
-  // as its collective completes.
-  GradientBuckets unit_gradients() const;
   void read_frozen(torch::serialize::InputArchive& archive, torch::nn::Module& module);
 
   // The flat buffers at `numel` elements: the parameters copied in and their views re-pointed,
@@ -483,25 +519,11 @@ class FlatStorage : public detail::FlatParameters {
   // The flat gradient of `numel` elements (zeros), the parameters' .grad its views.
   void bind_flat_gradient(std::int64_t numel);
 
-  // Where a reduction's result goes: nowhere but the gradient itself (replicated: summed in
-  // place), or this rank's slices (the window's sum, or with Sharding::gradients a scratch
-  // buffer added to the sum of the window's earlier micro-batches).
-  torch::Tensor reduction_target();
-  // The reduction of the gradient: the one started before the backward (overlap), or a whole
-  // one now.
-  GradientFactor finish_reduction(Replicas& replicas, const WindowWeights& window, bool closes);
-  // A window dropped (replayed after an out-of-memory error) while its reduction had started.
-  // Buckets already sent cannot be taken back from the other ranks: the ranks would disagree.
-  void drop_reduction();
-
   Sharding sharding_;
-  bool overlap_;
   std::int64_t unit_prefetch_;   // stage 3 (TrainerOptions::unit_prefetch)
   bool reshard_after_forward_;
   torch::Device device_;
-  std::unique_ptr<Reduction> reduction_;  // overlap: started before the backward, finished after
   torch::Tensor grad_;
-  torch::Tensor no_state_ = torch::zeros({0});  // stage 3 without a root unit: nothing replicated
 };
 
 }  // namespace trainkit
