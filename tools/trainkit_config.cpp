@@ -165,8 +165,7 @@ std::int64_t parameter_count(const std::string& flag, const std::string& text) {
 }
 
 // derived.memory_per_rank: this run's bytes per rank by kind, and every stage's at 1, 2, 4, 8
-// and the plan's world size (one rank: stage 0's; stage 3 null without the units' sizes or with
-// master weights, which it does not shard).
+// and the plan's world size (one rank: stage 0's; stage 3 null without the units' sizes).
 json memory_per_rank(const tk::RunPlan& d, const tk::ModelSize& model) {
   tk::StorageShape shape;
   shape.master_weights = d.trainer.master_weights;

@@ -86,7 +86,9 @@ TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
   CHECK(tk::held_table({110'000'000, 0, 0, 0}, fp32, 4)[2] == "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 needs the units");
   const std::string said = tk::held_summary({110'000'000, 0, 0, 0}, master, 2, 4);
   CHECK(said.find("each rank will hold 524.5 MiB") == 0);  // (2 + 12 / 4 bytes per parameter)
-  CHECK(said.find("3: not with master weights") != std::string::npos);
+  CHECK(said.find("(3: name the units to see it)") != std::string::npos);
+  // With the units known, stage 3 with master weights too: 14 / 4 bytes per parameter.
+  CHECK(tk::held_summary({110'000'000, 0, 7'000'000, 0}, master, 2, 4).find(", 3 367.2 MiB") != std::string::npos);
 }
 
 TEST_CASE_TEMPLATE("a trainer in one process holds what it predicts, once its optimizer's state exists", T,
@@ -115,7 +117,7 @@ TEST_CASE_TEMPLATE("a trainer in one process holds what it predicts, once its op
 }
 
 TEST_CASE("a stage-3 trainer holds the model once until its replicas are attached; in one process it then trains as "
-          "stage 0, holding what it predicts") {
+          "stage 0, holding what it predicts (FP32 and master weights)") {
   Net model;
   tk::Trainer<> trainer(model, tk::AdamW{1e-3}, tk::TrainerOptions().sharding(tk::Sharding::parameters).units({"a", "b"}));
   const tk::ModelSize size = trainer.model_size();
@@ -128,6 +130,16 @@ TEST_CASE("a stage-3 trainer holds the model once until its replicas are attache
   CHECK(trainer.sharding_stage() == 0);  // (one process shards nothing)
   CHECK(static_cast<double>(trainer.held_bytes()) == trainer.predicted_held().total());
   CHECK(trainer.held_bytes() == 16 * size.trained + 4 * size.frozen);
+
+  // With master weights: the fp32 masters and the half model (the frozen layer half too), the
+  // half gradient released until a backward needs it.
+  Net half_model;
+  tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>> master(
+      half_model, tk::AdamW{1e-3}, tk::TrainerOptions().sharding(tk::Sharding::parameters).units({"a", "b"}));
+  CHECK(master.held_bytes() == 6 * size.trained + 2 * size.frozen);
+  for (int step = 0; step < 2; ++step) master.micro_step([&] { return half_model->forward(x).square().mean(); });
+  CHECK(static_cast<double>(master.held_bytes()) == master.predicted_held().total());
+  CHECK(master.held_bytes() == 16 * size.trained + 2 * size.frozen);
 }
 
 }  // namespace test_held_bytes

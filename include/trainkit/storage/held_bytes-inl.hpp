@@ -63,7 +63,7 @@ TRAINKIT_INLINE std::string held_summary(const ModelSize& model, const StorageSh
       if (other != stage && (other < 3 || predicts_stage3(model, shape)))
         line += (said++ ? ", " : " ") + std::to_string(other) + " " + format_bytes(predict_held(model, shape, other, world).total());
     if (stage != 3 && !predicts_stage3(model, shape))
-      line += shape.master_weights ? " (3: not with master weights)" : " (3: name the units to see it)";
+      line += " (3: name the units to see it)";
   }
   return line;
 }
@@ -85,7 +85,7 @@ TRAINKIT_INLINE std::vector<std::string> held_table(const ModelSize& model, cons
         const HeldBytes three = predict_held(model, shape, 3, w);
         line += ", 3 " + format_bytes(three.total()) + " (+ " + format_bytes(three.gathered) + " gathered)";
       } else {
-        line += shape.master_weights ? ", 3 not with master weights" : ", 3 needs the units";
+        line += ", 3 needs the units";
       }
     }
     lines.push_back(line);

@@ -38,6 +38,9 @@ TRAINKIT_INLINE MasterStorage::MasterStorage(torch::nn::Module& model, const Tra
   make_groups(torch::Tensor());  // (the groups' gradient is bound in each phase)
   half_.finish();
   half_.write_back(params_);
+  // Stage 3 holds one fp32 gradient per unit once sharded: the half one is released until a
+  // backward of a process that never shards (backward_begins) needs it.
+  if (options.sharding() == Sharding::parameters) half_.zero_grad(/*release=*/true);
 }
 
 TRAINKIT_INLINE bool MasterStorage::attach(Replicas& replicas, torch::nn::Module& model) {
@@ -85,6 +88,7 @@ TRAINKIT_INLINE GradientFactor MasterStorage::reduce(Replicas& replicas, const W
     if (shards_gradients()) half_.zero_grad(/*release=*/true);  // (stage 1: zero() after the phase)
     return factor;
   }
+  half_.allocate_if_released();  // (stage 3 configured, one process: a window with no backward yet)
   std::optional<GradientFactor> reduced;
   if (reduce_half())
     reduced = half_.reduce_in_half([&](torch::Tensor& h) { return replicas.reduce_buckets(h, {}, partition_, window, true); });

@@ -65,6 +65,8 @@ class MasterStorage : public detail::FlatParameters {
   const torch::Tensor& gradients() const { return grad_; }
   /// The flat half storage the model's parameters and .grad are views into (same layout as
   /// the masters), and the fp32 gradients of the parameters kept in fp32 (undefined: none).
+  /// ZeRO stage 3 over several ranks has none of the three (undefined): the half parameters
+  /// are its units' buffers (sharded_units()), the gradients one fp32 buffer per unit.
   const torch::Tensor& half_parameters() const { return half_.params(); }
   const torch::Tensor& half_gradients() const { return half_.grad(); }
   const torch::Tensor& kept_gradients() const { return half_.kept_grad(); }
@@ -88,11 +90,12 @@ class MasterStorage : public detail::FlatParameters {
   void allocate_gradient() {
     if (!units_) half_.allocate_if_released();  // (stage 3: one per unit, as needed)
   }
-  /// Sharding::gradients with several ranks: each micro-batch's gradient is reduce-scattered
-  /// into this rank's slices of the window's sum at its end.
+  /// Sharding::gradients or parameters with several ranks: each micro-batch's gradient is
+  /// reduce-scattered into this rank's slices of the window's sum at its end.
   bool reduces_each_micro_batch() const { return shards_gradients(); }
-  /// With reduces_each_micro_batch(): the half gradient of a micro-batch that failed before
-  /// its reduction dropped; the window's earlier micro-batches, already summed, stay.
+  /// With reduces_each_micro_batch(): the gradient of a micro-batch that failed before its
+  /// reduction dropped (the half one, or stage 3's units'); the window's earlier micro-batches,
+  /// already summed, stay.
   void discard_micro_batch() {
     if (!units_) return half_.zero_grad(/*release=*/true);
     drop_reduction();

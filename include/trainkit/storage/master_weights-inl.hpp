@@ -117,7 +117,7 @@ TRAINKIT_INLINE void HalfStorage::write_back(const torch::Tensor& masters) {
 TRAINKIT_INLINE void HalfStorage::zero_grad(bool release) {
   if (release) {
     if (!is_released(grad_)) release_storage(grad_);
-  } else {
+  } else if (!is_released(grad_)) {  // (released: zeros when allocated again)
     grad_.zero_();
   }
   if (kept_grad_.defined()) kept_grad_.zero_();
