@@ -388,6 +388,7 @@ int run(const Args& a) {
     if (a.validate)
       task.validate = [&](std::int64_t) {
         torch::Tensor loss;
+        const auto region = trainer.precision_region();  // (master weights: a half model, fp32 inputs)
         for (int i = 0; i <= rank; ++i) loss = torch::mse_loss(model(x.narrow(0, 0, 8)), y.narrow(0, 0, 8));
         return std::map<std::string, double>{{"Val", loss.item<double>()}};
       };
