@@ -60,7 +60,7 @@
 //                                                  (--export-hold 0: not held)
 //       [--memory-budget B] [--piece-items N]      with --fit: FitOptions::memory_budget (bytes, or a fraction
 //                                                  of the device's memory) and piece_items
-//       [--validate 1]                             with --fit: a validation after each epoch in which rank r
+//       [--validate 1|2]                           with --fit: a validation after each epoch (2: by unit) in which rank r
 //                                                  runs r + 1 forwards (shards of different sizes)
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
@@ -351,6 +351,7 @@ int run(const Args& a) {
   const std::string load = rank == 1 && !a.load_rank1.empty() ? a.load_rank1 : a.load;
   if (!load.empty()) trainer.load(load);
 
+  double last_validation = 0;  // (--validate: this rank's last validation loss)
   tk::DistributedSampler sampler(a.samples, a.batch, rank, world, /*seed*/ 7);
   const auto per_epoch = sampler.batches_per_epoch();
   if (per_epoch % a.accum != 0 && !a.flush)
@@ -390,7 +391,8 @@ int run(const Args& a) {
         torch::Tensor loss;
         const auto region = trainer.precision_region();  // (master weights: a half model, fp32 inputs)
         for (int i = 0; i <= rank; ++i) loss = torch::mse_loss(model(x.narrow(0, 0, 8)), y.narrow(0, 0, 8));
-        return std::map<std::string, double>{{"Val", loss.item<double>()}};
+        last_validation = loss.item<double>();
+        return std::map<std::string, double>{{"Val", last_validation}};
       };
     task.split = [](const std::vector<std::int64_t>& b, std::int64_t parts) {
       std::vector<std::vector<std::int64_t>> pieces(static_cast<size_t>(parts));
@@ -402,6 +404,7 @@ int run(const Args& a) {
                                     // (a sharded update writes a set: every rank into one directory)
                                     .output_path(a.resume || a.sharding > 0 ? a.fit : a.fit + "/rank" + std::to_string(rank))
                                     .end_epoch(2)
+                                    .validate_by_unit(a.validate == 2)
                                     .log_frequent(a.log_frequent)
                                     .nonfinite_patience(a.patience)
                                     .forward_peaks(a.forward_peaks != 0)
@@ -476,6 +479,10 @@ int run(const Args& a) {
   std::ofstream(prefix + ".bin", std::ios::binary)
       .write(static_cast<const char*>(params.data_ptr()), params.numel() * sizeof(float));
   const auto& units = trainer.storage().sharded_units();
+  std::int64_t unit_largest = 0, unit_total = 0;  // (the units' buffers, the root unit's left out)
+  if (units)
+    for (const auto& u : units->units())
+      if (!u.whole) unit_largest = std::max(unit_largest, u.buffer.numel()), unit_total += u.buffer.numel();
   auto mean = std::vector<double>{last.empty() ? 0.0 : last.loss()};
   replicas->all_reduce(mean, tk::Reduce::mean);
   nlohmann::json j = {{"rank", rank},
@@ -493,6 +500,8 @@ int run(const Args& a) {
                       {"all_gather_calls", counter->all_gather_calls},
                       {"unit_gathers", units ? units->gathers() : 0},
                       {"unit_peak", units ? units->peak_gathered() : 0},
+                      {"unit_largest", unit_largest},
+                      {"unit_total", unit_total},
                       {"unit_gradient_peak", units ? units->peak_gradient() : 0},
                       {"unit_gathers_ahead", units ? units->gathers_ahead() : 0},
                       {"unit_gathers_ahead_in_backward", units ? units->gathers_ahead_in_backward() : 0},
@@ -505,6 +514,7 @@ int run(const Args& a) {
                       {"buckets", replicas->buckets(trainer.parameters().numel())},
                       {"numel", trainer.parameters().numel()},
                       {"mean_loss", mean[0]},
+                      {"validation", last_validation},
                       {"nonfinite", trainer.take_nonfinite_counts().windows}};
   std::ofstream(prefix + ".json") << j.dump() << "\n";
   return 0;

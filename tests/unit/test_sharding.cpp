@@ -782,6 +782,38 @@ TEST_CASE("a sharded fit killed with SIGKILL resumes from its last checkpoint as
   SUBCASE("stage 3, FP16 master weights, uneven validation") { run(true, "fp16master"); }
 }
 
+TEST_CASE("stage 3 validates unit by unit: a rank whose forwards end sooner gathers with the others until every "
+          "rank is done, and each holds one unit at a time") {
+  testing::TempDir dir;
+  // tk::fit with a validation by unit (FitOptions::validate_by_unit: --validate 2) after each
+  // epoch, in which rank r runs r + 1 forwards. No unit is gathered ahead (--prefetch 0), so
+  // that training holds one unit at a time too.
+  const std::vector<std::string> fit{"--steps", "0", "--batch", "4", "--accum", "2", "--bucket-bytes", "256",
+                                     "--model", "mlp-ln", "--precision", "fp32", "--validate", "2", "--prefetch", "0"};
+  const auto run = [&](const std::string& name, const std::string& stage, const std::string& validate = "2") {
+    run_ranks(2, dir / name, with(with({"--fit", dir / (name + "-out"), "--sharding", stage}, fit), {"--validate", validate}));
+    return std::vector<nlohmann::json>{summary(dir / name, 0), summary(dir / name, 1)};
+  };
+  const auto replicated = run("replicated", "0"), sharded = run("sharded", "3");
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const auto& s = sharded[static_cast<size_t>(r)];
+    // The replicated run's validation (the same model, but for the summation order's rounding).
+    CHECK(s["validation"].get<double>() ==
+          doctest::Approx(replicated[static_cast<size_t>(r)]["validation"].get<double>()).epsilon(1e-5));
+    // Never more than one unit gathered: the validation gathers each unit for its call alone
+    // (holding every unit, the default, gathers both: below).
+    CHECK(s["unit_largest"].get<std::int64_t>() < s["unit_total"].get<std::int64_t>());
+    CHECK(s["unit_peak"] == s["unit_largest"]);
+  }
+  const auto held = run("held", "3", "1");
+  CHECK(held[0]["unit_peak"] == held[0]["unit_total"]);
+  CHECK(held[0]["validation"].get<double>() == doctest::Approx(sharded[0]["validation"].get<double>()).epsilon(1e-5));
+  // Rank 0, done after one forward, gathered each unit of rank 1's second one with it.
+  CHECK(sharded[0]["unit_gathers"] == sharded[1]["unit_gathers"]);
+  CHECK(slurp(dir / "sharded.log0.out").find("fit wrote 2 checkpoints") != std::string::npos);
+}
+
 TEST_CASE("the reduction overlaps the backward: the same result, buckets sent during it") {
   testing::TempDir dir;
   const std::vector<std::string> common{"--model", "mlp-ln", "--batch", "4", "--accum", "2", "--items", "1",

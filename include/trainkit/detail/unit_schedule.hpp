@@ -26,6 +26,9 @@ class UnitSchedule {
   virtual void before_backward(std::int64_t unit) = 0;
   /// Whether every unit is held gathered (a call outside a step may then run).
   virtual bool held() const { return false; }
+  /// Whether an evaluation by unit is open (a call outside a step then gathers its unit, with
+  /// before_forward and after_forward).
+  virtual bool evaluating() const { return false; }
 };
 
 /// The schedule of the forward running on this thread (null: none).

@@ -567,26 +567,38 @@ class FitLoop {
 
   // 4. task.validate in eval mode (dropout off, normalisation's running statistics) and without
   // a graph, whatever the task does itself; the model's mode as it was afterwards, also when
-  // validate throws. ZeRO stage 3: every unit gathered for the validation (the ranks' shards of
-  // the validation set may hold different numbers of batches: per-unit gathers would pair one
-  // rank's forward with another's metrics), released after.
+  // validate throws. ZeRO stage 3: every unit held gathered for the validation (the ranks'
+  // shards of the validation set may hold different numbers of batches, and the task's validate
+  // may sum its metrics over the ranks: per-unit gathers would pair with those), released after;
+  // with FitOptions::validate_by_unit an evaluation by unit, ended (a collective) even when the
+  // validation throws, so that the other ranks finish theirs.
   std::map<std::string, double> validate(std::int64_t epoch) {
     struct Mode {
       torch::nn::Module& model;
       bool training;
       ~Mode() { model.train(training); }
     } restore{trainer_.model(), trainer_.model().is_training()};
-    struct Held {
+    struct Gathered {
       AnyTrainer& trainer;
-      bool on;
-      ~Held() {
-        if (on) trainer.hold_parameters(false);  // (no collective)
+      bool by_unit, on;
+      void end() {
+        on = false;
+        by_unit ? trainer.evaluate_by_unit(false) : trainer.hold_parameters(false);
       }
-    } held{trainer_, trainer_.shards_parameters()};
-    if (held.on) trainer_.hold_parameters(true);
+      ~Gathered() {
+        if (!on) return;
+        try {
+          end();  // (the validation threw: its error goes on)
+        } catch (...) {
+        }
+      }
+    } gathered{trainer_, options_.validate_by_unit(), trainer_.shards_parameters()};
+    if (gathered.on) gathered.by_unit ? trainer_.evaluate_by_unit(true) : trainer_.hold_parameters(true);
     trainer_.model().eval();
     torch::NoGradGuard no_grad;
-    return task_.validate(epoch);
+    auto metrics = task_.validate(epoch);
+    if (gathered.on) gathered.end();
+    return metrics;
   }
 
   // 4. A better validation metric: the epoch's checkpoint becomes the best; the plateau

@@ -28,8 +28,11 @@
 /// A rank thus holds, during a backward, the gradients of the units whose reduce-scatter has
 /// not completed, not the whole model's.
 ///   release_all()       after the backward: the units whose parameters got no gradient too
-///   hold()              every unit gathered until release_held() (the fit loop's validation,
-///                       whose forwards the ranks may run in different numbers)
+///   hold()              every unit gathered until release_held() (a weights export, the fit
+///                       loop's validation)
+///   begin_evaluation()  until end_evaluation(), each unit's call outside the step (autograd
+///                       off: a validation by unit) gathers the unit and releases it after; the
+///                       ranks' forwards may differ in number (see end_evaluation())
 /// What no unit holds (the root unit: embeddings' neighbours, heads, norms at the top) is one
 /// unit that is never released: it is gathered after every update and every load.
 /// Every rank gathers in the order of its forward and backward, which the same model and
@@ -111,6 +114,11 @@ class ShardedUnits final : public UnitSchedule {
     backward_ = false;
   }
   void before_forward(std::int64_t u) override {
+    if (evaluating_) {  // (outside the step: announced, then gathered; released after its call)
+      announce(u);
+      gather(u);
+      return;
+    }
     gather(u);
     if (held_ || backward_) return;  // (a recomputation in the backward: not the forward's order)
     called_[static_cast<size_t>(u)] = true;
@@ -120,7 +128,7 @@ class ShardedUnits final : public UnitSchedule {
   }
   // In the backward (tk::recompute around the unit) the unit stays: its backward follows.
   void after_forward(std::int64_t u) override {
-    if (reshard_ && !backward_) release(u);
+    if ((reshard_ && !backward_) || evaluating_) release(u);
   }
   // The unit the backward reached before this one is done (a unit's backward ends before the
   // gradient leaves its inputs): its reduce-scatter starts here, before this gather. The
@@ -256,6 +264,31 @@ class ShardedUnits final : public UnitSchedule {
     release_all();
   }
   bool held() const override { return held_; }
+  /// An evaluation by unit: until end_evaluation(), a unit's call outside the step gathers it
+  /// and releases it after its call, so that a rank holds one unit (and the root unit) at a
+  /// time. Before each such gather every rank says which unit it gathers (one small all-reduce):
+  /// the ranks still evaluating call the same unit, or each throws, naming both. No collective
+  /// here.
+  void begin_evaluation() {
+    if (held_)
+      throw std::logic_error("trainkit: an evaluation by unit while every unit is held gathered "
+                             "(hold_parameters(true)); call hold_parameters(false) on every rank first");
+    drop_pending();
+    evaluating_ = true;
+  }
+  /// The evaluation's end on this rank (a collective): a rank whose forwards are done gathers
+  /// with the ranks still evaluating, unit by unit as they announce them, until every rank has
+  /// ended (PyTorch's Join): the ranks' shards of the validation set may hold different numbers
+  /// of batches.
+  void end_evaluation() {
+    if (!evaluating_) return;
+    evaluating_ = false;
+    for (std::int64_t u = announce(-1); u >= 0; u = announce(-1)) {
+      gather(u);
+      release(u);
+    }
+  }
+  bool evaluating() const override { return evaluating_; }
   /// The storage is gone: later calls (a graph outliving it) throw. A gather still in flight
   /// is waited for first (it writes into a buffer that goes with the storage).
   void close() {
@@ -291,6 +324,28 @@ class ShardedUnits final : public UnitSchedule {
 
  private:
   bool gathered(std::int64_t u) const { return !is_released(units_[static_cast<size_t>(u)].buffer); }
+  // An evaluation by unit: this rank's next unit u (-1: its evaluation is done) said to every
+  // rank. Returns the unit the ranks still evaluating gather (-1 when none is left); throws on
+  // every rank alike when those ranks name different units.
+  std::int64_t announce(std::int64_t u) {
+    if (!replicas_)
+      throw std::logic_error("tk::unit: a unit evaluated after its trainer is gone; its parameters were sharded "
+                             "(ZeRO stage 3) and exist no more in this process");
+    // The largest unit named and, negated, the smallest: equal when every evaluating rank
+    // names the same one (a rank done names none).
+    std::vector<double> said{static_cast<double>(u), u >= 0 ? -static_cast<double>(u) : -1e18};
+    replicas_->all_reduce(said, Reduce::max);
+    if (said[0] < 0) return -1;
+    const auto first = static_cast<std::int64_t>(said[0]), second = static_cast<std::int64_t>(-said[1]);
+    if (first != second) {
+      const auto name = [&](std::int64_t v) { return "'" + units_[static_cast<size_t>(v)].name + "'"; };
+      throw std::runtime_error("tk::unit: in an evaluation by unit (ZeRO stage 3) the ranks called different units "
+                               "at once (units " + name(second) + " and " + name(first) + "): their forwards must "
+                               "call the model's units in one order; for a model whose units depend on its input, "
+                               "hold every unit (AnyTrainer::hold_parameters(true)) around the evaluation instead");
+    }
+    return first;
+  }
   // Unit u's parameters whole: its gather launched ahead waited for, or made now.
   void gather(std::int64_t u) {
     if (!pending_[static_cast<size_t>(u)] && gathered(u)) return;  // (kept, held, or the root unit)
@@ -398,7 +453,7 @@ class ShardedUnits final : public UnitSchedule {
   std::vector<bool> called_, visited_;  // units called in this forward, reached in this backward
   std::vector<bool> wanted_;            // prefetch_after's: the units its chain names
   std::int64_t prefetch_ = 0, last_forward_ = -1, last_backward_ = -1, ahead_ = 0, ahead_backward_ = 0;
-  bool reshard_ = true, backward_ = false;
+  bool reshard_ = true, backward_ = false, evaluating_ = false;
   double gather_seconds_ = 0;
 };
 

@@ -432,6 +432,9 @@ class Trainer final : public detail::TrainerCore {
   void hold_parameters(bool hold) override {
     if (const auto& units = storage_.sharded_units()) hold ? units->hold() : units->release_held();
   }
+  void evaluate_by_unit(bool on) override {
+    if (const auto& units = storage_.sharded_units()) on ? units->begin_evaluation() : units->end_evaluation();
+  }
 
   /// Restores the state save() wrote. A checkpoint of another trainer type or optimizer, or
   /// with other parameter names or shapes, is refused before anything changes (the message

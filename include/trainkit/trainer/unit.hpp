@@ -26,13 +26,16 @@
 ///                       (once per such output: the schedule gathers at the first); the unit's
 ///                       gradient is complete when its parameters' post-accumulate-grad hooks
 ///                       have fired, which the storage counts (detail::Readiness)
-///   outside a step      a unit of a stage-3 trainer alive in the process: its call while the
-///                       trainer holds every unit gathered (AnyTrainer::hold_parameters, which
-///                       the fit loop's validation does), refused otherwise (std::logic_error):
-///                       a gather per call outside the step would pair with the other ranks'
-///                       collectives as they come
-/// FlatStorage with Sharding::parameters (TRAIN.ZERO_STAGE: 3) installs the schedule
-/// (storage/sharded_units.hpp); with any other storage a unit is its call.
+///   outside a step      a unit of a stage-3 trainer alive in the process, autograd off: in
+///                       an evaluation by unit (AnyTrainer::evaluate_by_unit; the fit loop's
+///                       validation with FitOptions::validate_by_unit) gathered for its call
+///                       and released after, the ranks kept in step; while the trainer holds
+///                       every unit gathered (AnyTrainer::hold_parameters, the fit loop's
+///                       validation otherwise) the call alone; refused otherwise
+///                       (std::logic_error): a gather per call that no rank announced would
+///                       pair with the other ranks' collectives as they come
+/// A storage with Sharding::parameters (TRAIN.ZERO_STAGE: 3) over several ranks installs the
+/// schedule (storage/sharded_units.hpp); otherwise a unit is its call.
 /// Composes with tk::recompute, inside: `tk::unit(layer, [=](const torch::Tensor& x) { return
 /// tk::recompute(layer, x); }, x)` recomputes the forward in the unit's backward, after
 /// before_backward, with the parameters gathered.
@@ -100,15 +103,17 @@ R unit_call(const M& module, Call&& call) {
   const auto [owner, u] = UnitRegistry::get().find(unit_module(module));
   if (!owner) return call();
   if (owner->held() && !torch::GradMode::is_enabled()) return call();
-  if (owner->held())
+  if (owner->evaluating() && !torch::GradMode::is_enabled()) return scheduled_call<R>(owner, u, std::forward<Call>(call));
+  if (owner->held() || owner->evaluating())
     throw std::logic_error("tk::unit: a unit whose parameters are sharded (ZeRO stage 3) was called with autograd on "
                            "outside the trainer's micro_step: no trainer would take that gradient; call it under "
                            "torch::NoGradGuard");
   throw std::logic_error("tk::unit: a unit whose parameters are sharded (ZeRO stage 3, TRAIN.ZERO_STAGE: 3) was "
                          "called outside the trainer's micro_step: its parameters exist only gathered for the "
-                         "trainer's forward and backward. Outside them, gather every unit on every rank first: "
-                         "trainer.hold_parameters(true) (a collective; the fit loop's validation does it), under "
-                         "torch::NoGradGuard, then hold_parameters(false)");
+                         "trainer's forward and backward. Outside them, under torch::NoGradGuard, open an evaluation "
+                         "by unit on every rank (trainer.evaluate_by_unit(true) ... evaluate_by_unit(false)), or gather "
+                         "every unit on every rank (trainer.hold_parameters(true) ... hold_parameters(false), as the "
+                         "fit loop's validation does)");
 }
 
 }  // namespace detail
