@@ -60,7 +60,8 @@
 //                                                  (--export-hold 0: not held)
 //       [--memory-budget B] [--piece-items N]      with --fit: FitOptions::memory_budget (bytes, or a fraction
 //                                                  of the device's memory) and piece_items
-//       [--validate 1|2]                           with --fit: a validation after each epoch (2: by unit) in which rank r
+//       [--validate 1|2|3]                         with --fit: a validation after each epoch (2: by unit; 3: by unit,
+//                                                  its loss averaged over the ranks after its forwards) in which rank r
 //                                                  runs r + 1 forwards (shards of different sizes)
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
@@ -392,6 +393,11 @@ int run(const Args& a) {
         const auto region = trainer.precision_region();  // (master weights: a half model, fp32 inputs)
         for (int i = 0; i <= rank; ++i) loss = torch::mse_loss(model(x.narrow(0, 0, 8)), y.narrow(0, 0, 8));
         last_validation = loss.item<double>();
+        if (a.validate == 3) {  // (the mean over the ranks, after uneven forwards)
+          std::vector<double> v{last_validation};
+          replicas->all_reduce(v, tk::Reduce::mean);
+          last_validation = v[0];
+        }
         return std::map<std::string, double>{{"Val", last_validation}};
       };
     task.split = [](const std::vector<std::int64_t>& b, std::int64_t parts) {
@@ -404,7 +410,7 @@ int run(const Args& a) {
                                     // (a sharded update writes a set: every rank into one directory)
                                     .output_path(a.resume || a.sharding > 0 ? a.fit : a.fit + "/rank" + std::to_string(rank))
                                     .end_epoch(2)
-                                    .validate_by_unit(a.validate == 2)
+                                    .validate_by_unit(a.validate >= 2)
                                     .log_frequent(a.log_frequent)
                                     .nonfinite_patience(a.patience)
                                     .forward_peaks(a.forward_peaks != 0)

@@ -809,6 +809,16 @@ TEST_CASE("stage 3 validates unit by unit: a rank whose forwards end sooner gath
   const auto held = run("held", "3", "1");
   CHECK(held[0]["unit_peak"] == held[0]["unit_total"]);
   CHECK(held[0]["validation"].get<double>() == doctest::Approx(sharded[0]["validation"].get<double>()).epsilon(1e-5));
+  // A validate that averages its loss over the ranks (Replicas::all_reduce) after its uneven
+  // forwards: the rank done first joins the other there, and both come to the average together.
+  const auto averaged = run("averaged", "3", "3"), averaged_replicated = run("averaged-replicated", "0", "3");
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const auto& s = averaged[static_cast<size_t>(r)];
+    CHECK(s["validation"].get<double>() == doctest::Approx(averaged_replicated[0]["validation"].get<double>()).epsilon(1e-5));
+    CHECK(s["unit_peak"] == s["unit_largest"]);
+  }
+  CHECK(averaged[0]["unit_gathers"] == averaged[1]["unit_gathers"]);
   // Rank 0, done after one forward, gathered each unit of rank 1's second one with it.
   CHECK(sharded[0]["unit_gathers"] == sharded[1]["unit_gathers"]);
   CHECK(slurp(dir / "sharded.log0.out").find("fit wrote 2 checkpoints") != std::string::npos);

@@ -567,11 +567,11 @@ class FitLoop {
 
   // 4. task.validate in eval mode (dropout off, normalisation's running statistics) and without
   // a graph, whatever the task does itself; the model's mode as it was afterwards, also when
-  // validate throws. ZeRO stage 3: every unit held gathered for the validation (the ranks'
-  // shards of the validation set may hold different numbers of batches, and the task's validate
-  // may sum its metrics over the ranks: per-unit gathers would pair with those), released after;
-  // with FitOptions::validate_by_unit an evaluation by unit, ended (a collective) even when the
-  // validation throws, so that the other ranks finish theirs.
+  // validate throws. ZeRO stage 3: an evaluation by unit (FitOptions::validate_by_unit: each
+  // unit gathered for its call; the ranks' shards of the validation set may hold different
+  // numbers of batches, joined at the end or at the task's sum over the ranks), ended (a
+  // collective) even when the validation throws, so that the other ranks finish theirs; or every
+  // unit held gathered for it, released after.
   std::map<std::string, double> validate(std::int64_t epoch) {
     struct Mode {
       torch::nn::Module& model;

@@ -26,13 +26,14 @@ struct FitOptions {
   TORCH_ARG(std::int64_t, log_frequent) = 50;          ///< log every N optimizer windows
   TORCH_ARG(std::int64_t, val_frequent) = 1;           ///< validate every N epochs
   /// ZeRO stage 3: the validation gathers each unit for its call and releases it after
-  /// (AnyTrainer::evaluate_by_unit: a rank holds one unit at a time), instead of holding every
-  /// unit gathered through it (hold_parameters, the default: the whole model on every rank
-  /// while it runs). By unit, a rank whose forwards end sooner keeps gathering with the others
-  /// until every rank is done, so the task's validate must make no collective of its own after
-  /// its forwards (a sum of its metrics over the ranks) unless every rank runs as many forwards:
-  /// that collective would meet the others' gathers.
-  TORCH_ARG(bool, validate_by_unit) = false;
+  /// (AnyTrainer::evaluate_by_unit: a rank holds one unit at a time); false holds every unit
+  /// gathered through it instead (hold_parameters: the whole model on every rank while it runs,
+  /// no collective between its forwards). By unit, a rank whose forwards end sooner gathers with
+  /// the others until every rank is done: at the validation's end, or at the task's own sum over
+  /// the ranks through DataParallel::all_reduce (Replicas::all_reduce), which joins them first.
+  /// A collective of the task's own made any other way (its own process group) while another
+  /// rank still forwards would meet that rank's gathers: hold then.
+  TORCH_ARG(bool, validate_by_unit) = true;
   TORCH_ARG(std::int64_t, checkpoint_frequent) = 1;    ///< checkpoint every N epochs
   TORCH_ARG(std::int64_t, checkpoint_keep) = 3;        ///< newest checkpoints kept, plus the best
   /// Checkpoint files written by a thread while training goes on (TRAIN.CHECKPOINT_BACKGROUND):

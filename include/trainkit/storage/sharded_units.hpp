@@ -28,8 +28,7 @@
 /// A rank thus holds, during a backward, the gradients of the units whose reduce-scatter has
 /// not completed, not the whole model's.
 ///   release_all()       after the backward: the units whose parameters got no gradient too
-///   hold()              every unit gathered until release_held() (a weights export, the fit
-///                       loop's validation)
+///   hold()              every unit gathered until release_held() (a weights export)
 ///   begin_evaluation()  until end_evaluation(), each unit's call outside the step (autograd
 ///                       off: a validation by unit) gathers the unit and releases it after; the
 ///                       ranks' forwards may differ in number (see end_evaluation())
@@ -108,6 +107,9 @@ class ShardedUnits final : public UnitSchedule {
   /// The trainer's forward starts: the units it calls are its order, recorded anew. A gather
   /// still launched ahead (a forward that ended without its backward) is dropped.
   void begin_forward() {
+    if (evaluating_)
+      throw std::logic_error("trainkit: a micro-step inside an evaluation by unit (evaluate_by_unit(true)); call "
+                             "evaluate_by_unit(false) on every rank first");
     drop_pending();
     called_.assign(units_.size(), false);
     last_forward_ = -1;
@@ -276,13 +278,20 @@ class ShardedUnits final : public UnitSchedule {
     drop_pending();
     evaluating_ = true;
   }
-  /// The evaluation's end on this rank (a collective): a rank whose forwards are done gathers
-  /// with the ranks still evaluating, unit by unit as they announce them, until every rank has
-  /// ended (PyTorch's Join): the ranks' shards of the validation set may hold different numbers
-  /// of batches.
+  /// The evaluation's end on this rank (a collective): join_evaluation(), then unit calls
+  /// outside the step are refused again.
   void end_evaluation() {
     if (!evaluating_) return;
+    join_evaluation();
     evaluating_ = false;
+  }
+  /// A rank whose forwards are done (at the evaluation's end, or before a collective of the
+  /// task's own: UnitRegistry::join_evaluations) gathers with the ranks still evaluating, unit by
+  /// unit as they announce them, until every rank has come to such a point (PyTorch's Join):
+  /// the ranks' shards of the validation set may hold different numbers of batches. A
+  /// collective.
+  void join_evaluation() override {
+    if (!evaluating_) return;
     for (std::int64_t u = announce(-1); u >= 0; u = announce(-1)) {
       gather(u);
       release(u);
@@ -334,7 +343,13 @@ class ShardedUnits final : public UnitSchedule {
     // The largest unit named and, negated, the smallest: equal when every evaluating rank
     // names the same one (a rank done names none).
     std::vector<double> said{static_cast<double>(u), u >= 0 ? -static_cast<double>(u) : -1e18};
-    replicas_->all_reduce(said, Reduce::max);
+    {
+      struct Own {  // (no join inside this rank's own announcement)
+        bool was = std::exchange(in_evaluation_collective(), true);
+        ~Own() { in_evaluation_collective() = was; }
+      } own;
+      replicas_->all_reduce(said, Reduce::max);
+    }
     if (said[0] < 0) return -1;
     const auto first = static_cast<std::int64_t>(said[0]), second = static_cast<std::int64_t>(-said[1]);
     if (first != second) {

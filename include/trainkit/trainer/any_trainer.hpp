@@ -163,15 +163,15 @@ class AnyTrainer {
   virtual bool shards_parameters() const { return false; }
   /// With shards_parameters(): `true` gathers every unit's parameters (one all-gather per unit;
   /// every rank calls it) and keeps them until `false`, so that forwards in between make no
-  /// collective (a weights export; the fit loop's validation, by default). Otherwise nothing.
+  /// collective (a weights export; FitOptions::validate_by_unit false). Otherwise nothing.
   virtual void hold_parameters(bool) {}
   /// With shards_parameters(): between `true` and `false` (every rank calls both; `false` is a
   /// collective), forwards outside the step under torch::NoGradGuard gather each unit for its
   /// call and release it after, so that a rank holds one unit at a time: the ranks' forwards
-  /// may differ in number (a rank done early gathers with the others until every rank is: no
-  /// other collective may come between its forwards and `false` then), but call the units in
-  /// one order. FitOptions::validate_by_unit makes the fit loop's validation run so. Otherwise
-  /// nothing.
+  /// may differ in number (a rank done early gathers with the others until every rank is, at
+  /// `false` or at a Replicas::all_reduce in between: any other collective of its own there
+  /// would meet their gathers), but call the units in one order. The fit loop's validation runs
+  /// so (FitOptions::validate_by_unit). Otherwise nothing.
   virtual void evaluate_by_unit(bool) {}
   /// The model as predict_held (storage/held_bytes.hpp) sees it, and how this trainer stores it:
   /// with held_table(model_size(), storage_shape(), world), the bytes per rank of every stage.

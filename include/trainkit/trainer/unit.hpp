@@ -27,11 +27,10 @@
 ///                       gradient is complete when its parameters' post-accumulate-grad hooks
 ///                       have fired, which the storage counts (detail::Readiness)
 ///   outside a step      a unit of a stage-3 trainer alive in the process, autograd off: in
-///                       an evaluation by unit (AnyTrainer::evaluate_by_unit; the fit loop's
-///                       validation with FitOptions::validate_by_unit) gathered for its call
-///                       and released after, the ranks kept in step; while the trainer holds
-///                       every unit gathered (AnyTrainer::hold_parameters, the fit loop's
-///                       validation otherwise) the call alone; refused otherwise
+///                       an evaluation by unit (AnyTrainer::evaluate_by_unit, the fit loop's
+///                       validation) gathered for its call and released after, the ranks kept
+///                       in step; while the trainer holds every unit gathered
+///                       (AnyTrainer::hold_parameters) the call alone; refused otherwise
 ///                       (std::logic_error): a gather per call that no rank announced would
 ///                       pair with the other ranks' collectives as they come
 /// A storage with Sharding::parameters (TRAIN.ZERO_STAGE: 3) over several ranks installs the
@@ -111,9 +110,9 @@ R unit_call(const M& module, Call&& call) {
   throw std::logic_error("tk::unit: a unit whose parameters are sharded (ZeRO stage 3, TRAIN.ZERO_STAGE: 3) was "
                          "called outside the trainer's micro_step: its parameters exist only gathered for the "
                          "trainer's forward and backward. Outside them, under torch::NoGradGuard, open an evaluation "
-                         "by unit on every rank (trainer.evaluate_by_unit(true) ... evaluate_by_unit(false)), or gather "
-                         "every unit on every rank (trainer.hold_parameters(true) ... hold_parameters(false), as the "
-                         "fit loop's validation does)");
+                         "by unit on every rank (trainer.evaluate_by_unit(true) ... evaluate_by_unit(false), as the fit "
+                         "loop's validation does), or gather every unit on every rank (trainer.hold_parameters(true) "
+                         "... hold_parameters(false))");
 }
 
 }  // namespace detail
