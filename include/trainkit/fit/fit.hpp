@@ -570,8 +570,9 @@ class FitLoop {
   // validate throws. ZeRO stage 3: an evaluation by unit (FitOptions::validate_by_unit: each
   // unit gathered for its call; the ranks' shards of the validation set may hold different
   // numbers of batches, joined at the end or at the task's sum over the ranks), ended (a
-  // collective) even when the validation throws, so that the other ranks finish theirs; or every
-  // unit held gathered for it, released after.
+  // collective) even when the validation throws, so that ranks still forwarding finish their
+  // forwards (a task's sum after them then waits for this rank until the heartbeat or the
+  // timeout ends it, as when held); or every unit held gathered for it, released after.
   std::map<std::string, double> validate(std::int64_t epoch) {
     struct Mode {
       torch::nn::Module& model;

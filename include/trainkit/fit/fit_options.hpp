@@ -31,8 +31,9 @@ struct FitOptions {
   /// no collective between its forwards). By unit, a rank whose forwards end sooner gathers with
   /// the others until every rank is done: at the validation's end, or at the task's own sum over
   /// the ranks through DataParallel::all_reduce (Replicas::all_reduce), which joins them first.
-  /// A collective of the task's own made any other way (its own process group) while another
-  /// rank still forwards would meet that rank's gathers: hold then.
+  /// Only that call joins: a collective of the task's own made any other way (Replicas::sum,
+  /// its own process group, a checkpoint) while another rank still forwards would meet that
+  /// rank's gathers: hold then.
   TORCH_ARG(bool, validate_by_unit) = true;
   TORCH_ARG(std::int64_t, checkpoint_frequent) = 1;    ///< checkpoint every N epochs
   TORCH_ARG(std::int64_t, checkpoint_keep) = 3;        ///< newest checkpoints kept, plus the best

@@ -51,12 +51,14 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -116,9 +118,10 @@ class ShardedUnits final : public UnitSchedule {
     backward_ = false;
   }
   void before_forward(std::int64_t u) override {
-    if (evaluating_) {  // (outside the step: announced, then gathered; released after its call)
+    if (evaluating_) {  // (outside the step: its buffer, announced, gathered; released after its call)
+      reserve(u);
       announce(u);
-      gather(u);
+      regather(u);
       return;
     }
     gather(u);
@@ -258,6 +261,9 @@ class ShardedUnits final : public UnitSchedule {
   /// until release_held(): a region whose forwards differ in number between the ranks
   /// (validation over uneven shards) then makes no collective.
   void hold() {
+    if (evaluating_)  // (its gathers would meet the announcements of an evaluation by unit)
+      throw std::logic_error("trainkit: hold_parameters(true) inside an evaluation by unit (evaluate_by_unit(true)); "
+                             "call evaluate_by_unit(false) on every rank first");
     for (size_t u = 0; u < units_.size(); ++u) gather(static_cast<std::int64_t>(u));
     held_ = true;
   }
@@ -276,24 +282,30 @@ class ShardedUnits final : public UnitSchedule {
       throw std::logic_error("trainkit: an evaluation by unit while every unit is held gathered "
                              "(hold_parameters(true)); call hold_parameters(false) on every rank first");
     drop_pending();
+    evaluation_thread_ = std::this_thread::get_id();
     evaluating_ = true;
   }
   /// The evaluation's end on this rank (a collective): join_evaluation(), then unit calls
   /// outside the step are refused again.
   void end_evaluation() {
     if (!evaluating_) return;
+    struct Ends {  // (closed even when the join fails: later micro-steps are not refused)
+      std::atomic<bool>& evaluating;
+      ~Ends() { evaluating = false; }
+    } ends{evaluating_};
     join_evaluation();
-    evaluating_ = false;
   }
   /// A rank whose forwards are done (at the evaluation's end, or before a collective of the
   /// task's own: UnitRegistry::join_evaluations) gathers with the ranks still evaluating, unit by
   /// unit as they announce them, until every rank has come to such a point (PyTorch's Join):
   /// the ranks' shards of the validation set may hold different numbers of batches. A
   /// collective.
+  /// Only on the thread that opened the evaluation (another thread's collective is not its).
   void join_evaluation() override {
-    if (!evaluating_) return;
+    if (!evaluating_ || std::this_thread::get_id() != evaluation_thread_) return;
     for (std::int64_t u = announce(-1); u >= 0; u = announce(-1)) {
-      gather(u);
+      reserve(u);
+      regather(u);
       release(u);
     }
   }
@@ -360,6 +372,24 @@ class ShardedUnits final : public UnitSchedule {
                                "hold every unit (AnyTrainer::hold_parameters(true)) around the evaluation instead");
     }
     return first;
+  }
+  // An evaluation by unit: unit u's buffer allocated (where released) before its announcement,
+  // so that a rank that runs out of memory there has announced nothing and joins the others.
+  void reserve(std::int64_t u) {
+    auto& unit = units_[static_cast<size_t>(u)];
+    if (gathered(u)) return;
+    allocate_released(unit.buffer, /*zero=*/false);
+    if (!unit.whole) now_ += unit.buffer.numel();
+    peak_ = std::max(peak_, now_);
+  }
+  // An evaluation by unit: unit u all-gathered into its buffer now, even where gathered already
+  // (a unit called inside its own call): every rank gathers each announced unit alike.
+  void regather(std::int64_t u) {
+    const auto start = std::chrono::steady_clock::now();
+    settle(u);
+    pending_[static_cast<size_t>(u)] = launch_gather(u);
+    settle(u);
+    gather_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   // Unit u's parameters whole: its gather launched ahead waited for, or made now.
   void gather(std::int64_t u) {
@@ -468,7 +498,11 @@ class ShardedUnits final : public UnitSchedule {
   std::vector<bool> called_, visited_;  // units called in this forward, reached in this backward
   std::vector<bool> wanted_;            // prefetch_after's: the units its chain names
   std::int64_t prefetch_ = 0, last_forward_ = -1, last_backward_ = -1, ahead_ = 0, ahead_backward_ = 0;
-  bool reshard_ = true, backward_ = false, evaluating_ = false;
+  bool reshard_ = true, backward_ = false;
+  // An evaluation by unit is open (read by UnitRegistry::join_evaluations from any thread that
+  // makes a collective; joined only on the thread that opened it).
+  std::atomic<bool> evaluating_{false};
+  std::thread::id evaluation_thread_;
   double gather_seconds_ = 0;
 };
 
