@@ -28,6 +28,7 @@ TRAINKIT_INLINE void TrainerOptions::validate() const {
     fail("loss_scale.static_scale must be finite and > 0, got " + std::to_string(s.static_scale()));
   if (!(max_grad_norm_ > 0))
     fail("max_grad_norm must be > 0, got " + std::to_string(max_grad_norm_));
+  if (unit_prefetch_ < 0) fail("unit_prefetch must be >= 0 (units gathered ahead), got " + std::to_string(unit_prefetch_));
   if (!(clip_value_ > 0)) fail("clip_value must be > 0, got " + std::to_string(clip_value_));
   if (master_chunk_ < 1) fail("master_chunk must be >= 1, got " + std::to_string(master_chunk_));
   if (accumulation_steps_ < 1)

@@ -65,11 +65,7 @@ TRAINKIT_INLINE bool MasterStorage::attach(Replicas& replicas, torch::nn::Module
 }
 
 TRAINKIT_INLINE void MasterStorage::backward_done(const detail::BackwardDone& done) {
-  if (units_) {
-    units_->release_all();  // (the units whose parameters got no gradient)
-    if (!done.closes && done.micro_batch_ends) finish_reduction(*replicas_, done.window, /*closes=*/false);
-    return;
-  }
+  if (units_) return end_unit_backward(done);
   if (done.closes) return;
   if (!shards_gradients()) {
     half_.accumulate();

@@ -53,9 +53,6 @@ class MasterStorage : public detail::FlatParameters {
                                   "TRAIN.ZERO_STAGE: 3): each unit's gradient is summed in fp32 as its half gradients "
                                   "arrive and reduce-scattered in fp32 at each micro-batch's end; set reduce_precision "
                                   "automatic or fp32, or use stage 2 for a half reduction");
-    if (options.unit_prefetch() < 0)
-      throw std::invalid_argument("trainkit::TrainerOptions: unit_prefetch must be >= 0 (units gathered ahead), got " +
-                                  std::to_string(options.unit_prefetch()));
   }
 
   MasterStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device, at::ScalarType half);

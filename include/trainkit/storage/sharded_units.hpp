@@ -121,7 +121,7 @@ class ShardedUnits final : public UnitSchedule {
     if (evaluating_) {  // (outside the step: its buffer, announced, gathered; released after its call)
       reserve(u);
       announce(u);
-      regather(u);
+      gather(u, /*again=*/true);
       return;
     }
     gather(u);
@@ -304,8 +304,7 @@ class ShardedUnits final : public UnitSchedule {
   void join_evaluation() override {
     if (!evaluating_ || std::this_thread::get_id() != evaluation_thread_) return;
     for (std::int64_t u = announce(-1); u >= 0; u = announce(-1)) {
-      reserve(u);
-      regather(u);
+      gather(u);
       release(u);
     }
   }
@@ -373,8 +372,9 @@ class ShardedUnits final : public UnitSchedule {
     }
     return first;
   }
-  // An evaluation by unit: unit u's buffer allocated (where released) before its announcement,
-  // so that a rank that runs out of memory there has announced nothing and joins the others.
+  // Unit u's buffer allocated where released (its contents undefined until gathered). An
+  // evaluation by unit reserves before its announcement, so that a rank that runs out of memory
+  // there has announced nothing and joins the others.
   void reserve(std::int64_t u) {
     auto& unit = units_[static_cast<size_t>(u)];
     if (gathered(u)) return;
@@ -382,20 +382,14 @@ class ShardedUnits final : public UnitSchedule {
     if (!unit.whole) now_ += unit.buffer.numel();
     peak_ = std::max(peak_, now_);
   }
-  // An evaluation by unit: unit u all-gathered into its buffer now, even where gathered already
-  // (a unit called inside its own call): every rank gathers each announced unit alike.
-  void regather(std::int64_t u) {
+  // Unit u's parameters whole: its gather launched ahead waited for, or made now. `again`: made
+  // now even where gathered already (an evaluation by unit: every rank gathers each announced
+  // unit alike, also a unit called inside its own call).
+  void gather(std::int64_t u, bool again = false) {
+    if (!again && !pending_[static_cast<size_t>(u)] && gathered(u)) return;  // (kept, held, or the root unit)
     const auto start = std::chrono::steady_clock::now();
-    settle(u);
-    pending_[static_cast<size_t>(u)] = launch_gather(u);
-    settle(u);
-    gather_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  // Unit u's parameters whole: its gather launched ahead waited for, or made now.
-  void gather(std::int64_t u) {
-    if (!pending_[static_cast<size_t>(u)] && gathered(u)) return;  // (kept, held, or the root unit)
-    const auto start = std::chrono::steady_clock::now();
-    if (!pending_[static_cast<size_t>(u)] && !gathered(u)) pending_[static_cast<size_t>(u)] = launch_gather(u);
+    if (again) settle(u);
+    if (!pending_[static_cast<size_t>(u)]) pending_[static_cast<size_t>(u)] = launch_gather(u);
     settle(u);
     gather_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
@@ -407,11 +401,7 @@ class ShardedUnits final : public UnitSchedule {
       throw std::logic_error("tk::unit: unit '" + unit.name + "' belongs to a trainer that is gone; its parameters "
                              "were sharded (ZeRO stage 3) and exist no more in this process");
     const bool allocated = !gathered(u);
-    if (allocated) {
-      allocate_released(unit.buffer, /*zero=*/false);
-      if (!unit.whole) now_ += unit.buffer.numel();
-      peak_ = std::max(peak_, now_);
-    }
+    reserve(u);
     const auto b = unit.bucket;
     const auto n = partition_.bucket(b).length / partition_.world_size();
     try {

@@ -489,6 +489,11 @@ TRAINKIT_INLINE void FlatParameters::begin_unit_backward(const BackwardDone& don
   units_->arm(reduction_.get());
 }
 
+TRAINKIT_INLINE void FlatParameters::end_unit_backward(const BackwardDone& done) {
+  units_->release_all();  // (the units whose parameters got no gradient)
+  if (!done.closes && done.micro_batch_ends) finish_reduction(*replicas_, done.window, /*closes=*/false);
+}
+
 TRAINKIT_INLINE void FlatParameters::drop_unit_gradients() {
   units_->release_all();
   units_->drop_gradients();
@@ -564,9 +569,6 @@ TRAINKIT_INLINE void FlatStorage::validate(const TrainerOptions& options, const 
     throw std::invalid_argument(
         "trainkit::TrainerOptions: reduce_precision half needs master weights (PrecisionPolicy<MasterWeights<T>>): "
         "without them the gradient is fp32, and " + trainer + " all-reduces it as it is");
-  if (options.unit_prefetch() < 0)
-    throw std::invalid_argument("trainkit::TrainerOptions: unit_prefetch must be >= 0 (units gathered ahead), got " +
-                                std::to_string(options.unit_prefetch()));
 }
 
 TRAINKIT_INLINE FlatStorage::FlatStorage(torch::nn::Module& model, const TrainerOptions& options, torch::Device device,
@@ -646,7 +648,7 @@ TRAINKIT_INLINE void FlatStorage::backward_begins(const detail::BackwardDone& do
 }
 
 TRAINKIT_INLINE void FlatStorage::backward_done(const detail::BackwardDone& done) {
-  if (units_) units_->release_all();  // (the units whose parameters got no gradient)
+  if (units_) return end_unit_backward(done);
   if (done.closes || !done.micro_batch_ends || !shards_gradients()) return;
   finish_reduction(*replicas_, done.window, /*closes=*/false, &grad_);
   detail::release_storage(grad_);

@@ -242,6 +242,9 @@ class FlatParameters {
   /// Before a stage-3 backward: its units' reduce-scatters started as the backward leaves them
   /// (overlap_), or after it.
   void begin_unit_backward(const BackwardDone& done);
+  /// After a stage-3 backward: the units still gathered released; a micro-batch's end that the
+  /// optimizer phase does not follow reduces its units into the slices' sum now.
+  void end_unit_backward(const BackwardDone& done);
   /// Stage 3: every unit released and every unit's gradient dropped (a failed micro-batch, a
   /// dropped window, zero()).
   void drop_unit_gradients();
