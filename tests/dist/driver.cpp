@@ -6,7 +6,8 @@
 //       [--precision fp32|fp16|fp16master|bf16master] [--reduce auto|fp32|half] (master weights)
 //       [--model mlp|mlp-ln|affine] [--bucket-bytes X] [--timeout S] [--heartbeat S] [--sleep-ms M] [--samples M]
 //       [--overflow-rank R --overflow-window W]   inject an inf loss on rank R in window W (1-based)
-//       [--items 1]                                 item-weighted windows (uneven counts per rank)
+//       [--items 1]                                 item-weighted windows (uneven counts per rank; with
+//                                                  --fit each odd rank's micro-batches keep half their samples)
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
 //       [--save PATH]                              a checkpoint at the end (rank 0 writes it; sharded,
 //                                                  every rank sends its slices)
@@ -60,6 +61,10 @@
 //                                                  (--export-hold 0: not held)
 //       [--memory-budget B] [--piece-items N]      with --fit: FitOptions::memory_budget (bytes, or a fraction
 //                                                  of the device's memory) and piece_items
+//       [--memory-over-mib M]                      with --fit: the budget what this rank holds before fit
+//                                                  (VmRSS) plus M MiB, over the plan's margin
+//       [--row-mib M]                              --model mlp/mlp-ln: each row's forward keeps M MiB more
+//                                                  of activations for its backward (activations dominate)
 //       [--validate 1|2|3]                         with --fit: a validation after each epoch (2: by unit; 3: by unit,
 //                                                  its loss averaged over the ranks after its forwards) in which rank r
 //                                                  runs r + 1 forwards (shards of different sizes)
@@ -107,7 +112,8 @@ struct Args {
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
-  double cap = 0, dropout = 0, cap_mib = 0, memory_budget = 0;
+  double cap = 0, dropout = 0, cap_mib = 0, memory_budget = 0, memory_over_mib = 0;
+  std::int64_t row_mib = 0;
   std::int64_t piece_items = 0;
 };
 
@@ -139,7 +145,7 @@ Args parse(int argc, char** argv) {
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
   take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
   take("units", a.units), take("prefetch", a.prefetch), take("reshard", a.reshard);
-  take("memory-budget", a.memory_budget), take("piece-items", a.piece_items), take("export", a.export_weights),
+  take("memory-budget", a.memory_budget), take("memory-over-mib", a.memory_over_mib), take("row-mib", a.row_mib), take("piece-items", a.piece_items), take("export", a.export_weights),
       take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
   take("unused-bias-rank", a.unused_bias_rank), take("recompute-around", a.recompute_around);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
@@ -209,6 +215,8 @@ struct MlpImpl : torch::nn::Module {
       return h * fc2->weight.reshape({-1}).narrow(0, 0, 4) + fc2->bias;
     }
     auto h = torch::tanh(ln ? ln(tk::unit(fc1, x)) : tk::unit(fc1, x));
+    if (row_mib > 0)  // (--row-mib: an [n, M x 2^18] intermediate each row, kept for the backward)
+      h = h + torch::tanh(h.sum(1, true) * torch::ones({1, row_mib << 18}, h.options())).mean(1, true);
     if (oom_in_backward) {  // --oom-backward-rank: thrown when the gradient reaches h, after fc2's
       oom_in_backward = false;
       h.register_hook([](const torch::Tensor&) -> torch::Tensor {
@@ -218,7 +226,7 @@ struct MlpImpl : torch::nn::Module {
     return tk::unit(fc2, h);
   }
   bool affine, wide, deep, oom_in_backward = false, alternate_order = false, unused_bias = false, recompute_around = false;
-  std::int64_t forwards = 0;
+  std::int64_t forwards = 0, row_mib = 0;
   torch::nn::ModuleList mids{nullptr};
   double p;
   torch::nn::Linear fc1, fc2, mid1{nullptr}, mid2{nullptr};
@@ -324,6 +332,7 @@ int run(const Args& a) {
   model->alternate_order = a.alternate_order != 0;
   model->unused_bias = a.unused_bias_rank == rank;
   model->recompute_around = a.recompute_around != 0;
+  model->row_mib = a.row_mib;
   auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
   const auto x = torch::randn({a.samples, 8}, data_gen);
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
@@ -353,6 +362,7 @@ int run(const Args& a) {
   if (!load.empty()) trainer.load(load);
 
   double last_validation = 0;  // (--validate: this rank's last validation loss)
+  std::int64_t fit_piece_items = 0, stand_in_pieces = 0;  // (--fit: FitResult's)
   tk::DistributedSampler sampler(a.samples, a.batch, rank, world, /*seed*/ 7);
   const auto per_epoch = sampler.batches_per_epoch();
   if (per_epoch % a.accum != 0 && !a.flush)
@@ -364,7 +374,9 @@ int run(const Args& a) {
     task.batches_per_epoch = [&](std::int64_t) { return per_epoch; };
     task.batch = [&](std::int64_t epoch, std::int64_t index) {
       at_epoch = epoch, at_index = index;
-      return sampler.batch(epoch, index);
+      auto b = sampler.batch(epoch, index);
+      if (a.items && rank % 2 == 1) b.resize(std::max<size_t>(1, b.size() / 2));  // (uneven item counts)
+      return b;
     };
     AddressCap cap;
     task.loss = [&](const std::vector<std::int64_t>& b, tk::Metrics&) {
@@ -414,7 +426,9 @@ int run(const Args& a) {
                                     .log_frequent(a.log_frequent)
                                     .nonfinite_patience(a.patience)
                                     .forward_peaks(a.forward_peaks != 0)
-                                    .memory_budget(a.memory_budget)
+                                    .memory_budget(a.memory_over_mib > 0
+                                                       ? (tk::detail::proc_status_bytes("VmRSS") + a.memory_over_mib * 1048576) / 0.9
+                                                       : a.memory_budget)
                                     .piece_items(a.piece_items)
                                     .checkpoint_format(tk::checkpoint_format_of(a.checkpoint_format))
                                     .auto_resume(a.resume != 0)
@@ -422,6 +436,7 @@ int run(const Args& a) {
                                     .progress(false));
     std::cout << "fit wrote " << result.checkpoints.size() << " checkpoints, replayed " << result.replays
               << " window(s)" << std::endl;
+    fit_piece_items = result.piece_items, stand_in_pieces = result.stand_in_pieces;
   }
   const auto calls_before = counter->all_reduce_calls, bytes_before = counter->all_reduce_bytes;
   const auto windows_before = trainer.windows();
@@ -521,6 +536,8 @@ int run(const Args& a) {
                       {"numel", trainer.parameters().numel()},
                       {"mean_loss", mean[0]},
                       {"validation", last_validation},
+                      {"fit_piece_items", fit_piece_items},
+                      {"stand_in_pieces", stand_in_pieces},
                       {"nonfinite", trainer.take_nonfinite_counts().windows}};
   std::ofstream(prefix + ".json") << j.dump() << "\n";
   return 0;

@@ -160,8 +160,7 @@ TRAINKIT_INLINE Schema train_schema() {
       "data parallel: what each rank keeps of the update (ZeRO's stages): 0 everything (replicated); 1 the optimizer's "
       "state and fp32 master weights of its slices of the parameters only; 2 also the gradient: none between optimizer "
       "steps, and inside a window of several micro-batches only its slices of their sum; 3 also the parameters of the "
-      "model's UNITS, each gathered for its forward and its backward only (not with MEMORY_BUDGET "
-      "yet). No effect with one process");
+      "model's UNITS, each gathered for its forward and its backward only. No effect with one process");
   s.list("UNITS", Field::string("").check([](const nlohmann::json& v) -> std::string {
      return v.get<std::string>().empty() ? "expected a module path (encoder.layer.3, or encoder.layer.* for each child)"
                                          : "";
@@ -196,7 +195,7 @@ TRAINKIT_INLINE Schema train_schema() {
   s.integer("PIECE_ITEMS", 0).min(0).max(kMaxBatchImages)
       .doc("> 0: every micro-batch with more items runs as pieces of at most this many, each with its own forward and "
            "backward, the optimizer step the whole micro-batch's (MEMORY_BUDGET plans it instead; needs a task that "
-           "can split its batches)");
+           "can split its batches; ZERO_STAGE 3: every rank runs as many pieces as the rank that needs most)");
   s.integer("TARGET_BATCH", 0).min(0).max(kMaxBatchImages)
       .doc("> 0: the effective batch per optimizer step; sets the per-device batch to TARGET_BATCH / (world size x "
            "GRAD_ACCUMULATE_STEPS) in place of BATCH_IMAGES (with MEMORY_BUDGET: the plan splits it to fit)");

@@ -76,6 +76,7 @@ struct FitResult {
   std::optional<MemoryPlan> plan;              ///< the memory plan (FitOptions::memory_budget)
   std::int64_t piece_items = 0;                ///< the largest piece run at the end (0: whole micro-batches)
   std::int64_t replays = 0;                    ///< windows replayed after running out of memory
+  std::int64_t stand_in_pieces = 0;            ///< ZeRO stage 3: pieces this rank ran as stand-ins (fewer items than another's)
 };
 
 namespace detail {
@@ -734,6 +735,7 @@ class FitLoop {
     r.best_checkpoint = state_.best_path;
     r.piece_items = pieces_.piece_items();
     r.replays = pieces_.replays();
+    r.stand_in_pieces = pieces_.stand_ins();
     return r;
   }
 
@@ -778,11 +780,6 @@ FitResult fit(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options,
     throw std::invalid_argument("fit: task.split needs task.items (pieces are weighted by their item counts)");
   if (options.piece_items() > 0 && !task.split)
     throw std::invalid_argument("fit: FitOptions::piece_items (TRAIN.PIECE_ITEMS) needs task.split (and task.items) to make pieces");
-  if (options.piece_items() > 0 && trainer.shards_parameters())
-    throw ConfigError("TRAIN.PIECE_ITEMS", "is not taken with ZERO_STAGE 3 yet: each piece's forward and backward "
-                                           "gathers every unit, and ranks whose micro-batches hold different item "
-                                           "counts would cut them into different numbers of pieces; use a smaller "
-                                           "BATCH_IMAGES, or PIECE_ITEMS: 0");
   if (!task.terms.empty() && !task.term_items)
     throw std::invalid_argument("fit: task.terms needs task.term_items (each term's item count in a batch)");
   detail::FitLoop<Batch> loop(trainer, task, options, std::move(callbacks));

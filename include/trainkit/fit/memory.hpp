@@ -137,6 +137,8 @@ class PieceRunner {
   std::int64_t piece_items() const { return piece_items_; }
   /// Windows replayed so far.
   std::int64_t replays() const { return replays_; }
+  /// Stand-in pieces this rank ran so far (ZeRO stage 3: step()).
+  std::int64_t stand_ins() const { return stand_ins_; }
 
   /// TRAIN.MEMORY_BUDGET (`budget`: a fraction of the device's memory, or bytes): measures one
   /// forward+backward of micro-batch 0 of `epoch` whole and in pieces of 1, 1/8, 1/4 and 1/2 of
@@ -144,23 +146,30 @@ class PieceRunner {
   /// the budget (and after one that is over it), and plans the largest piece that fits with the
   /// margin. The optimizer's state is allocated first (AnyTrainer::allocate_optimizer_state);
   /// the model's buffers, the generators and the trainer's gradient are put back as they were.
+  ///
+  /// ZeRO stage 3 (the ranks measure in step): each measurement is a trial backward
+  /// (AnyTrainer::trial_backward: the units gathered and reduce-scattered as in a step), the
+  /// sizes come from the largest micro-batch 0 over the ranks, each point is the largest peak
+  /// and item count over the ranks and the budget the smallest, so every rank makes the same
+  /// decisions and the same plan. An out-of-memory error there ends the run (the failing rank
+  /// cannot go on with the others' gathers), saying so.
   MemoryPlan plan(double budget_setting, std::int64_t epoch) {
-    if (trainer_.shards_parameters())
-      throw ConfigError("TRAIN.MEMORY_BUDGET", "is not planned with ZERO_STAGE 3 yet (its measurement would run the "
-                                               "forward outside the trainer's step, where the units' parameters are "
-                                               "not gathered); set MEMORY_BUDGET: 0 and a micro-batch that fits (BATCH_IMAGES)");
     if (!task_.split)  // (fit() refuses a split without items)
       throw ConfigError("TRAIN.MEMORY_BUDGET", "planning the micro-batch needs a task that splits its batches "
                                                "(tk::Task::split and items); this task has no split. Set TRAIN.MEMORY_BUDGET: 0");
     const auto started = std::chrono::steady_clock::now();
     const torch::Device device = trainer_.device();
-    const double budget = memory_budget_bytes(budget_setting, device);
+    const bool trial = trainer_.shards_parameters();  // (a forward outside the step would find the units released)
     PeakMemory peak(device);
     if (!peak.available())
       throw ConfigError("TRAIN.MEMORY_BUDGET", "the peak memory cannot be measured here (/proc/self/clear_refs is not "
                                                "writable); set TRAIN.MEMORY_BUDGET: 0");
     const Batch batch = task_.batch(epoch, 0);
-    const std::int64_t total = task_.items(batch);
+    const std::int64_t own = task_.items(batch);  // (in step: another rank's may be larger)
+    std::vector<double> agreed{static_cast<double>(own), -memory_budget_bytes(budget_setting, device)};
+    if (in_step()) trainer_.replicas().all_reduce(agreed, Reduce::max);
+    const auto total = static_cast<std::int64_t>(agreed[0]);
+    const double budget = -agreed[1];
     TORCH_CHECK(total >= 1, "TRAIN.MEMORY_BUDGET: micro-batch 0 of epoch ", epoch, " has no items to measure");
     std::vector<std::int64_t> sizes{1};
     for (const std::int64_t parts : {8, 4, 2, 1}) sizes.push_back((total + parts - 1) / parts);
@@ -184,8 +193,8 @@ class PieceRunner {
     std::vector<std::pair<std::int64_t, double>> measured;
     std::int64_t fails_from = total + 1;  // the smallest size that ran out of memory
     for (const std::int64_t size : sizes) {
-      const Pieces pieces = split(batch, total, (total + size - 1) / size);
-      const std::int64_t items = pieces.items[pieces.largest];
+      const Pieces pieces = split(batch, own, std::max<std::int64_t>(1, (own + size - 1) / size));
+      const std::int64_t items = largest_over_ranks(pieces.items[pieces.largest]);
       if (!measured.empty() && items <= measured.back().first) continue;
       // Not a size the last two points say is over the budget: measuring it would take the
       // process (or the device) past the budget it was given.
@@ -198,23 +207,35 @@ class PieceRunner {
       double bytes = 0;
       try {
         Metrics scratch;
+        const auto loss = [&] {
+          const auto l = task_.loss(pieces.batches[pieces.largest], scratch);
+          return task_.terms.empty() ? l : l.sum();  // (terms: their sums)
+        };
         peak.reset();
-        trainer_.allocate_gradient();  // (Sharding::gradients releases it between windows)
-        {
-          torch::Tensor loss;
+        if (trial) {
+          trainer_.trial_backward(loss);
+        } else {
+          trainer_.allocate_gradient();  // (Sharding::gradients releases it between windows)
+          torch::Tensor l;
           {
             const auto region = trainer_.precision_region();
-            loss = task_.loss(pieces.batches[pieces.largest], scratch);
+            l = loss();
           }
-          (task_.terms.empty() ? loss : loss.sum()).backward();  // (terms: their sums)
+          l.backward();
         }
         bytes = peak.bytes();
       } catch (const std::exception& e) {
         if (!is_out_of_memory(e)) throw;
+        if (in_step())
+          throw ConfigError("TRAIN.MEMORY_BUDGET", "measuring a piece of " + items_text(items) + " ran out of memory on " +
+                                                   device.str() + " (rank " + std::to_string(trainer_.replicas().rank()) +
+                                                   "); with ZeRO stage 3 the ranks measure in step, so it cannot go on "
+                                                   "past it: set a smaller budget: " + first_line_of(e));
         fails_from = items;
       }
       trainer_.discard_window();  // the measurement's gradient
       if (fails_from <= items) break;
+      bytes = largest_over_ranks(bytes);
       measured.emplace_back(items, bytes);
       if (bytes > budget * (1 - kMemoryMargin)) break;  // larger pieces need more
     }
@@ -242,12 +263,6 @@ class PieceRunner {
   /// micro-batches), unless a budget planned afresh or this run's are smaller already.
   void resume_with(std::int64_t saved) {
     if (planned_ || saved <= 0 || (piece_items_ != 0 && saved >= piece_items_)) return;
-    if (trainer_.shards_parameters()) {
-      say_("trainkit: the checkpoint's run ran its micro-batches as pieces of at most " + items_text(saved) +
-           "; ZeRO stage 3 runs them whole (ranks would cut them into different numbers of pieces, each gathering "
-           "every unit)");
-      return;
-    }
     piece_items_ = saved;
     say_("trainkit: micro-batches run as pieces of at most " + items_text(piece_items_) +
          ", as the checkpoint's run did (it ran out of memory with larger ones; TRAIN.MEMORY_BUDGET plans afresh)");
@@ -255,18 +270,19 @@ class PieceRunner {
 
   /// One micro-batch of `items` items (-1: no count) through the trainer: whole, or as pieces
   /// when it has more items than piece_items().
+  ///
+  /// ZeRO stage 3 (every piece's forward and backward gathers every unit on every rank): the
+  /// ranks agree on the micro-batch's number of pieces, the largest any rank needs (one
+  /// all-reduce of one value per micro-batch; on NCCL a host sync). A rank whose micro-batch
+  /// makes fewer pieces (fewer items, or a split that cannot cut it that fine) runs stand-ins
+  /// for the rest: its smallest piece again, its loss weighted 0 (no gradient, no count, no
+  /// metric; the model's buffers put back after), so that its gathers and reductions line up
+  /// with the others'.
   MicroStepResult step(const Batch& batch, std::int64_t items, const Loss& loss) {
     last_piece_items_ = items;
-    if (task_.split && piece_items_ > 0 && items > piece_items_) {
-      const Pieces pieces = split(batch, items, (items + piece_items_ - 1) / piece_items_);
-      last_piece_items_ = pieces.items[pieces.largest];
-      return trainer_.micro_step_pieces(
-          [&](std::int64_t j) {
-            const auto k = static_cast<std::size_t>(j);
-            return loss(pieces.batches[k], static_cast<double>(pieces.items[k]));
-          },
-          pieces.items);
-    }
+    std::int64_t parts = task_.split && piece_items_ > 0 && items > piece_items_ ? (items + piece_items_ - 1) / piece_items_ : 1;
+    if (task_.split && piece_items_ > 0 && in_step()) parts = largest_over_ranks(parts);
+    if (parts > 1) return step_pieces(batch, items, parts, loss);
     const double weight = items >= 0 ? static_cast<double>(items) : 1.0;
     auto closure = [&] { return loss(batch, weight); };
     // (Loss terms: their counts were given to the window, Trainer::begin_window.)
@@ -302,7 +318,8 @@ class PieceRunner {
     if (trainer_.shards_parameters())
       throw std::runtime_error(where + "With ZeRO stage 3 (TRAIN.ZERO_STAGE: 3) every forward and backward gathers "
                                "the units' parameters on every rank in step, so this rank cannot replay its "
-                               "micro-batch alone; resume with a smaller micro-batch (TRAIN.BATCH_IMAGES) or more ranks" +
+                               "micro-batch alone; resume with smaller pieces (TRAIN.PIECE_ITEMS, or a plan: "
+                               "TRAIN.MEMORY_BUDGET), a smaller micro-batch (TRAIN.BATCH_IMAGES) or more ranks" +
                                intact);
     if (!task_.split)
       throw std::runtime_error(where + "Give the task a split function (tk::Task::split, with items) so that trainkit "
@@ -334,6 +351,76 @@ class PieceRunner {
   }
 
  private:
+  // Whether the ranks cut micro-batches and measure in step: ZeRO stage 3 with several ranks.
+  bool in_step() const { return trainer_.shards_parameters() && trainer_.replicas().world_size() > 1; }
+  // The largest `value` over the ranks (in_step(): every rank calls it alike), else `value`.
+  template <class T>
+  T largest_over_ranks(T value) {
+    if (!in_step()) return value;
+    std::vector<double> v{static_cast<double>(value)};
+    trainer_.replicas().all_reduce(v, Reduce::max);
+    return static_cast<T>(v[0]);
+  }
+
+  // step() in `parts` pieces; in_step(): those this rank's split does not give, and those
+  // without items, are stand-ins.
+  MicroStepResult step_pieces(const Batch& batch, std::int64_t items, std::int64_t parts, const Loss& loss) {
+    Pieces pieces = split(batch, items, parts);
+    last_piece_items_ = pieces.items[pieces.largest];
+    if (!in_step()) {
+      return trainer_.micro_step_pieces(
+          [&](std::int64_t j) {
+            const auto k = static_cast<std::size_t>(j);
+            return loss(pieces.batches[k], static_cast<double>(pieces.items[k]));
+          },
+          pieces.items);
+    }
+    TORCH_CHECK(static_cast<std::int64_t>(pieces.batches.size()) <= parts, "fit: task.split(a micro-batch, ", parts,
+                ") returned ", pieces.batches.size(), " pieces");
+    // The stand-ins' piece: the one with the fewest items but at least one (the first without).
+    std::size_t source = 0;
+    for (std::size_t k = 0; k < pieces.items.size(); ++k)
+      if (pieces.items[k] > 0 && (pieces.items[source] == 0 || pieces.items[k] < pieces.items[source])) source = k;
+    std::vector<bool> stand_in(static_cast<std::size_t>(parts), true);
+    for (std::size_t k = 0; k < pieces.items.size(); ++k) stand_in[k] = pieces.items[k] == 0;
+    pieces.items.resize(static_cast<std::size_t>(parts), 0);
+    const auto count = static_cast<std::int64_t>(std::count(stand_in.begin(), stand_in.end(), true));
+    if (count > 0 && stand_ins_ == 0)
+      say_local_("trainkit: rank " + std::to_string(trainer_.replicas().rank()) + " runs " + std::to_string(count) +
+                 " of a micro-batch's " + std::to_string(parts) + " pieces as stand-ins (its " + items_text(items) +
+                 " make fewer pieces of at most " + items_text(piece_items_) + " than another rank's; ZeRO stage 3 "
+                 "runs as many pieces on every rank): each repeats a piece with its loss weighted 0");
+    stand_ins_ += count;
+    std::vector<torch::Tensor> buffers;  // the model's, before the first stand-in changed them
+    bool kept = false;
+    const auto put_back = [&] {
+      if (!kept) return;
+      torch::NoGradGuard no_grad;
+      std::size_t i = 0;
+      for (auto& b : trainer_.model().buffers()) b.copy_(buffers[i++]);
+    };
+    MicroStepResult r;
+    try {
+      r = trainer_.micro_step_pieces(
+          [&](std::int64_t j) {
+            const auto k = static_cast<std::size_t>(j);
+            if (!stand_in[k]) return loss(pieces.batches[k], static_cast<double>(pieces.items[k]));
+            if (!kept) {
+              for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
+              kept = true;
+            }
+            Metrics scratch;
+            return task_.loss(pieces.batches[source], scratch) * 0.0;
+          },
+          pieces.items);
+    } catch (...) {
+      put_back();
+      throw;
+    }
+    put_back();
+    return r;
+  }
+
   // `parts` pieces of a micro-batch of `items` items (task.split), with their item counts, and
   // the index of the largest; an error when the pieces do not hold the micro-batch's items.
   struct Pieces {
@@ -364,6 +451,7 @@ class PieceRunner {
   bool planned_ = false;
   std::int64_t last_piece_items_ = -1;  // the items of the last micro-step's largest piece
   std::int64_t replays_ = 0;
+  std::int64_t stand_ins_ = 0;
   struct OpenWindow {
     bool open = false;
     std::int64_t epoch = 0, index = 0;

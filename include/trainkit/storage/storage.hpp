@@ -166,7 +166,9 @@ class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
 /// What the trainer tells its storage after each backward.
 struct BackwardDone {
   bool closes = false;           ///< the optimizer phase follows before the next backward
-  bool micro_batch_ends = true;  ///< false for a micro-batch's pieces but the last (micro_step_pieces)
+  /// False for a micro-batch's pieces but the last (micro_step_pieces), whose gradients join the
+  /// next piece's before any reduction; ZeRO stage 3 reduces every piece's (true for each).
+  bool micro_batch_ends = true;
   WindowWeights window;          ///< the window's weights so far
 };
 

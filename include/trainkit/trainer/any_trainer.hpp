@@ -152,6 +152,12 @@ class AnyTrainer {
   /// (Sharding::gradients): a backward outside micro_step (the memory plan's measurement)
   /// accumulates into it, and discard_window() releases it again.
   virtual void allocate_gradient() = 0;
+  /// One forward+backward of `loss` as a micro-step runs it (the precision's region and loss
+  /// scale; ZeRO stage 3: each unit gathered for its forward and backward and its gradient
+  /// reduce-scattered, so every rank calls it alike), its gradient then dropped: the window,
+  /// the parameters and the counters are as they were. The memory plan's measurement at stage
+  /// 3, where a forward outside the step finds the units' parameters released. Between windows.
+  virtual void trial_backward(const LossClosure& loss) = 0;
 
   /// The whole training state as records of `archive` (Trainer::save). When
   /// saves_collectively() (a sharded update), every rank must call it: the main rank's archive

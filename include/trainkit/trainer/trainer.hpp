@@ -266,7 +266,10 @@ class Trainer final : public detail::TrainerCore {
   /// backward (the activations of one piece at a time). The step is micro_step(closure, total)
   /// on the whole micro-batch whose loss is the items-weighted mean of the pieces' losses: the
   /// window's position advances once. The fit loop's planned micro-batches and its replay after
-  /// an out-of-memory error run through this (fit.hpp, "Memory").
+  /// an out-of-memory error run through this (fit.hpp, "Memory"). ZeRO stage 3: every rank
+  /// calls it with as many pieces (each gathers every unit; a piece with 0 items and its loss
+  /// times 0 stands in where a rank has fewer), and each piece's gradient is reduce-scattered
+  /// as its backward leaves each unit.
   template <class PieceLoss>
   MicroStepResult micro_step_pieces(PieceLoss&& loss, const std::vector<std::int64_t>& items) {
     static_assert(std::is_invocable_r_v<torch::Tensor, PieceLoss&, std::int64_t>,
@@ -366,6 +369,26 @@ class Trainer final : public detail::TrainerCore {
       for (auto* state : rule_->flat_states()) state->resize(storage_.state_numel());
   }
   void allocate_gradient() override { storage_.allocate_gradient(); }
+  /// One forward+backward of `closure` as a micro-step runs it, its gradient then dropped
+  /// (AnyTrainer::trial_backward): phases 1-3 with weight 1 in a window that opens and is
+  /// discarded.
+  void trial_backward(const LossClosure& closure) override {
+    TORCH_CHECK(accumulation_.position() == 0, "trial_backward: a window is open (", accumulation_.position(),
+                " micro-batches of ", accumulation_.window(), "); measure between windows");
+    const auto window_loss = window_loss_;
+    try {
+      const torch::Tensor loss = forward(closure);
+      const detail::BackwardDone done{/*closes=*/false, /*micro_batch_ends=*/true, window_weights()};
+      backward(loss, 1.0, /*first_of_window=*/true, done);
+      storage_.backward_done(done);
+    } catch (...) {
+      discard_window();
+      window_loss_ = window_loss;
+      throw;
+    }
+    discard_window();
+    window_loss_ = window_loss;
+  }
   // --- state ----------------------------------------------------------------------------
   /// Micro-batches in the current, open window.
   std::int64_t window_position() const override { return accumulation_.position(); }
@@ -574,9 +597,6 @@ class Trainer final : public detail::TrainerCore {
   template <class PieceLoss>
   MicroStepResult micro_step_pieces_impl(PieceLoss& loss_of, const std::vector<std::int64_t>& items) {
     TORCH_CHECK(!items.empty(), "micro_step_pieces: no pieces");
-    TORCH_CHECK(items.size() == 1 || !storage_.sharded_units(), "micro_step_pieces: ", items.size(), " pieces with "
-                "ZeRO stage 3: ranks whose micro-batches hold different item counts would cut them into different "
-                "numbers of pieces, each gathering every unit; run whole micro-batches");
     std::int64_t total = 0;
     for (size_t j = 0; j < items.size(); ++j) {
       TORCH_CHECK(items[j] >= 0, "micro_step_pieces: piece ", j, " has ", items[j], " items; counts must be >= 0");
@@ -594,7 +614,10 @@ class Trainer final : public detail::TrainerCore {
                            : total > 0   ? static_cast<double>(items[j]) / static_cast<double>(total)
                                          : 0.0;
       const bool last = j + 1 == items.size();
-      const detail::BackwardDone done{last && accumulation_.closes(), last, window_weights()};
+      // (ZeRO stage 3: every piece's gradient is reduce-scattered as its backward leaves each
+      // unit, so that no rank holds a whole unit's gradient from one piece to the next.)
+      const bool reduced = last || storage_.sharded_units() != nullptr;
+      const detail::BackwardDone done{last && accumulation_.closes(), reduced, window_weights()};
       backward(loss, weight * share, opens && j == 0, done);
       storage_.backward_done(done);
     }
