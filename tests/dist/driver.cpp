@@ -65,6 +65,8 @@
 //                                                  (VmRSS) plus M MiB, over the plan's margin
 //       [--row-mib M]                              --model mlp/mlp-ln: each row's forward keeps M MiB more
 //                                                  of activations for its backward (activations dominate)
+//       [--count-rows 1]                           --model deep: a buffer counts the rows of training forwards
+//                                                  (the summary's rows_seen, this rank's)
 //       [--validate 1|2|3]                         with --fit: a validation after each epoch (2: by unit; 3: by unit,
 //                                                  its loss averaged over the ranks after its forwards) in which rank r
 //                                                  runs r + 1 forwards (shards of different sizes)
@@ -108,7 +110,7 @@ struct Args {
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
   int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1,
-      recompute_around = 0;
+      recompute_around = 0, count_rows = 0;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -148,6 +150,7 @@ Args parse(int argc, char** argv) {
   take("memory-budget", a.memory_budget), take("memory-over-mib", a.memory_over_mib), take("row-mib", a.row_mib), take("piece-items", a.piece_items), take("export", a.export_weights),
       take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
   take("unused-bias-rank", a.unused_bias_rank), take("recompute-around", a.recompute_around);
+  take("count-rows", a.count_rows);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -185,6 +188,7 @@ struct MlpImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     if (deep) {
+      if (rows_seen.defined() && is_training()) rows_seen += x.size(0);
       auto h = torch::relu(tk::unit(fc1, x));
       // --alternate-order: every other forward runs the mids in reverse; --unused-bias: the first
       // mid's bias is not used on this rank (its gradient never comes here).
@@ -228,6 +232,7 @@ struct MlpImpl : torch::nn::Module {
   bool affine, wide, deep, oom_in_backward = false, alternate_order = false, unused_bias = false, recompute_around = false;
   std::int64_t forwards = 0, row_mib = 0;
   torch::nn::ModuleList mids{nullptr};
+  torch::Tensor rows_seen;  // (--count-rows)
   double p;
   torch::nn::Linear fc1, fc2, mid1{nullptr}, mid2{nullptr};
   torch::nn::LayerNorm ln{nullptr};
@@ -333,6 +338,7 @@ int run(const Args& a) {
   model->unused_bias = a.unused_bias_rank == rank;
   model->recompute_around = a.recompute_around != 0;
   model->row_mib = a.row_mib;
+  if (a.count_rows) model->rows_seen = model->register_buffer("rows_seen", torch::zeros({}, torch::kLong));
   auto data_gen = at::make_generator<at::CPUGeneratorImpl>(42);
   const auto x = torch::randn({a.samples, 8}, data_gen);
   const auto y = torch::sin(x.matmul(torch::randn({8, 4}, data_gen)));
@@ -538,6 +544,7 @@ int run(const Args& a) {
                       {"validation", last_validation},
                       {"fit_piece_items", fit_piece_items},
                       {"stand_in_pieces", stand_in_pieces},
+                      {"rows_seen", model->rows_seen.defined() ? model->rows_seen.item<std::int64_t>() : -1},
                       {"nonfinite", trainer.take_nonfinite_counts().windows}};
   std::ofstream(prefix + ".json") << j.dump() << "\n";
   return 0;

@@ -152,7 +152,8 @@ class PieceRunner {
   /// sizes come from the largest micro-batch 0 over the ranks, each point is the largest peak
   /// and item count over the ranks and the budget the smallest, so every rank makes the same
   /// decisions and the same plan. An out-of-memory error there ends the run (the failing rank
-  /// cannot go on with the others' gathers), saying so.
+  /// cannot go on with the others' gathers), saying so on that rank (the others stop at the
+  /// process group's timeout or heartbeat).
   MemoryPlan plan(double budget_setting, std::int64_t epoch) {
     if (!task_.split)  // (fit() refuses a split without items)
       throw ConfigError("TRAIN.MEMORY_BUDGET", "planning the micro-batch needs a task that splits its batches "
@@ -226,11 +227,12 @@ class PieceRunner {
         bytes = peak.bytes();
       } catch (const std::exception& e) {
         if (!is_out_of_memory(e)) throw;
-        if (in_step())
+        if (trial)
           throw ConfigError("TRAIN.MEMORY_BUDGET", "measuring a piece of " + items_text(items) + " ran out of memory on " +
                                                    device.str() + " (rank " + std::to_string(trainer_.replicas().rank()) +
-                                                   "); with ZeRO stage 3 the ranks measure in step, so it cannot go on "
-                                                   "past it: set a smaller budget: " + first_line_of(e));
+                                                   "); with ZeRO stage 3 the ranks measure in step and its reductions "
+                                                   "may have left, so it cannot go on past it: set a smaller budget: " +
+                                                   first_line_of(e));
         fails_from = items;
       }
       trainer_.discard_window();  // the measurement's gradient
@@ -363,9 +365,10 @@ class PieceRunner {
   }
 
   // step() in `parts` pieces; in_step(): those this rank's split does not give, and those
-  // without items, are stand-ins.
+  // without items, are stand-ins, run after the others.
   MicroStepResult step_pieces(const Batch& batch, std::int64_t items, std::int64_t parts, const Loss& loss) {
-    Pieces pieces = split(batch, items, parts);
+    // (A micro-batch without items, in step with others that have: itself, and stand-ins.)
+    const Pieces pieces = items > 0 || !in_step() ? split(batch, items, parts) : Pieces{{batch}, {0}, 0};
     last_piece_items_ = pieces.items[pieces.largest];
     if (!in_step()) {
       return trainer_.micro_step_pieces(
@@ -377,21 +380,26 @@ class PieceRunner {
     }
     TORCH_CHECK(static_cast<std::int64_t>(pieces.batches.size()) <= parts, "fit: task.split(a micro-batch, ", parts,
                 ") returned ", pieces.batches.size(), " pieces");
-    // The stand-ins' piece: the one with the fewest items but at least one (the first without).
+    // The pieces with items first, in order, then the stand-ins; theirs is the piece with the
+    // fewest items but at least one (the first without).
+    std::vector<std::size_t> order;
     std::size_t source = 0;
-    for (std::size_t k = 0; k < pieces.items.size(); ++k)
+    for (std::size_t k = 0; k < pieces.items.size(); ++k) {
+      if (pieces.items[k] > 0) order.push_back(k);
       if (pieces.items[k] > 0 && (pieces.items[source] == 0 || pieces.items[k] < pieces.items[source])) source = k;
-    std::vector<bool> stand_in(static_cast<std::size_t>(parts), true);
-    for (std::size_t k = 0; k < pieces.items.size(); ++k) stand_in[k] = pieces.items[k] == 0;
-    pieces.items.resize(static_cast<std::size_t>(parts), 0);
-    const auto count = static_cast<std::int64_t>(std::count(stand_in.begin(), stand_in.end(), true));
-    if (count > 0 && stand_ins_ == 0)
-      say_local_("trainkit: rank " + std::to_string(trainer_.replicas().rank()) + " runs " + std::to_string(count) +
+    }
+    const auto real = order.size();
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(parts), 0);  // (stand-ins: 0)
+    for (std::size_t j = 0; j < real; ++j) counts[j] = pieces.items[order[j]];
+    const auto stand_ins = parts - static_cast<std::int64_t>(real);
+    if (stand_ins > 0 && stand_ins_ == 0)
+      say_local_("trainkit: rank " + std::to_string(trainer_.replicas().rank()) + " runs " + std::to_string(stand_ins) +
                  " of a micro-batch's " + std::to_string(parts) + " pieces as stand-ins (its " + items_text(items) +
-                 " make fewer pieces of at most " + items_text(piece_items_) + " than another rank's; ZeRO stage 3 "
-                 "runs as many pieces on every rank): each repeats a piece with its loss weighted 0");
-    stand_ins_ += count;
-    std::vector<torch::Tensor> buffers;  // the model's, before the first stand-in changed them
+                 " make fewer pieces with items, of at most " + items_text(piece_items_) + ", than another rank's "
+                 "micro-batch; ZeRO stage 3 runs as many pieces on every rank): each repeats a piece with its loss "
+                 "weighted 0");
+    stand_ins_ += stand_ins;
+    std::vector<torch::Tensor> buffers;  // the model's before the stand-ins, which run last
     bool kept = false;
     const auto put_back = [&] {
       if (!kept) return;
@@ -404,7 +412,7 @@ class PieceRunner {
       r = trainer_.micro_step_pieces(
           [&](std::int64_t j) {
             const auto k = static_cast<std::size_t>(j);
-            if (!stand_in[k]) return loss(pieces.batches[k], static_cast<double>(pieces.items[k]));
+            if (k < real) return loss(pieces.batches[order[k]], static_cast<double>(counts[k]));
             if (!kept) {
               for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
               kept = true;
@@ -412,7 +420,7 @@ class PieceRunner {
             Metrics scratch;
             return task_.loss(pieces.batches[source], scratch) * 0.0;
           },
-          pieces.items);
+          counts);
     } catch (...) {
       put_back();
       throw;

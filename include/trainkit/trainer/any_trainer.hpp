@@ -155,8 +155,10 @@ class AnyTrainer {
   /// One forward+backward of `loss` as a micro-step runs it (the precision's region and loss
   /// scale; ZeRO stage 3: each unit gathered for its forward and backward and its gradient
   /// reduce-scattered, so every rank calls it alike), its gradient then dropped: the window,
-  /// the parameters and the counters are as they were. The memory plan's measurement at stage
-  /// 3, where a forward outside the step finds the units' parameters released. Between windows.
+  /// the parameters, the optimizer's state and the step counters are as they were (the units'
+  /// gather statistics count it). The memory plan's measurement at stage 3, where a forward
+  /// outside the step finds the units' parameters released. Between windows. When it throws
+  /// after a unit's reduction has left (overlapped, several ranks), the trainer cannot go on.
   virtual void trial_backward(const LossClosure& loss) = 0;
 
   /// The whole training state as records of `archive` (Trainer::save). When

@@ -382,8 +382,13 @@ class Trainer final : public detail::TrainerCore {
       backward(loss, 1.0, /*first_of_window=*/true, done);
       storage_.backward_done(done);
     } catch (...) {
-      discard_window();
       window_loss_ = window_loss;
+      // (A reduction already sent cannot be dropped, and discard_window says so: the error
+      // that stopped the trial is the one to report.)
+      try {
+        discard_window();
+      } catch (const std::exception&) {
+      }
       throw;
     }
     discard_window();
