@@ -14,6 +14,7 @@
 #   dp2 rows    2 data-parallel processes (torchrun --standalone, Gloo on the CPU) with
 #               TRAIN.BATCH_IMAGES = batch / 2 each: time per sample over both ranks' samples,
 #               peak RSS the larger rank's
+#   +z3 rows    (a suffix of dp2 rows, e.g. fp32dp2+z3, fp32dp2+z3+plan) TRAIN.ZERO_STAGE=3
 # Prints a Markdown table (and the machine) on stdout; the rows' RESULT lines go to $DIR/rows.jsonl.
 #
 #   benchmarks/vlbert_table.sh [--set K=V]...     (the --set values go to every run)
@@ -52,9 +53,10 @@ for row in $ROWS; do
   base="${row%%+*}"
   [[ "$row" == *+rc* ]] && sets+=(--set NETWORK.RECOMPUTE=true)
   [[ "$row" == *+plan* ]] && sets+=(--set "TRAIN.MEMORY_BUDGET=$BUDGET")
+  [[ "$row" == *+z3* ]] && sets+=(--set TRAIN.ZERO_STAGE=3)
   if [[ "$base" == *x4 ]]; then sets+=(--set "TRAIN.BATCH_IMAGES=$((BATCH / 4))" --set TRAIN.GRAD_ACCUMULATE_STEPS=4); fi
   launch=("$PROGRAM")
-  if [[ "$row" == *dp2 ]]; then
+  if [[ "$base" == *dp2 ]]; then
     sets+=(--set "TRAIN.BATCH_IMAGES=$((BATCH / 2))")
     launch=("$ROOT/.venv/bin/torchrun" --standalone --nproc-per-node 2 --no-python "$PROGRAM")
   fi
@@ -79,7 +81,8 @@ for r in rows:
     res, name = r["result"], r["row"]
     acc = 4 if name.split("+")[0].endswith("x4") else 1
     procs = res.get("world_size", 1)
-    prec = name[:4].upper() + (" + recompute" if "+rc" in name else "") + (" + planned" if "+plan" in name else "")
+    prec = (name[:4].upper() + (" + ZeRO-3" if "+z3" in name else "") + (" + recompute" if "+rc" in name else "")
+            + (" + planned" if "+plan" in name else ""))
     micro = str(batch // acc // procs)
     if res.get("piece_items", 0) > 0:
         micro += f" (pieces of {res['piece_items']})"
