@@ -65,6 +65,8 @@
 //                                                  (VmRSS) plus M MiB, over the plan's margin
 //       [--row-mib M]                              --model mlp/mlp-ln: each row's forward keeps M MiB more
 //                                                  of activations for its backward (activations dominate)
+//       [--load-held 1]                            after --save: every unit held (hold_parameters), the
+//                                                  checkpoint loaded again; prints what load said
 //       [--count-rows 1]                           --model deep: a buffer counts the rows of training forwards
 //                                                  (the summary's rows_seen, this rank's)
 //       [--validate 1|2|3]                         with --fit: a validation after each epoch (2: by unit; 3: by unit,
@@ -110,7 +112,7 @@ struct Args {
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
   int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1,
-      recompute_around = 0, count_rows = 0;
+      recompute_around = 0, count_rows = 0, load_held = 0;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -150,7 +152,7 @@ Args parse(int argc, char** argv) {
   take("memory-budget", a.memory_budget), take("memory-over-mib", a.memory_over_mib), take("row-mib", a.row_mib), take("piece-items", a.piece_items), take("export", a.export_weights),
       take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
   take("unused-bias-rank", a.unused_bias_rank), take("recompute-around", a.recompute_around);
-  take("count-rows", a.count_rows);
+  take("count-rows", a.count_rows), take("load-held", a.load_held);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -477,6 +479,16 @@ int run(const Args& a) {
   const auto training_calls = counter->all_reduce_calls - calls_before;
   const auto training_bytes = counter->all_reduce_bytes - bytes_before;
   if (!a.save.empty() && (group.is_main() || trainer.saves_collectively())) trainer.save(a.save);
+  if (a.load_held) {
+    trainer.hold_parameters(true);
+    try {
+      trainer.load(a.save);
+      std::cout << "loaded while held" << std::endl;
+    } catch (const std::exception& e) {
+      std::cout << "load while held: " << e.what() << std::endl;
+    }
+    trainer.hold_parameters(false);
+  }
   if (!a.export_weights.empty()) {
     if (a.export_hold) trainer.hold_parameters(true);  // (every rank: stage 3 gathers each unit; otherwise nothing)
     if (group.is_main()) tk::write_weights(a.export_weights, tk::model_weights(*model));

@@ -502,6 +502,16 @@ TEST_CASE("stage 3 checkpoints: a file and a set with the same records, loaded b
     damaged_piece_fails_alike(dir, common, set, "3");
   }
   SUBCASE("stage 0 -> stage 3") { one_process_to(dir, common, 3, "3"); }
+  SUBCASE("a load while every unit is held gathered is refused on every rank (the held copies would be stale)") {
+    run_ranks(2, dir / "held", with(common, {"--steps", "5", "--sharding", "3", "--save", dir / "held.ckpt",
+                                             "--load-held", "1"}));
+    for (int r = 0; r < 2; ++r) {
+      const std::string said = slurp(dir / ("held.log" + std::to_string(r) + ".out"));
+      CAPTURE(said);
+      CHECK(said.find("load while held: load('" + (dir / "held.ckpt") + "'): every unit is held gathered") !=
+            std::string::npos);
+    }
+  }
   SUBCASE("resumed at the same world size, training goes on as if it never stopped") {
     const std::string mid = dir / "mid.ckpt", straight = dir / "straight.ckpt", resumed = dir / "resumed.ckpt";
     run_ranks(2, dir / "straight", with(common, {"--steps", "8", "--sharding", "3", "--save", straight}));

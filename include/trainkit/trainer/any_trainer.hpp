@@ -171,7 +171,8 @@ class AnyTrainer {
   virtual bool shards_parameters() const { return false; }
   /// With shards_parameters(): `true` gathers every unit's parameters (one all-gather per unit;
   /// every rank calls it) and keeps them until `false`, so that forwards in between make no
-  /// collective (a weights export; FitOptions::validate_by_unit false). Otherwise nothing.
+  /// collective (a weights export; FitOptions::validate_by_unit false); a load in between is
+  /// refused (the held copies would keep the old values). Otherwise nothing.
   virtual void hold_parameters(bool) {}
   /// With shards_parameters(): between `true` and `false` (every rank calls both; `false` is a
   /// collective), forwards outside the step under torch::NoGradGuard gather each unit for its

@@ -470,6 +470,11 @@ class Trainer final : public detail::TrainerCore {
   /// does not fit, ranks that loaded different states) leaves the trainer partly loaded:
   /// load(path) and the checkpoint manager put the previous state back.
   void load(torch::serialize::InputArchive& archive, const std::string& source) override {
+    // (Every rank holds alike: hold_parameters is collective, so every rank refuses alike.)
+    if (const auto& units = storage_.sharded_units(); units && units->held())
+      throw std::logic_error("load('" + source + "'): every unit is held gathered (hold_parameters(true)), and the "
+                             "held copies would keep the parameters from before the load; call hold_parameters(false) "
+                             "on every rank first");
     check_checkpoint(archive, source);
     std::exception_ptr failure;
     bool damaged = false;
