@@ -65,6 +65,8 @@
 //                                                  (VmRSS) plus M MiB, over the plan's margin
 //       [--row-mib M]                              --model mlp/mlp-ln: each row's forward keeps M MiB more
 //                                                  of activations for its backward (activations dominate)
+//       [--zero-items-rank R]                      with --fit: task.items counts 0 in rank R's micro-batches
+//                                                  of even index (their rows weigh nothing)
 //       [--load-held 1]                            after --save: every unit held (hold_parameters), the
 //                                                  checkpoint loaded again; prints what load said
 //       [--count-rows 1]                           --model deep: a buffer counts the rows of training forwards
@@ -112,7 +114,7 @@ struct Args {
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
   int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1,
-      recompute_around = 0, count_rows = 0, load_held = 0;
+      recompute_around = 0, count_rows = 0, load_held = 0, zero_items_rank = -1;
   std::int64_t log_frequent = 1, patience = 20;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -152,7 +154,7 @@ Args parse(int argc, char** argv) {
   take("memory-budget", a.memory_budget), take("memory-over-mib", a.memory_over_mib), take("row-mib", a.row_mib), take("piece-items", a.piece_items), take("export", a.export_weights),
       take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
   take("unused-bias-rank", a.unused_bias_rank), take("recompute-around", a.recompute_around);
-  take("count-rows", a.count_rows), take("load-held", a.load_held);
+  take("count-rows", a.count_rows), take("load-held", a.load_held), take("zero-items-rank", a.zero_items_rank);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -406,7 +408,10 @@ int run(const Args& a) {
       return inject ? loss * std::numeric_limits<float>::infinity() : loss;
     };
     // Pieces for a replay: the loss is the mean over the batch's samples.
-    task.items = [](const std::vector<std::int64_t>& b) { return static_cast<std::int64_t>(b.size()); };
+    task.items = [&](const std::vector<std::int64_t>& b) {
+      // (at_index: the micro-batch task.batch made last, the one counted: no workers, no held window)
+      return rank == a.zero_items_rank && at_index % 2 == 0 ? std::int64_t{0} : static_cast<std::int64_t>(b.size());
+    };
     if (a.validate)
       task.validate = [&](std::int64_t) {
         torch::Tensor loss;

@@ -548,10 +548,10 @@ TEST_CASE("stage 3 runs micro-batches as pieces: the ranks agree on each one's n
   testing::TempDir dir;
   // tk::fit, 2 epochs, 2 micro-batches a window; 6 units (fc1, 4 mids, fc2). --items 1: each
   // odd rank's micro-batches keep 2 of their 4 samples, so that at one item a piece the even
-  // ranks cut 4 pieces and the odd ones 2 (the driver's split: two of four without items): they
-  // run 2 stand-ins a micro-batch (their smallest piece again, weighted 0). 48 samples: 6
-  // micro-batches an epoch at 2 ranks, 4 at 3. A buffer counts the rows each rank's training
-  // forwards saw (--count-rows): the stand-ins' rows are taken back out.
+  // ranks cut 4 pieces and the odd ones 2: they run 2 stand-ins a micro-batch (a piece of 1 row
+  // again, weighted 0). 48 samples: 6 micro-batches an epoch at 2 ranks, 4 at 3. A buffer
+  // counts the rows each rank's training forwards saw (--count-rows): the stand-ins' rows are
+  // taken back out.
   const std::vector<std::string> fit{"--steps", "0", "--batch", "4", "--samples", "48", "--accum", "2",
                                      "--bucket-bytes", "256", "--model", "deep", "--width", "16", "--layers", "4",
                                      "--precision", "fp32", "--items", "1", "--count-rows", "1"};
@@ -600,6 +600,25 @@ TEST_CASE("stage 3 runs micro-batches as pieces: the ranks agree on each one's n
       }
       CHECK(slurp(dir / "pieces.log1.err").find("runs 2 of a micro-batch's 4 pieces as stand-ins") != std::string::npos);
     }
+  }
+  SUBCASE("a rank whose micro-batches hold no items runs stand-ins only (its split's first piece, weighted 0)") {
+    // Rank 1's items count 0 in every window's first micro-batch (--zero-items-rank): their rows
+    // weigh nothing in either run, and rank 1 runs them whole, as the replicated run does, then
+    // 3 stand-ins (a row of the micro-batch cut in 4).
+    const auto run = [&](const std::string& name, const std::string& stage) {
+      const std::string out = dir / name;
+      run_ranks(2, out, with(fit, {"--fit", out + "-out", "--sharding", stage, "--piece-items", "1", "--zero-items-rank",
+                                   "1", "--save", out + ".ckpt"}));
+      return std::make_pair(records(out + ".ckpt", kState), summary(out, 1));
+    };
+    const auto [replicated, r1] = run("replicated-none", "0");
+    const auto [pieces, p1] = run("pieces-none", "3");
+    const double diff = compare(pieces, replicated);
+    MESSAGE("2 ranks, rank 1 without items, stage 3 in pieces against the replicated run: " << diff);
+    CHECK(diff <= 1e-6);
+    // Its window's first micro-batch: 1 whole and 3 stand-ins (rank 0 cuts 4 pieces); its second: 2 and 2.
+    CHECK(p1["stand_in_pieces"] == (3 + 2) * p1["applied"].get<std::int64_t>());
+    CHECK(p1["rows_seen"] == r1["rows_seen"]);  // (the stand-ins' rows taken back)
   }
 }
 

@@ -151,9 +151,9 @@ class PieceRunner {
   /// (AnyTrainer::trial_backward: the units gathered and reduce-scattered as in a step), the
   /// sizes come from the largest micro-batch 0 over the ranks, each point is the largest peak
   /// and item count over the ranks and the budget the smallest, so every rank makes the same
-  /// decisions and the same plan. An out-of-memory error there ends the run (the failing rank
-  /// cannot go on with the others' gathers), saying so on that rank (the others stop at the
-  /// process group's timeout or heartbeat).
+  /// decisions and the same plan. An out-of-memory error there ends the run (a step's gathers
+  /// and reductions, once sent, cannot be taken back, even on one rank cut as several), saying
+  /// so on that rank (the others stop at the process group's timeout or heartbeat).
   MemoryPlan plan(double budget_setting, std::int64_t epoch) {
     if (!task_.split)  // (fit() refuses a split without items)
       throw ConfigError("TRAIN.MEMORY_BUDGET", "planning the micro-batch needs a task that splits its batches "
@@ -230,9 +230,10 @@ class PieceRunner {
         if (trial)
           throw ConfigError("TRAIN.MEMORY_BUDGET", "measuring a piece of " + items_text(items) + " ran out of memory on " +
                                                    device.str() + " (rank " + std::to_string(trainer_.replicas().rank()) +
-                                                   "); with ZeRO stage 3 the ranks measure in step and its reductions "
-                                                   "may have left, so it cannot go on past it: set a smaller budget: " +
-                                                   first_line_of(e));
+                                                   "); with ZeRO stage 3 each measurement is a step's forward and "
+                                                   "backward, whose gathers and reductions the other ranks make with it "
+                                                   "and which cannot be taken back once sent, so it cannot go on past it: "
+                                                   "set a smaller budget: " + first_line_of(e));
         fails_from = items;
       }
       trainer_.discard_window();  // the measurement's gradient
@@ -275,21 +276,23 @@ class PieceRunner {
   ///
   /// ZeRO stage 3 (every piece's forward and backward gathers every unit on every rank): the
   /// ranks agree on the micro-batch's number of pieces, the largest any rank needs (one
-  /// all-reduce of one value per micro-batch; on NCCL a host sync). A rank whose micro-batch
-  /// makes fewer pieces (fewer items, or a split that cannot cut it that fine) runs stand-ins
-  /// for the rest: its smallest piece again, its loss weighted 0 (no gradient, no count, no
-  /// metric; the model's buffers put back after), so that its gathers and reductions line up
-  /// with the others'.
+  /// all-reduce of one value per micro-batch; on NCCL a host sync). A rank runs the pieces it
+  /// would run alone, then, where another rank needs more, stand-ins for the rest: a piece of
+  /// its micro-batch cut as finely as the others' (the one with the fewest items but one), its
+  /// loss weighted 0 (no gradient, no count, no metric; the model's buffers put back after), so
+  /// that its gathers and reductions line up with the others'.
   MicroStepResult step(const Batch& batch, std::int64_t items, const Loss& loss) {
     last_piece_items_ = items;
-    std::int64_t parts = task_.split && piece_items_ > 0 && items > piece_items_ ? (items + piece_items_ - 1) / piece_items_ : 1;
-    if (task_.split && piece_items_ > 0 && in_step()) parts = largest_over_ranks(parts);
-    if (parts > 1) return step_pieces(batch, items, parts, loss);
+    const bool cuts = task_.split && piece_items_ > 0;
+    const std::int64_t own = cuts && items > piece_items_ ? (items + piece_items_ - 1) / piece_items_ : 1;
+    const std::int64_t parts = cuts && in_step() ? largest_over_ranks(own) : own;
+    if (parts > 1) return step_pieces(batch, items, own, parts, loss);
     const double weight = items >= 0 ? static_cast<double>(items) : 1.0;
     auto closure = [&] { return loss(batch, weight); };
     // (Loss terms: their counts were given to the window, Trainer::begin_window.)
     return items >= 0 && task_.terms.empty() ? trainer_.micro_step(closure, items) : trainer_.micro_step(closure);
   }
+
 
   /// A window opens at micro-batch `index` of `epoch`: where a replay begins, with the
   /// generators as they are now (host state: no device sync).
@@ -364,13 +367,17 @@ class PieceRunner {
     return static_cast<T>(v[0]);
   }
 
-  // step() in `parts` pieces; in_step(): those this rank's split does not give, and those
-  // without items, are stand-ins, run after the others.
-  MicroStepResult step_pieces(const Batch& batch, std::int64_t items, std::int64_t parts, const Loss& loss) {
-    // (A micro-batch without items, in step with others that have: itself, and stand-ins.)
-    const Pieces pieces = items > 0 || !in_step() ? split(batch, items, parts) : Pieces{{batch}, {0}, 0};
+  // step() in `parts` pieces: this rank's own (`own`, whole for 1: what it runs alone), then,
+  // in step with ranks that cut more, stand-ins for the rest. A stand-in runs the piece with the
+  // fewest items but one of the micro-batch cut into `parts` (the first where none has items).
+  MicroStepResult step_pieces(const Batch& batch, std::int64_t items, std::int64_t own, std::int64_t parts,
+                              const Loss& loss) {
+    const Pieces pieces = own > 1 ? split(batch, items, own) : Pieces{{batch}, {items}, 0};
     last_piece_items_ = pieces.items[pieces.largest];
-    if (!in_step()) {
+    const auto real = static_cast<std::int64_t>(pieces.batches.size());
+    TORCH_CHECK(real <= parts, "fit: task.split(a micro-batch, ", own, ") returned ", real, " pieces, more than the ",
+                parts, " every rank runs (ZeRO stage 3)");
+    if (real == parts) {
       return trainer_.micro_step_pieces(
           [&](std::int64_t j) {
             const auto k = static_cast<std::size_t>(j);
@@ -378,26 +385,21 @@ class PieceRunner {
           },
           pieces.items);
     }
-    TORCH_CHECK(static_cast<std::int64_t>(pieces.batches.size()) <= parts, "fit: task.split(a micro-batch, ", parts,
-                ") returned ", pieces.batches.size(), " pieces");
-    // The pieces with items first, in order, then the stand-ins; theirs is the piece with the
-    // fewest items but at least one (the first without).
-    std::vector<std::size_t> order;
+    const auto finer = task_.split(batch, parts);
     std::size_t source = 0;
-    for (std::size_t k = 0; k < pieces.items.size(); ++k) {
-      if (pieces.items[k] > 0) order.push_back(k);
-      if (pieces.items[k] > 0 && (pieces.items[source] == 0 || pieces.items[k] < pieces.items[source])) source = k;
-    }
-    const auto real = order.size();
-    std::vector<std::int64_t> counts(static_cast<std::size_t>(parts), 0);  // (stand-ins: 0)
-    for (std::size_t j = 0; j < real; ++j) counts[j] = pieces.items[order[j]];
-    const auto stand_ins = parts - static_cast<std::int64_t>(real);
-    if (stand_ins > 0 && stand_ins_ == 0)
+    for (std::size_t k = 0; k < finer.size(); ++k)
+      if (const auto n = task_.items(finer[k]); n > 0 && (task_.items(finer[source]) == 0 || n < task_.items(finer[source])))
+        source = k;
+    const Batch stand_in = finer.empty() ? batch : finer[source];
+    std::vector<std::int64_t> counts = pieces.items;
+    counts.resize(static_cast<std::size_t>(parts), 0);  // (stand-ins: no items)
+    const auto stand_ins = parts - real;
+    if (stand_ins_ == 0)
       say_local_("trainkit: rank " + std::to_string(trainer_.replicas().rank()) + " runs " + std::to_string(stand_ins) +
                  " of a micro-batch's " + std::to_string(parts) + " pieces as stand-ins (its " + items_text(items) +
-                 " make fewer pieces with items, of at most " + items_text(piece_items_) + ", than another rank's "
-                 "micro-batch; ZeRO stage 3 runs as many pieces on every rank): each repeats a piece with its loss "
-                 "weighted 0");
+                 " make " + std::to_string(real) + " piece(s) of at most " + items_text(piece_items_) +
+                 ", another rank's more; ZeRO stage 3 runs as many pieces on every rank): each runs a piece again "
+                 "with its loss weighted 0");
     stand_ins_ += stand_ins;
     std::vector<torch::Tensor> buffers;  // the model's before the stand-ins, which run last
     bool kept = false;
@@ -412,13 +414,13 @@ class PieceRunner {
       r = trainer_.micro_step_pieces(
           [&](std::int64_t j) {
             const auto k = static_cast<std::size_t>(j);
-            if (k < real) return loss(pieces.batches[order[k]], static_cast<double>(counts[k]));
+            if (j < real) return loss(pieces.batches[k], static_cast<double>(counts[k]));
             if (!kept) {
               for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
               kept = true;
             }
             Metrics scratch;
-            return task_.loss(pieces.batches[source], scratch) * 0.0;
+            return task_.loss(stand_in, scratch) * 0.0;
           },
           counts);
     } catch (...) {

@@ -49,9 +49,9 @@ struct Task {
   /// the sums), so that the items-weighted mean of the pieces' losses is the batch's. With it,
   /// the loop runs micro-batches that do not fit in memory as pieces (FitOptions::memory_budget,
   /// piece_items) and replays a window after an out-of-memory error (fit.hpp, "Memory"). At
-  /// ZeRO stage 3 every rank cuts a micro-batch into as many pieces as the rank that needs most,
-  /// so `parts` may exceed the batch's items: return fewer pieces, or pieces without items
-  /// (either way the rest run as stand-ins, a piece again with its loss weighted 0).
+  /// ZeRO stage 3 a rank with fewer pieces than another runs stand-ins (a piece again, its loss
+  /// weighted 0), which it takes from this micro-batch cut into the other rank's number of
+  /// parts: `parts` may then exceed the batch's items (return fewer pieces, or empty ones).
   std::function<std::vector<Batch>(const Batch&, std::int64_t parts)> split;
   /// Optional: validation after an epoch; the metrics are logged as Val-<name>. tk::fit runs it
   /// with the model in eval mode and under NoGradGuard (the model's mode restored after).
