@@ -285,7 +285,7 @@ class PieceRunner {
     last_piece_items_ = items;
     const bool cuts = task_.split && piece_items_ > 0;
     const std::int64_t own = cuts && items > piece_items_ ? (items + piece_items_ - 1) / piece_items_ : 1;
-    const std::int64_t parts = cuts && in_step() ? largest_over_ranks(own) : own;
+    const std::int64_t parts = cuts ? largest_over_ranks(own) : own;
     if (parts > 1) return step_pieces(batch, items, own, parts, loss);
     const double weight = items >= 0 ? static_cast<double>(items) : 1.0;
     auto closure = [&] { return loss(batch, weight); };
@@ -377,59 +377,54 @@ class PieceRunner {
     const auto real = static_cast<std::int64_t>(pieces.batches.size());
     TORCH_CHECK(real <= parts, "fit: task.split(a micro-batch, ", own, ") returned ", real, " pieces, more than the ",
                 parts, " every rank runs (ZeRO stage 3)");
-    if (real == parts) {
-      return trainer_.micro_step_pieces(
-          [&](std::int64_t j) {
-            const auto k = static_cast<std::size_t>(j);
-            return loss(pieces.batches[k], static_cast<double>(pieces.items[k]));
-          },
-          pieces.items);
-    }
-    const auto finer = task_.split(batch, parts);
-    std::size_t source = 0;
-    for (std::size_t k = 0; k < finer.size(); ++k)
-      if (const auto n = task_.items(finer[k]); n > 0 && (task_.items(finer[source]) == 0 || n < task_.items(finer[source])))
-        source = k;
-    const Batch stand_in = finer.empty() ? batch : finer[source];
     std::vector<std::int64_t> counts = pieces.items;
     counts.resize(static_cast<std::size_t>(parts), 0);  // (stand-ins: no items)
-    const auto stand_ins = parts - real;
-    if (stand_ins_ == 0)
-      say_local_("trainkit: rank " + std::to_string(trainer_.replicas().rank()) + " runs " + std::to_string(stand_ins) +
-                 " of a micro-batch's " + std::to_string(parts) + " pieces as stand-ins (its " + items_text(items) +
-                 " make " + std::to_string(real) + " piece(s) of at most " + items_text(piece_items_) +
-                 ", another rank's more; ZeRO stage 3 runs as many pieces on every rank): each runs a piece again "
-                 "with its loss weighted 0");
-    stand_ins_ += stand_ins;
-    std::vector<torch::Tensor> buffers;  // the model's before the stand-ins, which run last
-    bool kept = false;
-    const auto put_back = [&] {
-      if (!kept) return;
-      torch::NoGradGuard no_grad;
-      std::size_t i = 0;
-      for (auto& b : trainer_.model().buffers()) b.copy_(buffers[i++]);
-    };
-    MicroStepResult r;
-    try {
-      r = trainer_.micro_step_pieces(
-          [&](std::int64_t j) {
-            const auto k = static_cast<std::size_t>(j);
-            if (j < real) return loss(pieces.batches[k], static_cast<double>(counts[k]));
-            if (!kept) {
-              for (const auto& b : trainer_.model().buffers()) buffers.push_back(b.clone());
-              kept = true;
-            }
-            Metrics scratch;
-            return task_.loss(stand_in, scratch) * 0.0;
-          },
-          counts);
-    } catch (...) {
-      put_back();
-      throw;
+    std::vector<Batch> finer;
+    const Batch* stand_in = &batch;  // (a split that gives no piece: the micro-batch)
+    if (real < parts) {
+      finer = task_.split(batch, parts);
+      std::int64_t fewest = -1;  // the stand-in's items
+      for (const auto& piece : finer)
+        if (const auto n = task_.items(piece); fewest < 0 || (n > 0 && (fewest == 0 || n < fewest))) {
+          stand_in = &piece;
+          fewest = n;
+        }
+      if (stand_ins_ == 0)
+        say_local_("trainkit: rank " + std::to_string(trainer_.replicas().rank()) + " runs " +
+                   std::to_string(parts - real) + " of a micro-batch's " + std::to_string(parts) +
+                   " pieces as stand-ins (its " + items_text(items) + " make " + std::to_string(real) +
+                   " piece(s) of at most " + items_text(piece_items_) + ", another rank's more; ZeRO stage 3 runs as "
+                   "many pieces on every rank): each runs a piece again with its loss weighted 0");
+      stand_ins_ += parts - real;
     }
-    put_back();
-    return r;
+    // The model's buffers as the first stand-in found them, put back after the micro-step.
+    struct Buffers {
+      torch::nn::Module& model;
+      std::vector<torch::Tensor> kept;
+      bool keeping = false;
+      void keep() {
+        if (keeping) return;
+        for (const auto& b : model.buffers()) kept.push_back(b.clone());
+        keeping = true;
+      }
+      ~Buffers() {
+        torch::NoGradGuard no_grad;
+        std::size_t i = 0;
+        if (keeping)
+          for (auto& b : model.buffers()) b.copy_(kept[i++]);
+      }
+    } buffers{trainer_.model(), {}, false};
+    return trainer_.micro_step_pieces(
+        [&](std::int64_t j) {
+          const auto k = static_cast<std::size_t>(j);
+          if (j < real) return loss(pieces.batches[k], static_cast<double>(counts[k]));
+          buffers.keep();
+          Metrics scratch;
+          return task_.loss(*stand_in, scratch) * 0.0;
+        },
+        counts);
   }
+
 
   // `parts` pieces of a micro-batch of `items` items (task.split), with their item counts, and
   // the index of the largest; an error when the pieces do not hold the micro-batch's items.

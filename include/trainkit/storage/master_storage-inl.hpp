@@ -104,8 +104,7 @@ TRAINKIT_INLINE torch::Tensor MasterStorage::norm() {
 
 TRAINKIT_INLINE void MasterStorage::zero() {
   if (units_) {  // (after a failed forward or backward too)
-    drop_reduction();
-    drop_unit_gradients();
+    drop_backward();
   } else {
     half_.zero_grad(/*release=*/shards_gradients());
   }

@@ -95,8 +95,7 @@ class MasterStorage : public detail::FlatParameters {
   /// already summed, stay.
   void discard_micro_batch() {
     if (!units_) return half_.zero_grad(/*release=*/true);
-    drop_reduction();
-    drop_unit_gradients();
+    drop_backward();
   }
   // A backward the phase does not follow: its half gradient joins the window's fp32 sum, or
   // with Sharding::gradients this rank's slices of it (at the micro-batch's end).

@@ -484,17 +484,21 @@ TRAINKIT_INLINE void FlatParameters::begin_unit_backward(const BackwardDone& don
   if (units_->held())
     throw std::logic_error("trainkit: a micro-step while every unit is held gathered (hold_parameters(true)); "
                            "call hold_parameters(false) on every rank first");
-  if (overlap_ && done.micro_batch_ends)
+  // (Every backward's unit gradients, a micro-batch's or a piece's, are reduce-scattered as the
+  // backward leaves each unit: no rank holds every unit's gradient from one backward to the next.)
+  if (overlap_)
     reduction_ = replicas_->start_unit_reduction(unit_gradients(), reduction_target(), partition_, done.window, done.closes);
   units_->arm(reduction_.get());
 }
 
 TRAINKIT_INLINE void FlatParameters::end_unit_backward(const BackwardDone& done) {
   units_->release_all();  // (the units whose parameters got no gradient)
-  if (!done.closes && done.micro_batch_ends) finish_reduction(*replicas_, done.window, /*closes=*/false);
+  if (!done.closes) finish_reduction(*replicas_, done.window, /*closes=*/false);
 }
 
-TRAINKIT_INLINE void FlatParameters::drop_unit_gradients() {
+TRAINKIT_INLINE void FlatParameters::drop_backward() {
+  drop_reduction();
+  if (!units_) return;
   units_->release_all();
   units_->drop_gradients();
 }
@@ -668,15 +672,13 @@ TRAINKIT_INLINE torch::Tensor FlatStorage::norm() const {
 }
 
 TRAINKIT_INLINE void FlatStorage::discard_micro_batch() {
-  drop_reduction();
-  if (units_) drop_unit_gradients();
+  drop_backward();
   if (!detail::is_released(grad_)) detail::release_storage(grad_);
 }
 
 TRAINKIT_INLINE void FlatStorage::zero() {
-  drop_reduction();
+  drop_backward();  // (after a failed forward or backward too)
   summed_ = false;
-  if (units_) drop_unit_gradients();  // (after a failed forward or backward)
   if (!sharded()) {
     if (grad_.defined()) grad_.zero_();  // (none yet: stage 3 before its first backward)
     return;

@@ -167,7 +167,7 @@ class ReadyHook final : public torch::autograd::PostAccumulateGradHook {
 struct BackwardDone {
   bool closes = false;           ///< the optimizer phase follows before the next backward
   /// False for a micro-batch's pieces but the last (micro_step_pieces), whose gradients join the
-  /// next piece's before any reduction; ZeRO stage 3 reduces every piece's (true for each).
+  /// next piece's before any reduction (ZeRO stage 3 reduces every backward's regardless).
   bool micro_batch_ends = true;
   WindowWeights window;          ///< the window's weights so far
 };
@@ -247,9 +247,10 @@ class FlatParameters {
   /// After a stage-3 backward: the units still gathered released; a micro-batch's end that the
   /// optimizer phase does not follow reduces its units into the slices' sum now.
   void end_unit_backward(const BackwardDone& done);
-  /// Stage 3: every unit released and every unit's gradient dropped (a failed micro-batch, a
-  /// dropped window, zero()).
-  void drop_unit_gradients();
+  /// What a backward left: the reduction it started dropped (drop_reduction) and, at stage 3,
+  /// every unit released and every unit's gradient dropped (a failed micro-batch, a dropped
+  /// window, zero()).
+  void drop_backward();
   /// Stage 3: the root unit's gathered buffer (every rank holds it alike), or an empty tensor.
   const torch::Tensor& root_unit() const;
 

@@ -624,10 +624,7 @@ class Trainer final : public detail::TrainerCore {
                            : total > 0   ? static_cast<double>(items[j]) / static_cast<double>(total)
                                          : 0.0;
       const bool last = j + 1 == items.size();
-      // (ZeRO stage 3: every piece's gradient is reduce-scattered as its backward leaves each
-      // unit, so that no rank holds a whole unit's gradient from one piece to the next.)
-      const bool reduced = last || storage_.sharded_units() != nullptr;
-      const detail::BackwardDone done{last && accumulation_.closes(), reduced, window_weights()};
+      const detail::BackwardDone done{last && accumulation_.closes(), last, window_weights()};
       backward(loss, weight * share, opens && j == 0, done);
       storage_.backward_done(done);
     }
