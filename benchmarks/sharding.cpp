@@ -229,7 +229,7 @@ int child(const Settings& s) {
       << trainer.predicted_held().total() / params << " " << (status_bytes("VmHWM:") - baseline) / params << " "
       << ms[1 + (ms.size() - 1) / 2] << " " << in_backward << " " << trainer.storage().backward_left_at_launch();
   // Stage 3: gathers per window, those launched ahead, the host's ms in gathers per window.
-  const auto& units = trainer.storage().sharded_units();
+  const auto& units = trainer.storage().unit_gathers();
   const double windows = static_cast<double>(s.windows);
   std::ofstream(s.out + ".rank" + std::to_string(group.rank()), std::ios::app)
       << " " << (units ? static_cast<double>(units->gathers()) / windows : 0.0) << " "

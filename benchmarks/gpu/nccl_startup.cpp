@@ -212,7 +212,7 @@ int main(int argc, char** argv) try {
         if (r.window_closed) out.push_back(r.report.loss());
       }
       if (stage3) {
-        const auto& units = t.storage().sharded_units();
+        const auto& units = t.storage().unit_gathers();
         if (!units) {
           failed.push_back("stage 3 at world size 1 did not shard its units");
           return out;

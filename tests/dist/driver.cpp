@@ -522,7 +522,7 @@ int run(const Args& a) {
   const std::string prefix = a.out + ".rank" + std::to_string(rank);
   std::ofstream(prefix + ".bin", std::ios::binary)
       .write(static_cast<const char*>(params.data_ptr()), params.numel() * sizeof(float));
-  const auto& units = trainer.storage().sharded_units();
+  const auto& units = trainer.storage().unit_gathers();
   std::int64_t unit_largest = 0, unit_total = 0;  // (the units' buffers, the root unit's left out)
   if (units)
     for (const auto& u : units->units())

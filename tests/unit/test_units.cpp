@@ -138,7 +138,7 @@ TEST_CASE("a module that is no unit of the schedule, and a forward without a gra
 }
 
 TEST_CASE("outside a step, a unit of a live stage-3 schedule runs only while its units are held gathered") {
-  // (FlatStorage registers its ShardedUnits so; a Recorder stands for it here.)
+  // (The mode ShardedUnits registers its UnitGathers so; a Recorder stands for it here.)
   struct Held : Recorder {
     bool on = false;
     bool held() const override { return on; }

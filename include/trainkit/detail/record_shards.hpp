@@ -72,7 +72,7 @@ struct RecordChunk {
 /// RAII: while it lives, the tensor records of `archive` written on this thread go to it in
 /// pieces, not to the archive (write_tensor: a whole record on the main rank, none on the
 /// others, whose archives are dropped; the storages: each rank its own slices,
-/// FlatParameters::write_local_by_name). Records of other archives (a callback's nested one)
+/// ShardedSlices::write_local). Records of other archives (a callback's nested one)
 /// and of dtypes safetensors does not hold stay in their archive. Every rank of a run opens one
 /// around the same save, which then makes no collective of its own.
 class ShardedWrites {

@@ -449,7 +449,7 @@ class Trainer final : public detail::TrainerCore {
   /// This rank's state as it holds it, with no collective (a failed load's rollback).
   void snapshot(torch::serialize::OutputArchive& archive) const override { write_state(archive, /*snapshot=*/true); }
   bool saves_collectively() const override { return storage_.sharded(); }
-  bool shards_parameters() const override { return storage_.sharded_units() != nullptr; }
+  bool shards_parameters() const override { return storage_.shards_parameters(); }
   ModelSize model_size() const override { return storage_.model_size(*module_); }
   StorageShape storage_shape() const override { return shape_of(Precision::master_weights); }
   std::int64_t held_bytes() const override {
@@ -457,12 +457,8 @@ class Trainer final : public detail::TrainerCore {
     storage_.held_tensors(tensors);
     return distinct_bytes(std::move(tensors));
   }
-  void hold_parameters(bool hold) override {
-    if (const auto& units = storage_.sharded_units()) hold ? units->hold() : units->release_held();
-  }
-  void evaluate_by_unit(bool on) override {
-    if (const auto& units = storage_.sharded_units()) on ? units->begin_evaluation() : units->end_evaluation();
-  }
+  void hold_parameters(bool hold) override { storage_.hold_parameters(hold); }
+  void evaluate_by_unit(bool on) override { storage_.evaluate_by_unit(on); }
 
   /// Restores the state save() wrote. A checkpoint of another trainer type or optimizer, or
   /// with other parameter names or shapes, is refused before anything changes (the message
@@ -470,11 +466,7 @@ class Trainer final : public detail::TrainerCore {
   /// does not fit, ranks that loaded different states) leaves the trainer partly loaded:
   /// load(path) and the checkpoint manager put the previous state back.
   void load(torch::serialize::InputArchive& archive, const std::string& source) override {
-    // (Every rank holds alike: hold_parameters is collective, so every rank refuses alike.)
-    if (const auto& units = storage_.sharded_units(); units && units->held())
-      throw std::logic_error("load('" + source + "'): every unit is held gathered (hold_parameters(true)), and the "
-                             "held copies would keep the parameters from before the load; call hold_parameters(false) "
-                             "on every rank first");
+    storage_.check_loadable(source);  // (stage 3: refused while every unit is held gathered)
     check_checkpoint(archive, source);
     std::exception_ptr failure;
     bool damaged = false;
@@ -641,10 +633,7 @@ class Trainer final : public detail::TrainerCore {
     torch::Tensor loss;
     {
       std::optional<detail::UnitScheduleScope> units;
-      if (const auto& schedule = storage_.sharded_units()) {
-        schedule->begin_forward();
-        units.emplace(schedule);
-      }
+      if (auto schedule = storage_.begin_forward()) units.emplace(std::move(schedule));
       [[maybe_unused]] const auto region = precision_.region();
       loss = closure();
     }

@@ -34,7 +34,8 @@
 ///                       (std::logic_error): a gather per call that no rank announced would
 ///                       pair with the other ranks' collectives as they come
 /// A storage with Sharding::parameters (TRAIN.ZERO_STAGE: 3) over several ranks installs the
-/// schedule (storage/sharded_units.hpp); otherwise a unit is its call.
+/// schedule (storage/unit_gathers.hpp, held by the mode storage/sharded_units.hpp); otherwise a
+/// unit is its call.
 /// Composes with tk::recompute, inside: `tk::unit(layer, [=](const torch::Tensor& x) { return
 /// tk::recompute(layer, x); }, x)` recomputes the forward in the unit's backward, after
 /// before_backward, with the parameters gathered.
