@@ -49,4 +49,4 @@
 #include <trainkit/storage/storage_core-inl.hpp>
 #include <trainkit/trainer/forward_peaks-inl.hpp>
 #include <trainkit/trainer/recompute-inl.hpp>
-#include <trainkit/trainer/trainer-inl.hpp>
+#include <trainkit/trainer/trainer_core-inl.hpp>

@@ -74,6 +74,9 @@
 //       [--validate 1|2|3]                         with --fit: a validation after each epoch (2: by unit; 3: by unit,
 //                                                  its loss averaged over the ranks after its forwards) in which rank r
 //                                                  runs r + 1 forwards (shards of different sizes)
+//   ... --then --out PREFIX2 ...                 another run after this one, in the same process and
+//                                                  process group (the test suite's launches are its
+//                                                  cost: a chain makes one); not with --cap-*, --resume
 // Writes PREFIX.rank<r>.bin (the flat fp32 parameters) and PREFIX.rank<r>.json; prints
 // "window k" after each optimizer step; exits 1 with "error: ..." on stderr on failure.
 #include <trainkit/parallel/data_parallel.hpp>
@@ -312,12 +315,9 @@ class AddressCap {
   rlimit saved_{};
 };
 
+// One run over `base` (the process's group; a run of a chain counts its own collectives).
 template <class Trainer>
-int run(const Args& a) {
-  if (a.cap_rank >= 0 || a.cap_mib > 0) torch::set_num_threads(1);  // no thread (and its stack) made under the cap
-  auto options = tk::DistributedOptions().timeout_seconds(a.timeout);
-  if (a.heartbeat >= 0) options.heartbeat_seconds(a.heartbeat);
-  auto base = tk::ProcessGroup::create(options);
+int run(const Args& a, tk::ProcessGroup& base) {
   auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(base.backend());
   tk::ProcessGroup group(base.store(), counter, base.info(), base.timeout(), base.device());
   const int rank = group.rank(), world = group.world_size();
@@ -567,19 +567,45 @@ int run(const Args& a) {
   return 0;
 }
 
+int run_precision(const Args& a, tk::ProcessGroup& base) {
+  using Acc = tk::AccumulationPolicy<tk::Dynamic>;
+  using Clip = tk::ClipPolicy<tk::ClipNorm>;
+  if (a.precision == "fp16") return run<tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, Acc, Clip>>(a, base);
+  if (a.precision == "fp32") return run<tk::Trainer<tk::PrecisionPolicy<tk::FP32>, Acc, Clip>>(a, base);
+  if (a.precision == "fp16master")
+    return run<tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>, Acc, Clip>>(a, base);
+  if (a.precision == "bf16master")
+    return run<tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>, Acc, Clip>>(a, base);
+  throw std::invalid_argument("--precision must be fp32, fp16, fp16master or bf16master");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
-    const Args a = parse(argc, argv);
-    using Acc = tk::AccumulationPolicy<tk::Dynamic>;
-    using Clip = tk::ClipPolicy<tk::ClipNorm>;
-    if (a.precision == "fp16") return run<tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>, Acc, Clip>>(a);
-    if (a.precision == "fp32") return run<tk::Trainer<tk::PrecisionPolicy<tk::FP32>, Acc, Clip>>(a);
-    if (a.precision == "fp16master")
-      return run<tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::FP16Dynamic>>, Acc, Clip>>(a);
-    if (a.precision == "bf16master") return run<tk::Trainer<tk::PrecisionPolicy<tk::MasterWeights<tk::BF16>>, Acc, Clip>>(a);
-    throw std::invalid_argument("--precision must be fp32, fp16, fp16master or bf16master");
+    // The runs, in order: the arguments cut at each --then.
+    std::vector<Args> runs;
+    std::vector<char*> segment{argv[0]};
+    for (int i = 1; i <= argc; ++i) {
+      if (i < argc && std::string(argv[i]) != "--then") {
+        segment.push_back(argv[i]);
+        continue;
+      }
+      runs.push_back(parse(static_cast<int>(segment.size()), segment.data()));
+      segment.assign(1, argv[0]);
+    }
+    const Args& first = runs.front();
+    if (runs.size() > 1)
+      for (const auto& a : runs)
+        if (a.cap_rank >= 0 || a.cap_mib > 0 || a.resume)
+          throw std::invalid_argument("--cap-rank, --cap-mib and --resume make a run of their own: no --then");
+    if (first.cap_rank >= 0 || first.cap_mib > 0) torch::set_num_threads(1);  // no thread (and its stack) made under the cap
+    auto options = tk::DistributedOptions().timeout_seconds(first.timeout);
+    if (first.heartbeat >= 0) options.heartbeat_seconds(first.heartbeat);
+    auto base = tk::ProcessGroup::create(options);
+    for (const auto& a : runs)
+      if (const int status = run_precision(a, base); status != 0) return status;
+    return 0;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return 1;

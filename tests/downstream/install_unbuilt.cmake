@@ -13,7 +13,7 @@ execute_process(COMMAND "${CMAKE_COMMAND}" --install "${WORK}/build" --prefix "$
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "cmake --install of the unbuilt tree failed:\n${out}")
 endif()
-foreach(file include/trainkit/trainkit.hpp include/trainkit/io/weights.hpp include/trainkit/trainer/trainer-inl.hpp
+foreach(file include/trainkit/trainkit.hpp include/trainkit/io/weights.hpp include/trainkit/trainer/trainer_core-inl.hpp
              share/trainkit/compiled/trainkit.cpp share/cmake/trainkit/trainkitConfig.cmake
              share/doc/trainkit/LICENSE bin/trainkit-plot)
   if(NOT EXISTS "${WORK}/prefix/${file}")

@@ -41,6 +41,22 @@ inline void run_ranks(int world, const std::string& out, const std::vector<std::
   for (auto& c : ranks) CHECK(slurp(c.err).find("heartbeat") == std::string::npos);
 }
 
+// A chain of runs (the driver's --then): each {out, arguments}, one after another in one launch
+// of `world` ranks (rank r of the chain logs to the first out's .log<r>); a launch, its start and
+// its process group, is what a test run costs most.
+using Runs = std::vector<std::pair<std::string, std::vector<std::string>>>;
+inline std::vector<std::string> chained(const Runs& runs) {
+  std::vector<std::string> extra = runs.at(0).second;
+  for (size_t i = 1; i < runs.size(); ++i) {
+    extra.insert(extra.end(), {"--then", "--out", runs[i].first});
+    extra.insert(extra.end(), runs[i].second.begin(), runs[i].second.end());
+  }
+  return extra;
+}
+inline void run_chain(int world, const Runs& runs, double seconds = 120) {
+  run_ranks(world, runs.at(0).first, chained(runs), seconds);
+}
+
 // One process, no launcher variables.
 inline void run_one(const std::string& out, const std::vector<std::string>& extra) {
   auto c = spawn(driver_args(out, extra), {}, out + ".log");

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <array>
 #include <future>
 #include <map>
 #include <string>
@@ -113,15 +114,21 @@ TEST_CASE("data parallel with master weights: FP16 all-reduces the half gradient
   // (its gradient travels in the half buffer's unused slices).
   const std::vector<std::string> common{"--model", "mlp-ln", "--accum", "1", "--steps", "12", "--batch", "4",
                                         "--items", "1", "--overflow-rank", "1", "--overflow-window", "2"};
-  auto run = [&](const std::string& name, const char* precision, const char* reduce) {
+  // The four runs in one launch (the driver's --then).
+  Runs runs;
+  for (const auto& [name, precision, reduce] : std::vector<std::array<const char*, 3>>{
+           {"half", "fp16master", "half"}, {"fp32", "fp16master", "fp32"}, {"auto", "fp16master", "auto"},
+           {"bf16", "bf16master", "auto"}}) {
     auto a = common;
     a.insert(a.end(), {"--precision", precision, "--reduce", reduce});
-    run_two(dir / name, a);
+    runs.push_back({dir / name, a});
+  }
+  run_chain(2, runs);
+  auto run = [&](const std::string& name) {
     CHECK(torch::equal(params(dir / name, 0), params(dir / name, 1)));  // the ranks agree, bit for bit
     return summary(dir / name, 0);
   };
-  const auto half = run("half", "fp16master", "half"), fp32 = run("fp32", "fp16master", "fp32");
-  const auto automatic = run("auto", "fp16master", "auto"), bf16 = run("bf16", "bf16master", "auto");
+  const auto half = run("half"), fp32 = run("fp32"), automatic = run("auto"), bf16 = run("bf16");
   const std::int64_t numel = half["numel"], windows = 12;
   // Per window: the gradient (2 or 4 bytes per element) and the item count (4 bytes).
   CHECK(half["allreduce_bytes"] == windows * (numel * 2 + 4));
@@ -143,10 +150,12 @@ TEST_CASE("data parallel: all-reduce calls per optimizer step equal the buckets,
   testing::TempDir dir;
   // 212 parameters in a flat storage of 224 elements (each parameter starts 64-byte aligned):
   // 896 bytes in 256-byte buckets, 4 buckets.
+  const auto out_of = [&](const std::string& n) { return dir / ("n" + n); };
+  run_chain(2, {{out_of("1"), {"--accum", "1", "--steps", "4", "--bucket-bytes", "256"}},
+                {out_of("4"), {"--accum", "4", "--steps", "4", "--bucket-bytes", "256"}}});  // (one launch)
   for (const char* n : {"1", "4"}) {
     CAPTURE(n);
-    const std::string out = dir / (std::string("n") + n);
-    run_two(out, {"--accum", n, "--steps", "4", "--bucket-bytes", "256"});
+    const std::string out = out_of(n);
     for (int r = 0; r < 2; ++r) {
       const auto s = summary(out, r);
       CHECK(s["numel"] == 224);
@@ -159,16 +168,19 @@ TEST_CASE("data parallel: all-reduce calls per optimizer step equal the buckets,
 }
 
 TEST_CASE("data parallel: resume on every rank from the same checkpoint equals never stopping") {
-  testing::TempDir dir;
+  static const testing::TempDir dir;  // (the runs before the subcase, made once: doctest enters once per subcase)
   const std::vector<std::string> common{"--accum", "2", "--batch", "4", "--precision", "fp16"};
   auto with = [&](std::vector<std::string> more) {
     more.insert(more.begin(), common.begin(), common.end());
     return more;
   };
-  run_two(dir / "straight", with({"--steps", "8"}));
-  run_two(dir / "first", with({"--steps", "4", "--save", dir / "ckpt.pt"}));
+  // Straight through, the first half saving, and the resumed second half: one launch.
+  static const bool ran = (run_chain(2, {{dir / "straight", with({"--steps", "8"})},
+                                         {dir / "first", with({"--steps", "4", "--save", dir / "ckpt.pt"})},
+                                         {dir / "resumed", with({"--steps", "8", "--load", dir / "ckpt.pt"})}}),
+                           true);
+  REQUIRE(ran);
   CHECK(testing::file_exists(dir / "ckpt.pt"));
-  run_two(dir / "resumed", with({"--steps", "8", "--load", dir / "ckpt.pt"}));
   CHECK(torch::equal(params(dir / "resumed", 0), params(dir / "straight", 0)));
   CHECK(torch::equal(params(dir / "resumed", 1), params(dir / "straight", 1)));
 

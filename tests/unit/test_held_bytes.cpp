@@ -1,7 +1,7 @@
 // The bytes per rank predicted before launch (storage/held_bytes.hpp): ZeRO's formulas by stage
 // and world size, and, in one process, a trainer's prediction equal to what it measures it holds
 // after its first optimizer steps, for every precision, window and optimizer kind (the stages
-// over several ranks: test_sharding's "the bytes per rank each stage holds are predicted").
+// over several ranks: test_sharded_memory's "the bytes per rank each stage holds are predicted").
 #include "../support/helpers.hpp"
 
 #include <trainkit/storage/held_bytes.hpp>

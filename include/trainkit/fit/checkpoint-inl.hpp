@@ -257,11 +257,10 @@ std::string error_of(Work&& work) {
 // failure, or ""), and each throws alike: its own error, or that `others` failed.
 TRAINKIT_INLINE void agree_on_failure(Replicas& replicas, const std::string& error, const std::string& path,
                                       const std::string& others) {
-  std::vector<double> failed{error.empty() ? 0.0 : 1.0};
-  replicas.all_reduce(failed, Reduce::sum);
+  const auto failed = replicas.count_failures({!error.empty()});
   if (!error.empty()) throw CheckpointError(error);
   if (failed[0] > 0)
-    throw CheckpointError("cannot write checkpoint '" + path + "': " + std::to_string(static_cast<long long>(failed[0])) +
+    throw CheckpointError("cannot write checkpoint '" + path + "': " + std::to_string(failed[0]) +
                           " other rank(s) " + others + " (each says why); the previous checkpoints are intact");
 }
 
@@ -308,15 +307,14 @@ TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& train
   if (!failed_here.empty()) throw fail(failed_here);
   if (agreed[3] > 0) throw fail("the main rank could not write into '" + directory_ + "' (it says why)");
   s.token = static_cast<std::uint64_t>(agreed[0]);
-  std::vector<double> blind{sees_probe(probe, s.token) ? 0.0 : 1.0};
-  replicas.all_reduce(blind, Reduce::sum);
+  const auto blind = replicas.count_failures({!sees_probe(probe, s.token)});
   if (s.main) ::unlink(probe.c_str());
   if (blind[0] > 0 && agreed[1] != -agreed[2])
     throw fail("the ranks name different output directories (this rank's is '" + directory_ + "'); a checkpoint "
                "set's files meet in one directory that every rank shares: give every rank the same OUTPUT_PATH, or "
                "set TRAIN.CHECKPOINT_FORMAT: single");
   if (blind[0] > 0)
-    throw fail(std::to_string(static_cast<long long>(blind[0])) + " rank(s) do not see the files the main rank writes in '" +
+    throw fail(std::to_string(blind[0]) + " rank(s) do not see the files the main rank writes in '" +
                directory_ + "': a checkpoint set needs a directory every rank shares (one machine, or a shared file "
                "system); set TRAIN.CHECKPOINT_FORMAT: single to have the main rank write one file");
   if (count_write) detail::exit_after_writes().writing.fetch_add(1);  // (a second signal now waits for this file)

@@ -16,7 +16,6 @@
 /// sent inside a window. Sharded (TrainerOptions::sharding): a reduce-scatter of the same
 /// buckets, the slices' squared norms in one all-reduce, an all-gather of the updated
 /// parameters. Failures are the process group's (its file comment).
-#include <trainkit/detail/unit_schedule.hpp>
 #include <trainkit/parallel/process_group.hpp>
 #include <trainkit/step/replicas.hpp>
 
@@ -257,7 +256,7 @@ class DataParallel final : public Replicas {
   void all_reduce(std::vector<double>& values, Reduce op) override {
     // (In a stage-3 evaluation by unit, the ranks still forwarding are joined first: a task's
     // sum of its metrics after its forwards meets the same sum on every rank.)
-    detail::UnitRegistry::get().join_evaluations();
+    join_all();
     group_.all_reduce(values, op, "combining " + std::to_string(values.size()) + " values over the ranks");
   }
   void sum_counts(torch::Tensor& counts) override {

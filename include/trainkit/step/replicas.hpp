@@ -53,7 +53,8 @@
 ///   rank(), world_size(), is_main()   log and write checkpoints on the main rank only
 ///   all_reduce(values, op)        a few host scalars combined over the ranks (sum, mean or
 ///                                 max): metrics, counts, the ranks' agreement on a stop (one
-///                                 collective; every rank calls it with as many values)
+///                                 collective; every rank calls it with as many values). Every
+///                                 Joinable handed to join_before_all_reduce() joins first
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/partition.hpp>
 
@@ -65,6 +66,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace trainkit {
@@ -115,6 +117,18 @@ class Reduction {
   virtual GradientFactor finish() = 0;
 };
 
+/// What must take part in the other ranks' collectives before a collective of the task's own
+/// can pair up (PyTorch's Joinable): ZeRO stage 3's evaluation by unit, in which the ranks may
+/// forward different numbers of batches. A storage hands it to its replicas
+/// (Replicas::join_before_all_reduce); each all_reduce() joins it first.
+class Joinable {
+ public:
+  virtual ~Joinable() = default;
+  /// This rank's forwards are done until the next collective of the task's: take part in the
+  /// others' until every rank has come to that point. Nothing when nothing is open.
+  virtual void join() = 0;
+};
+
 /// See the file comment. Implementations: SingleProcess, tk::DataParallel (data_parallel.hpp).
 class Replicas {
  public:
@@ -142,6 +156,27 @@ class Replicas {
   virtual void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) = 0;
   /// `values` combined elementwise over the ranks by `op`, in place.
   virtual void all_reduce(std::vector<double>& values, Reduce op) = 0;
+  /// How many ranks failed at one point of an operation every rank makes (a load, a save), by
+  /// kind: `failed[k]`, this rank's failure of kind k. One all_reduce (a sum) of a few values;
+  /// every rank then throws alike. The one agreement on failure (Trainer::load, a checkpoint's
+  /// save).
+  std::vector<std::int64_t> count_failures(const std::vector<bool>& failed) {
+    std::vector<double> counts(failed.begin(), failed.end());
+    all_reduce(counts, Reduce::sum);
+    return std::vector<std::int64_t>(counts.begin(), counts.end());
+  }
+  /// `joinable` joins before each all_reduce() from now on, as long as it lives (held weakly).
+  void join_before_all_reduce(std::weak_ptr<Joinable> joinable) { joinables_.push_back(std::move(joinable)); }
+  /// all_reduce() as a Joinable's own collective (its announcements while it joins): no
+  /// Joinable joins first.
+  void all_reduce_while_joining(std::vector<double>& values, Reduce op) {
+    struct Own {  // (restored on every path)
+      bool& joining;
+      bool was = std::exchange(joining, true);
+      ~Own() { joining = was; }
+    } own{joining_};
+    all_reduce(values, op);
+  }
 
   // --- sharded storage (see the file comment) ---
   /// Bytes per bucket of the gradient's reduction (the partition's bucket size).
@@ -181,6 +216,25 @@ class Replicas {
     return [] {};
   }
   virtual torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) = 0;
+
+ protected:
+  /// Every live Joinable handed to join_before_all_reduce() joined (an implementation's
+  /// all_reduce() calls it before its collective); those gone are forgotten.
+  void join_all() {
+    if (joining_) return;
+    for (size_t i = 0; i < joinables_.size();) {
+      if (auto j = joinables_[i].lock()) {
+        j->join();
+        ++i;
+      } else {
+        joinables_.erase(joinables_.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    }
+  }
+
+ private:
+  std::vector<std::weak_ptr<Joinable>> joinables_;
+  bool joining_ = false;  // inside all_reduce_while_joining
 };
 
 /// One process: nothing to send, nothing to wait for.

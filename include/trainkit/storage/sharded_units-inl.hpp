@@ -20,6 +20,8 @@ TRAINKIT_INLINE void ShardedUnits::attach(torch::nn::Module& model) {
   storage_.lay_out(*this, model);
   // (The units launch their reductions from the backward's gathers, not from the hooks.)
   install_hooks(gathers_);
+  // An evaluation by unit joins the ranks still forwarding before a collective of the task's.
+  replicas_->join_before_all_reduce(gathers_);
 }
 
 TRAINKIT_INLINE void ShardedUnits::check_attach_again(bool masters) const {

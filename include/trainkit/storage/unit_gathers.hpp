@@ -43,7 +43,7 @@
 /// (its input) are written (settle_all: the update, a load); one its pass did not use is dropped.
 #include <trainkit/detail/partition.hpp>
 #include <trainkit/detail/released_storage.hpp>
-#include <trainkit/detail/unit_schedule.hpp>
+#include <trainkit/storage/unit_schedule.hpp>
 #include <trainkit/step/replicas.hpp>
 #include <trainkit/storage/readiness.hpp>
 
@@ -65,7 +65,7 @@
 
 namespace trainkit::detail {
 
-class UnitGathers final : public UnitSchedule, public GradientListener {
+class UnitGathers final : public UnitSchedule, public GradientListener, public Joinable {
  public:
   struct Unit {
     std::string name;                             ///< its module path ("" for the root unit)
@@ -296,18 +296,19 @@ class UnitGathers final : public UnitSchedule, public GradientListener {
     join_evaluation();
   }
   /// A rank whose forwards are done (at the evaluation's end, or before a collective of the
-  /// task's own: UnitRegistry::join_evaluations) gathers with the ranks still evaluating, unit by
-  /// unit as they announce them, until every rank has come to such a point (PyTorch's Join):
-  /// the ranks' shards of the validation set may hold different numbers of batches. A
-  /// collective.
+  /// task's own: the mode hands the gathers to its replicas as a Joinable, and all_reduce joins
+  /// them first) gathers with the ranks still evaluating, unit by unit as they announce them,
+  /// until every rank has come to such a point (PyTorch's Join): the ranks' shards of the
+  /// validation set may hold different numbers of batches. A collective.
   /// Only on the thread that opened the evaluation (another thread's collective is not its).
-  void join_evaluation() override {
+  void join_evaluation() {
     if (!evaluating_ || std::this_thread::get_id() != evaluation_thread_) return;
     for (std::int64_t u = announce(-1); u >= 0; u = announce(-1)) {
       gather(u);
       release(u);
     }
   }
+  void join() override { join_evaluation(); }
   bool evaluating() const override { return evaluating_; }
   /// The storage is gone: later calls (a graph outliving it) throw. A gather still in flight
   /// is waited for first (it writes into a buffer that goes with the storage).
@@ -354,13 +355,7 @@ class UnitGathers final : public UnitSchedule, public GradientListener {
     // The largest unit named and, negated, the smallest: equal when every evaluating rank
     // names the same one (a rank done names none).
     std::vector<double> said{static_cast<double>(u), u >= 0 ? -static_cast<double>(u) : -1e18};
-    {
-      struct Own {  // (no join inside this rank's own announcement)
-        bool was = std::exchange(in_evaluation_collective(), true);
-        ~Own() { in_evaluation_collective() = was; }
-      } own;
-      replicas_->all_reduce(said, Reduce::max);
-    }
+    replicas_->all_reduce_while_joining(said, Reduce::max);  // (no join inside this rank's own announcement)
     if (said[0] < 0) return -1;
     const auto first = static_cast<std::int64_t>(said[0]), second = static_cast<std::int64_t>(-said[1]);
     if (first != second) {
@@ -489,8 +484,8 @@ class UnitGathers final : public UnitSchedule, public GradientListener {
   std::vector<bool> wanted_;            // prefetch_after's: the units its chain names
   std::int64_t prefetch_ = 0, last_forward_ = -1, last_backward_ = -1, ahead_ = 0, ahead_backward_ = 0;
   bool reshard_ = true, backward_ = false;
-  // An evaluation by unit is open (read by UnitRegistry::join_evaluations from any thread that
-  // makes a collective; joined only on the thread that opened it).
+  // An evaluation by unit is open (read by the replicas' all_reduce, from any thread that makes
+  // one; joined only on the thread that opened it).
   std::atomic<bool> evaluating_{false};
   std::thread::id evaluation_thread_;
   double gather_seconds_ = 0;

@@ -39,7 +39,7 @@
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/detail/module_of.hpp>
 #include <trainkit/detail/rng_state.hpp>
-#include <trainkit/detail/unit_schedule.hpp>
+#include <trainkit/storage/unit_schedule.hpp>
 
 #include <ATen/Context.h>
 #include <ATen/autocast_mode.h>

@@ -41,6 +41,7 @@
 #include <trainkit/step/schedule.hpp>
 #include <trainkit/step/step_report.hpp>
 #include <trainkit/storage/storage.hpp>
+#include <trainkit/trainer/trainer_core.hpp>
 #include <trainkit/trainer/trainer_key.hpp>
 #include <trainkit/version.hpp>
 
@@ -64,133 +65,6 @@
 #include <vector>
 
 namespace trainkit {
-
-namespace detail {
-
-/// The host counters a data-parallel load compares across ranks: windows run, window position.
-torch::Tensor host_counters(std::int64_t windows, std::int64_t position);
-
-/// Host values as a 1-D tensor of `dtype` on `device`, with no host sync on a GPU.
-torch::Tensor device_values(const std::vector<double>& values, at::ScalarType dtype, torch::Device device);
-
-/// What every Trainer<P, A, C> shares and no policy changes: the options, the model and its
-/// device, the update rule, the LR schedule and its device table, the replicas, the counters and
-/// the window's loss; the checkpoint records of those, the checks of a checkpoint before a load,
-/// the loss check. Not a template: in the compiled mode (TRAINKIT_COMPILED_LIB) its definitions
-/// (trainer-inl.hpp) are compiled once. Trainer<P, A, C> adds the policies, the storage and the
-/// step.
-class TrainerCore : public AnyTrainer {
- public:
-  TRAINKIT_INLINE void set_schedule(std::shared_ptr<Schedule> schedule) override;
-  void schedule_changed() override { build_lr_table(std::max<std::int64_t>(1024, 2 * (windows_ + 1))); }
-  const Schedule& schedule() const override { return *schedule_; }
-  /// After an epoch's validation (the fit loop): hands `metric` to the schedule (plateau) and
-  /// rebuilds the LR table when the schedule changed. Returns whether it changed.
-  TRAINKIT_INLINE bool on_epoch_end(std::int64_t epoch, double metric) override;
-
-  /// rank(), world_size(), is_main() for the loop; all_reduce() for its metrics.
-  Replicas& replicas() override { return *replicas_; }
-  const Replicas& replicas() const override { return *replicas_; }
-
-  /// Optimizer phases run (applied + skipped); host value, no sync.
-  std::int64_t windows() const override { return windows_; }
-  /// Applied optimizer steps (device scalar; `.item()` syncs).
-  const torch::Tensor& applied_steps() const override { return applied_; }
-  const torch::Tensor& skipped_steps() const override { return skipped_; }
-  UpdateRule& update_rule() { return *rule_; }
-  bool allocate_optimizer_state() override {
-    for (auto* state : rule_->flat_states()) state->allocate();
-    return rule_->state_is_flat();
-  }
-  const TrainerOptions& options() const override { return options_; }
-  torch::nn::Module& model() override { return *module_; }
-  torch::Device device() const override { return device_; }
-  double base_lr() const override { return rule_->base_lr(); }
-  TRAINKIT_INLINE HeldBytes predicted_held() const override;
-  /// The ZeRO stage the update runs at: the option's, or 0 where the replicas do not
-  /// communicate (one process).
-  TRAINKIT_INLINE int sharding_stage() const override;
-
- protected:
-  TrainerCore(TrainerOptions options, std::shared_ptr<torch::nn::Module> module);
-  /// The end of Trainer's construction, once the storage exists: the update rule, the counters
-  /// and the constant schedule. `half_autocast`: the forward autocasts to float16, which a CPU
-  /// runs slowly; said once per process.
-  void start(std::unique_ptr<UpdateRule> rule, bool half_autocast = false);
-
-  // Checkpoint records of the shared state (Trainer::write_state and read_state put the
-  // policies' and the storage's between them).
-  void write_meta(torch::serialize::OutputArchive& archive) const;
-  void write_buffers(torch::serialize::OutputArchive& archive) const;
-  void write_counters(torch::serialize::OutputArchive& archive) const;
-  void write_schedule_and_generators(torch::serialize::OutputArchive& archive) const;
-  void read_buffers(torch::serialize::InputArchive& archive);
-  void read_counters(torch::serialize::InputArchive& archive);
-  void read_window_loss(torch::serialize::InputArchive& archive);
-  void read_schedule_and_generators(torch::serialize::InputArchive& archive);
-  /// Before load() changes anything: the checkpoint's trainer type and optimizer are this
-  /// trainer's, and every parameter and buffer of the model is in it with its shape. Throws
-  /// naming `source` and the first mismatch.
-  void check_checkpoint(torch::serialize::InputArchive& archive, const std::string& source) const;
-  /// held_bytes(): the bytes of the distinct storages among `tensors` (the storage's buffers),
-  /// the model's parameters and gradients and the rule's flat state.
-  TRAINKIT_INLINE std::int64_t distinct_bytes(std::vector<torch::Tensor> tensors) const;
-  /// storage_shape(): the rule's fp32 values per parameter (none counted for a torch::optim
-  /// optimizer's own state) and the window's length.
-  TRAINKIT_INLINE StorageShape shape_of(bool master_weights) const;
-  /// The error of an optimizer state the rule cannot read (`prefix` names the archive).
-  [[noreturn]] void refuse_optimizer_state(torch::serialize::InputArchive& archive, const std::string& prefix,
-                                           const std::exception& e) const;
-  /// The error of memory that ran out in the optimizer phase (it cannot be replayed).
-  [[noreturn]] void optimizer_phase_out_of_memory(const std::exception& e) const;
-
-  /// The loss a closure returned: defined, requiring grad, one element (or, in a window of
-  /// loss terms, one per term).
-  void check_loss(const torch::Tensor& loss) const;
-  /// begin_window's work that no policy changes: the terms' counts summed over the ranks and
-  /// turned into their weights (terms_).
-  void count_terms(const std::vector<std::int64_t>& items);
-  /// The records of an open window of loss terms (a checkpoint inside a window), and back
-  /// (read_terms leaves terms_ empty where the archive has none: a window of one loss value).
-  void write_terms(torch::serialize::OutputArchive& archive) const;
-  void read_terms(torch::serialize::InputArchive& archive);
-  /// The phase's divisor without loss scaling, a device scalar remade only when its value
-  /// changes (1 in every full window; item-weighted or partial windows vary).
-  const torch::Tensor& constant(double value);
-  void ensure_lr_table() {
-    if (windows_ + 1 >= lr_table_.size(0)) build_lr_table(2 * (windows_ + 1));
-  }
-  /// The schedule evaluated on the host for every applied-step position up to `size`, moved to
-  /// the device once; the step indexes it with the device-resident applied count.
-  void build_lr_table(std::int64_t size);
-
-  TrainerOptions options_;
-  std::shared_ptr<torch::nn::Module> module_;
-  torch::Device device_;
-  std::unique_ptr<UpdateRule> rule_;
-  std::shared_ptr<Schedule> schedule_;
-  std::shared_ptr<Replicas> replicas_ = std::make_shared<SingleProcess>();
-  std::vector<torch::Tensor> lrs_;
-  torch::Tensor lr_table_;
-  torch::Tensor applied_, skipped_, window_loss_;
-  torch::Tensor constant_;  // constant()
-  double constant_value_ = 0.0;
-  std::int64_t windows_ = 0;
-  /// The open window's loss terms (begin_window); none (items empty) when its loss is one value.
-  /// In such a window window_loss_ holds the terms' sums so far, one per term.
-  struct Terms {
-    std::vector<std::int64_t> items;  // this rank's items of each term in the window
-    torch::Tensor weights;            // 1 / (each term's items over every rank), fp32, on the device
-    torch::Tensor local_weights;      // 1 / (this rank's items of each term): the report's loss
-    std::int64_t micro_batches = 0;   // the micro-batches counted: the window may not run more
-    bool active() const { return !items.empty(); }
-  } terms_;
-
- private:
-  static torch::Device first_device(torch::nn::Module& module);
-};
-
-}  // namespace detail
 
 /// A training configuration as a type. See the file comment for use; docs/design/optimizer-phase.md
 /// for semantics.
@@ -312,88 +186,31 @@ class Trainer final : public detail::TrainerCore {
   /// summed already; the fit loop then replays that micro-batch alone, in smaller pieces, and
   /// every rank's collectives still line up. Throws where the failed backward had sent
   /// buckets to the other ranks (TrainerOptions::overlap_reduction).
-  void discard_micro_batch() override {
-    TORCH_CHECK(storage_.reduces_each_micro_batch(), "discard_micro_batch: the gradient is reduced once per window "
-                "here (not Sharding::gradients with several ranks): discard the window (discard_window)");
-    storage_.discard_micro_batch();
-    accumulation_.load_state(started_.accumulation);
-    window_loss_ = started_.window_loss;
-  }
+  void discard_micro_batch() override;
 
   /// Discards the open window: its gradient, loss and item count, as if none of its
   /// micro-batches had run (the fit loop, before replaying a window after an out-of-memory
   /// error). Parameters, optimizer state, counters and the schedule are untouched. The loss
   /// terms' counts of begin_window stay: a replay runs the same micro-batches (and calling
   /// begin_window again would be a collective the other ranks do not make).
-  void discard_window() override {
-    storage_.zero();
-    accumulation_.discard();
-  }
+  void discard_window() override;
 
   /// End of epoch: handle a partial window by TrainerOptions::partial_window
   /// (docs/design/optimizer-phase.md).
   /// Returns the report when an optimizer phase ran.
-  std::optional<StepReport> flush() override {
-    if (accumulation_.position() == 0) return std::nullopt;
-    switch (options_.partial_window()) {
-      case PartialWindow::flush:
-        return close_window();
-      case PartialWindow::span:
-        return std::nullopt;
-      case PartialWindow::drop:
-        storage_.zero();
-        window_loss_ = torch::zeros({}, window_loss_.options());
-        accumulation_.reset();
-        terms_ = {};
-        return std::nullopt;
-    }
-    return std::nullopt;
-  }
+  std::optional<StepReport> flush() override;
 
   /// Data parallel (replicas.hpp): attaches the other ranks; every rank's parameters and
   /// buffers become rank 0's now, and phase 5 sums the gradients once per window. Call it on
   /// every rank, between windows, before load(). The default is SingleProcess. With
   /// TrainerOptions::sharding and more than one rank the optimizer's state then covers this
   /// rank's slices only: call it before the first optimizer step.
-  void set_replicas(std::shared_ptr<Replicas> replicas) override {
-    TORCH_CHECK(replicas != nullptr, "set_replicas: the replicas are null (use tk::SingleProcess)");
-    TORCH_CHECK(accumulation_.position() == 0, "set_replicas: a window is open (",
-                accumulation_.position(), " micro-batches); attach between windows");
-    const bool was_sharded = storage_.sharded();
-    if (options_.sharding() != Sharding::none && replicas->communicates() && windows_ > 0)
-      throw std::logic_error("set_replicas: with sharding (TrainerOptions::sharding, TRAIN.ZERO_STAGE) the optimizer's "
-                             "state is cut by rank: attach the replicas before the first optimizer step (" +
-                             std::to_string(windows_) + " have run), then load() a checkpoint to continue");
-    replicas_ = std::move(replicas);
-    if (storage_.attach(*replicas_, *module_) || was_sharded)
-      for (auto* state : rule_->flat_states()) state->resize(storage_.state_numel());
-  }
+  void set_replicas(std::shared_ptr<Replicas> replicas) override;
   void allocate_gradient() override { storage_.allocate_gradient(); }
   /// One forward+backward of `closure` as a micro-step runs it, its gradient then dropped
   /// (AnyTrainer::trial_backward): phases 1-3 with weight 1 in a window that opens and is
   /// discarded.
-  void trial_backward(const LossClosure& closure) override {
-    TORCH_CHECK(accumulation_.position() == 0, "trial_backward: a window is open (", accumulation_.position(),
-                " micro-batches of ", accumulation_.window(), "); measure between windows");
-    const auto window_loss = window_loss_;
-    try {
-      const torch::Tensor loss = forward(closure);
-      const detail::BackwardDone done{/*closes=*/false, /*micro_batch_ends=*/true, window_weights()};
-      backward(loss, 1.0, /*first_of_window=*/true, done);
-      storage_.backward_done(done);
-    } catch (...) {
-      window_loss_ = window_loss;
-      // (A reduction already sent cannot be dropped, and discard_window says so: the error
-      // that stopped the trial is the one to report.)
-      try {
-        discard_window();
-      } catch (const std::exception&) {
-      }
-      throw;
-    }
-    discard_window();
-    window_loss_ = window_loss;
-  }
+  void trial_backward(const LossClosure& closure) override;
   // --- state ----------------------------------------------------------------------------
   /// Micro-batches in the current, open window.
   std::int64_t window_position() const override { return accumulation_.position(); }
@@ -464,47 +281,11 @@ class Trainer final : public detail::TrainerCore {
   /// with other parameter names or shapes, is refused before anything changes (the message
   /// names `source` and the first mismatch). A failure after that (an optimizer state that
   /// does not fit, ranks that loaded different states) leaves the trainer partly loaded:
-  /// load(path) and the checkpoint manager put the previous state back.
-  void load(torch::serialize::InputArchive& archive, const std::string& source) override {
-    storage_.check_loadable(source);  // (stage 3: refused while every unit is held gathered)
-    check_checkpoint(archive, source);
-    std::exception_ptr failure;
-    bool damaged = false;
-    try {
-      read_state(archive, "checkpoint '" + source + "': ", /*snapshot=*/false);
-    } catch (const detail::DamagedArchive&) {
-      failure = std::current_exception();
-      damaged = true;
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    // Data parallel: a rank that could not read its part (a damaged piece of a set, which that
-    // rank alone reads) fails every rank's load alike, before the collective below; damage as
-    // damage, so that every rank can go back to an older checkpoint together.
-    std::vector<double> failed{damaged ? 1.0 : 0.0, failure && !damaged ? 1.0 : 0.0};
-    replicas_->all_reduce(failed, Reduce::sum);
-    // Every rank throws the same kind: damage (which a resume may skip for an older checkpoint)
-    // only when damage was every failure.
-    const auto ranks = [](double n) { return std::to_string(static_cast<long long>(n)) + " rank(s)"; };
-    if (failed[1] > 0) {
-      if (failure && !damaged) std::rethrow_exception(failure);
-      throw std::runtime_error("checkpoint '" + source + "': " + ranks(failed[1]) + " could not load their part of it" +
-                               (damaged ? " (and this rank found its part damaged)" : "") +
-                               " (each says why); nothing was loaded");
-    }
-    if (failure) std::rethrow_exception(failure);
-    if (failed[0] > 0) throw detail::DamagedArchive(source, ranks(failed[0]) + " found their part of it damaged (each names the file)");
-    storage_.after_load();  // (stage 3: the root unit from the slices every rank read)
-    // Every rank loads the whole state it holds; check that they loaded the same.
-    replicas_->check_same_state({storage_.replicated_state(), applied_, skipped_, precision_.scale(),
-                                 detail::host_counters(windows_, accumulation_.position())},
-                                "checkpoint '" + source + "': the ranks loaded different training states");
-  }
+  /// load(path) and the checkpoint manager put the previous state back. (trainer_records.hpp)
+  void load(torch::serialize::InputArchive& archive, const std::string& source) override;
   /// A snapshot() of this trainer back (the rollback of a failed load): no checks, no
   /// collectives.
-  void restore(torch::serialize::InputArchive& snapshot) override {
-    read_state(snapshot, "restoring the state before a failed load: ", /*snapshot=*/true);
-  }
+  void restore(torch::serialize::InputArchive& snapshot) override;
 
  protected:
   MicroStepResult run_micro_step(const LossClosure& loss, std::int64_t items) override {
@@ -516,54 +297,11 @@ class Trainer final : public detail::TrainerCore {
 
  private:
   // The records of every part, in this order: the shared ones (TrainerCore) around the
-  // storage's and the policies'.
-  void write_state(torch::serialize::OutputArchive& archive, bool snapshot) const {
-    write_meta(archive);
-    {
-      torch::NoGradGuard no_grad;
-      if (snapshot) storage_.snapshot(archive, *module_, *rule_);
-      else storage_.save(archive, *module_, *rule_);
-    }
-    write_buffers(archive);
-    rule_->save(archive);
-    precision_.save(archive);
-    write_counters(archive);
-    accumulation_.save(archive);
-    // A checkpoint inside a window (span) keeps the partial gradient; at a boundary it is 0.
-    if (accumulation_.position() > 0) {
-      storage_.save_window(archive, snapshot);
-      detail::write_tensor(archive, "window.loss", window_loss_);
-      if (terms_.active()) write_terms(archive);
-    }
-    write_schedule_and_generators(archive);
-  }
-
+  // storage's and the policies' (trainer_records.hpp).
+  void write_state(torch::serialize::OutputArchive& archive, bool snapshot) const;
   // Sets the trainer's state from the records save() wrote (checked by check_checkpoint
   // first), or from a snapshot() of this trainer's. `prefix` names the archive in errors.
-  void read_state(torch::serialize::InputArchive& archive, const std::string& prefix, bool snapshot) {
-    read_buffers(archive);
-    try {
-      if (snapshot) storage_.restore(archive, *module_, *rule_);
-      else storage_.load(archive, *module_, *rule_);
-      rule_->load(archive);
-    } catch (const detail::DamagedArchive&) {
-      throw;  // (damage, not another optimizer's state)
-    } catch (const std::exception& e) {
-      refuse_optimizer_state(archive, prefix, e);
-    }
-    precision_.load(archive);
-    read_counters(archive);
-    accumulation_.load(archive);
-    terms_ = {};
-    if (accumulation_.position() > 0) {
-      storage_.load_window(archive, snapshot);
-      read_window_loss(archive);
-      read_terms(archive);  // (when the window's loss was terms)
-    } else {
-      storage_.zero();
-    }
-    read_schedule_and_generators(archive);
-  }
+  void read_state(torch::serialize::InputArchive& archive, const std::string& prefix, bool snapshot);
 
   static TrainerOptions validated(TrainerOptions options) {
     options.validate();
@@ -820,6 +558,5 @@ class Trainer final : public detail::TrainerCore {
 
 }  // namespace trainkit
 
-#ifndef TRAINKIT_COMPILED_LIB
-#include <trainkit/trainer/trainer-inl.hpp>
-#endif
+#include <trainkit/trainer/trainer_records.hpp>
+#include <trainkit/trainer/trainer_windows.hpp>

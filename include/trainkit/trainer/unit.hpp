@@ -40,7 +40,7 @@
 /// tk::recompute(layer, x); }, x)` recomputes the forward in the unit's backward, after
 /// before_backward, with the parameters gathered.
 #include <trainkit/detail/module_of.hpp>
-#include <trainkit/detail/unit_schedule.hpp>
+#include <trainkit/storage/unit_schedule.hpp>
 
 #include <torch/nn/module.h>
 #include <torch/types.h>

@@ -29,9 +29,6 @@ class UnitSchedule {
   /// Whether an evaluation by unit is open (a call outside a step then gathers its unit, with
   /// before_forward and after_forward).
   virtual bool evaluating() const { return false; }
-  /// In an evaluation by unit, before a collective of the task's own: this rank's forwards are
-  /// done until then; it gathers with the ranks still forwarding until every rank is there.
-  virtual void join_evaluation() {}
 };
 
 /// The schedule of the forward running on this thread (null: none).
@@ -52,13 +49,6 @@ class UnitScheduleScope {
  private:
   std::shared_ptr<UnitSchedule> previous_;
 };
-
-/// True on this thread while a stage-3 schedule makes its own collective of an evaluation by
-/// unit (its announcements): UnitRegistry::join_evaluations does nothing inside it.
-inline bool& in_evaluation_collective() {
-  thread_local bool on = false;
-  return on;
-}
 
 /// The stage-3 schedules alive in this process (a storage registers its own while it shards
 /// parameters). `count` is read on every tk::unit call outside a step: zero in a process that
@@ -86,20 +76,6 @@ struct UnitRegistry {
     }
     schedules = std::move(kept);
     count = static_cast<int>(schedules.size());
-  }
-  /// Before a collective of the task's own (DataParallel::all_reduce: a sum of its metrics):
-  /// every live schedule in an evaluation by unit joins the ranks still forwarding first
-  /// (UnitSchedule::join_evaluation), so that the collective meets the same collective on every
-  /// rank. One atomic load when no schedule is alive.
-  void join_evaluations() {
-    if (count.load(std::memory_order_relaxed) == 0 || in_evaluation_collective()) return;
-    std::vector<std::shared_ptr<UnitSchedule>> live;
-    {
-      const std::lock_guard<std::mutex> lock(mutex);
-      for (const auto& w : schedules)
-        if (auto p = w.lock()) live.push_back(std::move(p));
-    }
-    for (const auto& s : live) s->join_evaluation();
   }
   /// The schedule whose unit `module` is, and the unit; {null, -1} when none.
   std::pair<std::shared_ptr<UnitSchedule>, std::int64_t> find(const torch::nn::Module& module) {

@@ -1,7 +1,7 @@
 #pragma once
-/// The definitions of trainkit/trainer/trainer.hpp (header-only: included by it; compiled mode:
-/// by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
-#include <trainkit/trainer/trainer.hpp>
+/// The definitions of trainkit/trainer/trainer_core.hpp (header-only: included by it; compiled
+/// mode: by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
+#include <trainkit/trainer/trainer_core.hpp>
 
 #include <unordered_set>
 
