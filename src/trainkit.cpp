@@ -18,6 +18,7 @@
 #include <trainkit/detail/zip_check-inl.hpp>
 #include <trainkit/fit/callbacks-inl.hpp>
 #include <trainkit/fit/checkpoint-inl.hpp>
+#include <trainkit/fit/checkpoint_writes-inl.hpp>
 #include <trainkit/fit/memory-inl.hpp>
 #include <trainkit/fit/metrics-inl.hpp>
 #include <trainkit/fit/run_log-inl.hpp>

@@ -43,19 +43,20 @@ TRAINKIT_INLINE std::string archive_bytes(torch::serialize::OutputArchive& archi
 }
 
 TRAINKIT_INLINE std::size_t write_atomically(
-    const std::string& path, const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce) {
+    const std::string& path, const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce,
+    const std::string& what) {
   const auto dir = directory_of(path);
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-    throw std::runtime_error("cannot write checkpoint '" + path + "': directory '" + dir +
+    throw std::runtime_error("cannot write " + what + " '" + path + "': directory '" + dir +
                              "' does not exist");
   if (::access(dir.c_str(), W_OK) != 0)
-    throw std::runtime_error("cannot write checkpoint '" + path + "': directory '" + dir +
+    throw std::runtime_error("cannot write " + what + " '" + path + "': directory '" + dir +
                              "' is not writable (" + std::strerror(errno) + ")");
   TemporaryFile tmp(path + ".tmp." + std::to_string(::getpid()));
   const int fd = ::open(tmp.path().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0)
-    throw std::runtime_error("cannot write checkpoint '" + path + "': cannot create '" + tmp.path() +
+    throw std::runtime_error("cannot write " + what + " '" + path + "': cannot create '" + tmp.path() +
                              "': " + std::strerror(errno));
   // The archive goes through a writer function, not save_to(path): LibTorch's file writer
   // throws from its destructor on a failed write (a full disk), which terminates the process.
@@ -80,7 +81,7 @@ TRAINKIT_INLINE std::size_t write_atomically(
   if (error == 0 && ::fsync(fd) != 0) error = errno;
   if (::close(fd) != 0 && error == 0) error = errno;
   if (error != 0)
-    throw std::runtime_error("cannot write checkpoint '" + path + "': " + std::strerror(error) +
+    throw std::runtime_error("cannot write " + what + " '" + path + "': " + std::strerror(error) +
                              " while writing '" + tmp.path() + "'" +
                              (error == ENOSPC || error == EDQUOT || error == EFBIG ? " (disk full?)" : "") +
                              "; the file under that name, if any, is unchanged");

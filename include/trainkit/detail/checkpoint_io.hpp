@@ -51,7 +51,8 @@ class TemporaryFile {
 /// The file `path` written atomically from what `produce` hands its sink (the bytes in order);
 /// returns its size.
 std::size_t write_atomically(const std::string& path,
-                             const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce);
+                             const std::function<void(const std::function<size_t(const void*, size_t)>&)>& produce,
+                             const std::string& what = "checkpoint");
 std::size_t write_archive_atomically(torch::serialize::OutputArchive& archive, const std::string& path);
 /// An archive's file, already serialized (archive_bytes), written atomically.
 std::size_t write_bytes_atomically(const std::string& bytes, const std::string& path);

@@ -72,10 +72,8 @@ TRAINKIT_INLINE std::optional<ShardHeader> read_header(const std::string& path, 
 TRAINKIT_INLINE std::size_t write_shard(const std::string& name, std::int64_t rank, std::int64_t world,
                                         std::uint64_t token, const std::vector<RecordChunk>& chunks) {
   const std::string path = shard_path(name, rank, world);
-  nlohmann::ordered_json header;
-  header["__metadata__"] = nlohmann::ordered_json::object();
+  std::vector<SafetensorsEntry> entries;
   auto places = nlohmann::json::array();
-  std::uint64_t offset = 0;
   for (const auto& c : chunks) {
     const char* dtype = safetensors_dtype(c.data.scalar_type());
     if (dtype == nullptr)
@@ -88,25 +86,15 @@ TRAINKIT_INLINE std::size_t write_shard(const std::string& name, std::int64_t ra
     const auto n = static_cast<std::uint64_t>(c.data.nbytes());
     Crc32 crc;
     crc.update(static_cast<const unsigned char*>(c.data.data_ptr()), n);
-    header[key] = {{"dtype", dtype},
-                   {"shape", whole ? c.shape : std::vector<std::int64_t>{c.data.numel()}},
-                   {"data_offsets", {offset, offset + n}}};
+    entries.push_back({key, dtype, whole ? c.shape : std::vector<std::int64_t>{c.data.numel()}, c.data.data_ptr(), n});
     places.push_back({{"key", key}, {"record", c.record}, {"offset", c.offset}, {"shape", c.shape}, {"crc32", crc.value()}});
-    offset += n;
   }
-  header["__metadata__"] = {{"format", "pt"},
-                            {"trainkit.token", token_text(token)},
-                            {"trainkit.rank", std::to_string(rank)},
-                            {"trainkit.world_size", std::to_string(world)},
-                            {"trainkit.chunks", places.dump()}};
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-  const std::uint64_t length = text.size();
-  return write_atomically(path, [&](const std::function<size_t(const void*, size_t)>& sink) {
-    sink(&length, 8);
-    sink(text.data(), text.size());
-    for (const auto& c : chunks) sink(c.data.data_ptr(), c.data.nbytes());
-  });
+  const nlohmann::ordered_json metadata = {{"format", "pt"},
+                                           {"trainkit.token", token_text(token)},
+                                           {"trainkit.rank", std::to_string(rank)},
+                                           {"trainkit.world_size", std::to_string(world)},
+                                           {"trainkit.chunks", places.dump()}};
+  return write_safetensors_file(path, metadata, entries, "checkpoint");
 }
 
 TRAINKIT_INLINE std::size_t write_index(const std::string& name, std::int64_t world, std::uint64_t token,

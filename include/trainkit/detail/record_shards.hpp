@@ -8,6 +8,7 @@
 /// archive's tensor records from it, so every reader (the trainer, the storages, the policies)
 /// reads a set as it reads a single file, and a storage reads only the ranges its rank holds.
 #include <trainkit/detail/inline.hpp>
+#include <trainkit/detail/safetensors.hpp>
 #include <trainkit/detail/zip_check.hpp>
 
 #include <c10/core/ScalarType.h>
@@ -23,29 +24,6 @@
 #include <vector>
 
 namespace trainkit::detail {
-
-/// safetensors' names of the dtypes it holds.
-struct SafetensorsType {
-  const char* name;
-  c10::ScalarType type;
-};
-inline constexpr SafetensorsType kSafetensorsTypes[] = {
-    {"F64", c10::ScalarType::Double}, {"F32", c10::ScalarType::Float},  {"F16", c10::ScalarType::Half},
-    {"BF16", c10::ScalarType::BFloat16}, {"I64", c10::ScalarType::Long}, {"I32", c10::ScalarType::Int},
-    {"I16", c10::ScalarType::Short},  {"I8", c10::ScalarType::Char},    {"U8", c10::ScalarType::Byte},
-    {"BOOL", c10::ScalarType::Bool}};
-/// nullptr when safetensors has no name for `type`.
-inline const char* safetensors_dtype(c10::ScalarType type) {
-  for (const auto& t : kSafetensorsTypes)
-    if (t.type == type) return t.name;
-  return nullptr;
-}
-/// Undefined when `name` is none of safetensors' dtypes.
-inline c10::ScalarType safetensors_scalar_type(const std::string& name) {
-  for (const auto& t : kSafetensorsTypes)
-    if (name == t.name) return t.type;
-  return c10::ScalarType::Undefined;
-}
 
 /// A checkpoint whose bytes fail a check (truncated, a CRC-32 wrong, an index that does not
 /// describe its files).

@@ -38,6 +38,7 @@
 #include <trainkit/detail/checkpoint_io.hpp>
 #include <trainkit/detail/checkpoint_set.hpp>
 #include <trainkit/detail/zip_check.hpp>
+#include <trainkit/fit/fit_options.hpp>
 #include <trainkit/fit/metrics.hpp>
 
 #include <ATen/Context.h>
@@ -160,20 +161,6 @@ class DirectoryLock {
   std::string path_;
   int fd_ = -1;
 };
-
-/// How a checkpoint is written (TRAIN.CHECKPOINT_FORMAT).
-enum class CheckpointFormat {
-  automatic,  ///< a set when the update is sharded over several ranks, else one file
-  single,     ///< one file: the main rank gathers the sharded state and writes it
-  sharded,    ///< a set: every rank writes its own pieces (one rank: a set of one file)
-};
-/// TRAIN.CHECKPOINT_FORMAT's names: "auto", "single", "sharded".
-inline CheckpointFormat checkpoint_format_of(const std::string& name) {
-  if (name == "single") return CheckpointFormat::single;
-  if (name == "sharded") return CheckpointFormat::sharded;
-  if (name == "auto") return CheckpointFormat::automatic;
-  throw std::invalid_argument("checkpoint format '" + name + "': use auto, single or sharded");
-}
 
 namespace detail {
 struct BackgroundWrite;
@@ -365,4 +352,5 @@ class CheckpointManager {
 
 #ifndef TRAINKIT_COMPILED_LIB
 #include <trainkit/fit/checkpoint-inl.hpp>
+#include <trainkit/fit/checkpoint_writes-inl.hpp>
 #endif

@@ -36,6 +36,7 @@
 #include <trainkit/fit/run_log.hpp>
 #include <trainkit/fit/memory.hpp>
 #include <trainkit/fit/metrics.hpp>
+#include <trainkit/fit/prefetcher.hpp>
 #include <trainkit/step/replicas.hpp>
 #include <trainkit/fit/task.hpp>
 
@@ -80,52 +81,6 @@ struct FitResult {
 };
 
 namespace detail {
-
-/// Micro-batches made ahead on worker threads (FitOptions::workers): while the step runs, up to
-/// `workers` of the epoch's next positions are being made. next(epoch, index) returns that
-/// position's batch, made on this thread when it was not ahead (an epoch's first, a resume's);
-/// an exception of task.batch surfaces there, for its own position. Batches in flight when the
-/// loop ends are waited for and dropped.
-template <class Batch>
-class Prefetcher {
- public:
-  using Make = std::function<Batch(std::int64_t, std::int64_t)>;
-  Prefetcher(const Make& make, std::int64_t workers) : make_(make), workers_(static_cast<std::size_t>(workers)) {}
-  Prefetcher(const Prefetcher&) = delete;
-  Prefetcher& operator=(const Prefetcher&) = delete;
-  ~Prefetcher() { drop(); }
-
-  Batch next(std::int64_t epoch, std::int64_t index, std::int64_t batches) {
-    if (workers_ == 0) return make_(epoch, index);
-    if (!ahead_.empty() && (ahead_.front().epoch != epoch || ahead_.front().index != index)) drop();
-    if (ahead_.empty()) {
-      top_up(epoch, index + 1, batches);
-      return make_(epoch, index);
-    }
-    std::future<Batch> batch = std::move(ahead_.front().batch);
-    ahead_.pop_front();
-    top_up(epoch, index + 1, batches);
-    return batch.get();
-  }
-
- private:
-  struct Ahead {
-    std::int64_t epoch, index;
-    std::future<Batch> batch;
-  };
-  void top_up(std::int64_t epoch, std::int64_t from, std::int64_t batches) {
-    std::int64_t index = ahead_.empty() ? from : ahead_.back().index + 1;
-    for (; ahead_.size() < workers_ && index < batches; ++index)
-      ahead_.push_back({epoch, index, std::async(std::launch::async, [this, epoch, index] { return make_(epoch, index); })});
-  }
-  void drop() {
-    for (auto& a : ahead_) a.batch.wait();  // their errors are not this position's
-    ahead_.clear();
-  }
-  const Make& make_;
-  std::size_t workers_;
-  std::deque<Ahead> ahead_;
-};
 
 /// One run of the loop; fit() below builds it and calls run(). Compiled once per Batch type,
 /// whatever the trainer's configuration (it sees the trainer as AnyTrainer).
@@ -313,97 +268,14 @@ class FitLoop {
 
   // 1. Resume, by TRAIN.RESUME / AUTO_RESUME. Returns where training starts. The checkpoint's
   // configuration is checked before anything is loaded.
-  FitPosition resume() {
-    const FitPosition begin{options_.begin_epoch(), 0};
-    if (!options_.resume() && !options_.auto_resume()) return begin;
-    std::optional<CheckpointManager::Opened> opened;
-    const bool named = options_.resume() && options_.begin_epoch() > 0;
-    if (named) {
-      opened = checkpoints_.open(checkpoints_.epoch_path(options_.begin_epoch() - 1));
-    } else {
-      opened = checkpoints_.open_newest();
-      if (!opened && options_.resume())
-        throw std::runtime_error("TRAIN.RESUME: no complete checkpoint '" + options_.prefix() + "-*.ckpt' in '" +
-                                 options_.output_path() + "' to resume from");
-    }
-    std::vector<std::string> without;  // callbacks the checkpoint has no state for
-    while (opened) {
-      check_resume_changes(opened->state.config_json, opened->path);  // before anything changes
-      check_world_size(opened->state, opened->path);
-      try {
-        without = checkpoints_.restore(*opened, trainer_, callbacks_.state);
-        break;
-      } catch (const detail::DamagedArchive& e) {
-        // Damage found as the state was read (a set's piece; every rank learns it in the load):
-        // the trainer is as it was, and every rank goes back to the previous checkpoint alike.
-        if (named) throw;
-        say("trainkit: skipping checkpoint '" + opened->path + "': " + detail::first_line_of(e) + "; trying the previous one");
-        opened = checkpoints_.open_newest(std::cerr, opened->path);
-      }
-    }
-    if (!opened && options_.resume())
-      throw std::runtime_error("TRAIN.RESUME: no checkpoint in '" + options_.output_path() + "' loads (each damaged one "
-                               "is said above)");
-    if (!opened) return begin;
-    const LoopState& saved = opened->state;
-    for (const auto& name : without)
-      say("trainkit: the checkpoint has no state for the callback '" + name + "' (written without it): it starts afresh");
-    if (terms() && trainer_.window_position() > 0 && !trainer_.window_has_terms())
-      throw std::runtime_error("fit: '" + opened->path + "' was written inside a window (PARTIAL_WINDOW: span) whose loss "
-                               "was one value, and this task's loss is terms (task.terms): the window's gradient cannot go "
-                               "on with them. Resume from a checkpoint at a window's boundary, or set TRAIN.PARTIAL_WINDOW: flush");
-    finished_ = saved.finished;
-    // The last epoch's means and validation, as the run that wrote it reported them (a run
-    // with nothing left to train reports these).
-    result_.train = state_.train = saved.train;
-    result_.validation = state_.validation = saved.validation;
-    pieces_.resume_with(saved.piece_items);
-    metrics_ = saved.metrics;
-    logged_ = saved.logged;
-    if (saved.seed != options_.seed())
-      std::cerr << "trainkit: warning: '" << opened->path << "' was written by a run with RNG_SEED " << saved.seed
-                << ", this run has " << options_.seed() << "; data drawn from the seed will differ from the "
-                << "interrupted run's (set RNG_SEED: " << saved.seed << " to continue it exactly)\n";
-    state_.position = saved.position;
-    if (saved.best_metric == state_.best_metric) {
-      state_.best_value = saved.best_value;
-      state_.best_path = saved.best_path;
-    }
-    result_.resumed_from = opened->path;
-    say("trainkit: resumed from '" + opened->path + "' at epoch " + std::to_string(saved.position.epoch) +
-        ", micro-batch " + std::to_string(saved.position.index) + " (optimizer step " +
-        std::to_string(trainer_.windows()) + ")");
-    return saved.position;
-  }
+  FitPosition resume();
 
   // A run a callback finished (early stopping) trains no further: true, said. A finished job run
   // again (resumed at END_EPOCH) is said; its loop then runs no epoch.
-  bool nothing_to_train(FitPosition start) {
-    if (!finished_.empty()) {
-      result_.finished = true;
-      result_.message = "trainkit: nothing to train: the run in '" + options_.output_path() + "' finished at epoch " +
-                        std::to_string(start.epoch) + " (" + finished_ + "; '" + result_.resumed_from +
-                        "' is marked finished); start afresh in another directory (--model-dir)";
-      say(result_.message);
-      return true;
-    }
-    if (!result_.resumed_from.empty() && start.epoch >= options_.end_epoch()) {
-      result_.message = "trainkit: nothing to train: '" + result_.resumed_from + "' is at epoch " +
-                        std::to_string(start.epoch) + " and TRAIN.END_EPOCH is " + std::to_string(options_.end_epoch()) +
-                        "; raise TRAIN.END_EPOCH to train on, or start afresh in another directory (--model-dir)";
-      say(result_.message);
-    }
-    return false;
-  }
+  bool nothing_to_train(FitPosition start);
 
   // The optimizer windows from `start` to the run's end (the progress line's ETA).
-  std::int64_t windows_from(FitPosition start) const {
-    const std::int64_t n = trainer_.window_length();
-    std::int64_t total = 0;
-    for (std::int64_t epoch = start.epoch; epoch < options_.end_epoch(); ++epoch)
-      total += (task_.batches_per_epoch(epoch) + n - 1) / n - (epoch == start.epoch ? start.index / n : 0);
-    return total;
-  }
+  std::int64_t windows_from(FitPosition start) const;
 
   // With more than one rank, the RNG (CPU, and the trainer's GPU) is seeded from the position:
   // dropout masks and anything task.batch draws are a pure function of (seed, rank, epoch,
@@ -621,93 +493,23 @@ class FitLoop {
     return true;
   }
 
-  void write_checkpoint(bool epoch_end) {
-    if (!saves()) {
-      // A sharded update in one file: every rank sends its slices to the main rank's archive.
-      if (options_.write_files() && trainer_.saves_collectively()) {
-        torch::serialize::OutputArchive discarded;
-        trainer_.save(discarded);
-      }
-      return;
-    }
-    // The loop's running sums, so that a resumed epoch's means and logs equal the straight
-    // run's. Data parallel, inside an epoch: the mean over the ranks of their running sums,
-    // which the log window this checkpoint follows has just computed (logged_). Every rank
-    // resumes with it, and every later mean over the ranks is then the uninterrupted run's.
-    state_.finished = finished_;
-    state_.piece_items = pieces_.piece_items();
-    state_.world_size = trainer_.replicas().world_size();
-    state_.total_batch = options_.total_batch();
-    state_.metrics = !single() && state_.position.index > 0 ? Metrics::from_totals(logged_) : metrics_;
-    state_.logged = logged_;
-    if (options_.background_checkpoints()) background_checked(/*wait=*/true);  // (the previous one, or its error)
-    try {
-      if (options_.background_checkpoints()) {
-        result_.checkpoints.push_back(checkpoints_.save_in_background(trainer_, state_, epoch_end, callbacks_.state));
-      } else {
-        result_.checkpoints.push_back(checkpoints_.save(trainer_, state_, epoch_end, callbacks_.state));
-        log_->report("checkpoint '" + result_.checkpoints.back() + "' written");
-      }
-    } catch (const CheckpointError& e) {
-      throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + ", micro-batch " +
-                            std::to_string(state_.position.index) + " (optimizer step " +
-                            std::to_string(trainer_.windows()) + "): " + e.what());
-    }
-  }
+  void write_checkpoint(bool epoch_end);
 
   // A background checkpoint that finished (with `wait`: the one in flight, waited for) is said
   // written; one that failed stops the run here, naming the file (the checkpoints before it
   // are complete).
-  void background_checked(bool wait) {
-    std::optional<CheckpointManager::Written> done;
-    try {
-      done = wait ? checkpoints_.wait_background() : checkpoints_.background_done();
-    } catch (const CheckpointError& e) {
-      throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + " (optimizer step " +
-                            std::to_string(trainer_.windows()) + "): " + e.what());
-    }
-    if (done)
-      log_->report("checkpoint '" + done->path + "' written (" + detail::short_number(static_cast<double>(done->bytes) / (1 << 20)) +
-                   " MiB in " + detail::short_number(done->seconds) + " s, in the background)");
-  }
+  void background_checked(bool wait);
 
   // The checkpoint's resolved configuration against this run's: a key that changes the
   // trajectory is refused with every difference (TRAIN.RESUME_CHANGES: allow lets it through,
   // said once); keys of length, rhythm, place and evaluation change freely.
-  void check_resume_changes(const std::string& saved_json, const std::string& path) {
-    if (saved_json.empty() || options_.config_json().empty()) return;  // not written from a configuration
-    const auto changes = resume_changes(saved_json, options_.config_json());
-    if (changes.empty()) return;
-    std::string listed;
-    for (const auto& c : changes) listed += "\n  " + c.key + ": " + c.before + " -> " + c.after;
-    if (!options_.allow_resume_changes())
-      throw ConfigError("TRAIN.RESUME_CHANGES", "the checkpoint '" + path + "' was written with another configuration, and these keys change "
-                                                    "the training trajectory (checkpoint -> this run):" + listed +
-                                                    "\nResume with the checkpoint's values, start in a new directory (--model-dir), or set "
-                                                    "TRAIN.RESUME_CHANGES: allow (--set TRAIN.RESUME_CHANGES=allow) to continue with this run's");
-    say("trainkit: resuming with a changed configuration (TRAIN.RESUME_CHANGES: allow), checkpoint -> this run:" + listed);
-  }
+  void check_resume_changes(const std::string& saved_json, const std::string& path);
 
   // A checkpoint of another world size resumes when the total batch is the same: the data
   // sampler gives W ranks of batch B, micro-batch by micro-batch, the samples one process of
   // batch W x B sees, so the position (epoch, micro-batch) means the same samples. Otherwise the
   // schedule and the per-sample LR would change under the run: refused.
-  void check_world_size(const LoopState& saved, const std::string& path) {
-    const std::int64_t world = trainer_.replicas().world_size();
-    if (saved.world_size <= 0 || saved.world_size == world) return;
-    const std::string by = "'" + path + "' was written by " + std::to_string(saved.world_size) + " process" +
-                           (saved.world_size > 1 ? "es" : "") + ", this run has " + std::to_string(world);
-    if (saved.total_batch > 0 && options_.total_batch() > 0 && saved.total_batch != options_.total_batch())
-      throw ConfigError("TRAIN.TARGET_BATCH",
-                        by + ", and its total batch was " + std::to_string(saved.total_batch) + " samples per optimizer "
-                        "step where this run's is " + std::to_string(options_.total_batch()) + " (world size x "
-                        "BATCH_IMAGES x GRAD_ACCUMULATE_STEPS); set TRAIN.TARGET_BATCH: " + std::to_string(saved.total_batch) +
-                        " to keep it (the batch per process is then derived), or start a new run");
-    say("trainkit: " + by + "; the total batch of " + std::to_string(saved.total_batch) + " samples is kept, the data go "
-        "on at the checkpoint's micro-batch, and " + (world > 1 ? "each process draws its random numbers by position "
-        "as a run of " + std::to_string(world) + " processes does" : "the random generators continue from the "
-        "checkpoint's (the main rank's)"));
-  }
+  void check_world_size(const LoopState& saved, const std::string& path);
 
   FitResult stop(int signal) {
     FitResult r = finish();
@@ -787,3 +589,5 @@ FitResult fit(AnyTrainer& trainer, Task<Batch>& task, const FitOptions& options,
 }
 
 }  // namespace trainkit
+
+#include <trainkit/fit/fit_checkpoints.hpp>

@@ -2,8 +2,6 @@
 /// The fit loop's run-time settings (FitOptions), with fluent setters as TrainerOptions.
 /// tk::RunPlan (plan.hpp) fills them from a validated configuration.
 
-#include <trainkit/fit/checkpoint.hpp>
-
 #include <torch/arg.h>
 
 #include <cstdint>
@@ -16,6 +14,20 @@
 #include <vector>
 
 namespace trainkit {
+
+/// How a checkpoint is written (TRAIN.CHECKPOINT_FORMAT; CheckpointManager, checkpoint.hpp).
+enum class CheckpointFormat {
+  automatic,  ///< a set when the update is sharded over several ranks, else one file
+  single,     ///< one file: the main rank gathers the sharded state and writes it
+  sharded,    ///< a set: every rank writes its own pieces (one rank: a set of one file)
+};
+/// TRAIN.CHECKPOINT_FORMAT's names: "auto", "single", "sharded".
+inline CheckpointFormat checkpoint_format_of(const std::string& name) {
+  if (name == "single") return CheckpointFormat::single;
+  if (name == "sharded") return CheckpointFormat::sharded;
+  if (name == "auto") return CheckpointFormat::automatic;
+  throw std::invalid_argument("checkpoint format '" + name + "': use auto, single or sharded");
+}
 
 /// Run-time settings of the loop; RunPlan::from(config).fit has them from a configuration.
 struct FitOptions {

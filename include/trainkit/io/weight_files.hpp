@@ -10,6 +10,7 @@
 //                 it (torch::pickle_save's files need torch.jit globals that it refuses).
 // Tensors come back on the CPU, in file order. Little-endian hosts only (as LibTorch).
 #include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/detail/safetensors.hpp>
 
 #include <caffe2/serialize/inline_container.h>
 #include <nlohmann/json.hpp>
@@ -47,31 +48,16 @@ inline std::string read_whole_file(const std::string& path, const std::string& w
   return bytes;
 }
 
-/// Writes `bytes` to `path` through a temporary file renamed over it (as checkpoints are).
+/// Writes `bytes` to `path` atomically (detail::write_atomically, as checkpoints are: a temporary
+/// file, fsync, rename, the directory's fsync); `what` names the file in errors.
 inline void write_file_atomically(const std::string& path, const std::string& what, const char* bytes, std::size_t n) {
-  TemporaryFile tmp(path + ".tmp." + std::to_string(::getpid()));
-  const int fd = ::open(tmp.path().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error("cannot write " + what + " '" + path + "': " + std::strerror(errno));
-  int error = 0;
-  for (std::size_t done = 0; done < n && error == 0;) {
-    const ssize_t k = ::write(fd, bytes + done, n - done);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) error = k < 0 ? errno : EIO;
-    else done += static_cast<std::size_t>(k);
-  }
-  if (error == 0 && ::fsync(fd) != 0) error = errno;
-  if (::close(fd) != 0 && error == 0) error = errno;
-  if (error != 0)
-    throw std::runtime_error("cannot write " + what + " '" + path + "': " + std::strerror(error) +
-                             "; the file under that name, if any, is unchanged");
-  if (::rename(tmp.path().c_str(), path.c_str()) != 0)
-    throw std::runtime_error("cannot rename '" + tmp.path() + "' to '" + path + "': " + std::strerror(errno));
-  tmp.release();
+  write_atomically(
+      path, [&](const std::function<size_t(const void*, size_t)>& sink) { sink(bytes, n); }, what);
 }
 
 // --- safetensors ------------------------------------------------------------------------------
 
-// (The dtype names: detail/record_shards.hpp, which checkpoint sets share.)
+// (The dtype names and the writer: detail/safetensors.hpp, which checkpoint sets share.)
 
 inline bool looks_like_safetensors(const std::string& head, std::uint64_t file_size) {
   if (head.size() < 9 || file_size < 10) return false;
@@ -126,29 +112,18 @@ inline NamedTensors read_safetensors(const std::string& path) {
 }
 
 inline void write_safetensors(const std::string& path, const NamedTensors& tensors) {
-  nlohmann::ordered_json header;
-  header["__metadata__"] = {{"format", "pt"}};
   std::vector<torch::Tensor> contiguous;
-  std::uint64_t offset = 0;
+  std::vector<SafetensorsEntry> entries;
   for (const auto& [name, t] : tensors) {
     const char* dtype = safetensors_dtype(t.scalar_type());
     if (dtype == nullptr)
       throw std::invalid_argument("cannot write '" + name + "' to safetensors file '" + path + "': dtype " +
                                   std::string(c10::toString(t.scalar_type())) + " has no safetensors name");
     contiguous.push_back(t.detach().to(torch::kCPU).contiguous());
-    const auto n = static_cast<std::uint64_t>(contiguous.back().nbytes());
-    header[name] = {{"dtype", dtype}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + n}}};
-    offset += n;
+    const auto& c = contiguous.back();
+    entries.push_back({name, dtype, t.sizes().vec(), c.data_ptr(), static_cast<std::uint64_t>(c.nbytes())});
   }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
-  std::string bytes(8, '\0');
-  const std::uint64_t header_size = text.size();
-  std::memcpy(bytes.data(), &header_size, 8);
-  bytes += text;
-  bytes.reserve(bytes.size() + offset);
-  for (const auto& t : contiguous) bytes.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  write_file_atomically(path, "safetensors file", bytes.data(), bytes.size());
+  write_safetensors_file(path, {{"format", "pt"}}, entries, "safetensors file");
 }
 
 // --- torch.save's state_dict ------------------------------------------------------------------
