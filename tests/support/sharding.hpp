@@ -75,26 +75,76 @@ struct Case {
   std::vector<std::string> args;
 };
 
-// One run of `args` per stage at `world` ranks, each saving its checkpoint: the records and
-// rank 0's summary per stage; every rank ends with the same parameters (stage 3: its root unit).
+// A run of the driver at `world` ranks that saved its checkpoint: the records, rank 0's summary,
+// the checkpoint's path.
+struct SavedRun {
+  std::map<std::string, torch::Tensor> state;
+  nlohmann::json s;
+  std::string ckpt;
+};
+
+// The runs the tests compare, each made once per process (doctest enters a test case once per
+// subcase, and several subcases compare against one run), in a directory that lives as long.
+inline std::map<std::string, SavedRun>& saved_runs() {
+  static std::map<std::string, SavedRun> runs;
+  return runs;
+}
+inline std::string run_key(int world, const std::vector<std::string>& args) {
+  std::string key = std::to_string(world);
+  for (const auto& a : args) key += '\x1f' + a;
+  return key;
+}
+
+// The runs of `configs` (each the driver's arguments but --out and --save) at `world` ranks that
+// were not made yet, made in one launch (a chain); every rank of each ends with the same
+// parameters, bit for bit (stage 3: its root unit).
+inline void make_runs(int world, const std::vector<std::vector<std::string>>& configs) {
+  static const testing::TempDir dir;
+  auto& saved = saved_runs();
+  Runs chain;
+  std::vector<std::string> keys;
+  for (const auto& args : configs) {
+    const auto key = run_key(world, args);
+    if (saved.count(key) || std::find(keys.begin(), keys.end(), key) != keys.end()) continue;
+    const std::string out = dir / ("run" + std::to_string(saved.size() + keys.size()));
+    chain.push_back({out, with(args, {"--save", out + ".ckpt"})});
+    keys.push_back(key);
+  }
+  if (chain.empty()) return;
+  run_chain(world, chain);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const std::string& out = chain[i].first;
+    for (int r = 1; r < world; ++r) CHECK(torch::equal(params(out, r), params(out, 0)));  // bit for bit
+    saved[keys[i]] = {records(out + ".ckpt", kState), summary(out, 0), out + ".ckpt"};
+  }
+}
+inline const SavedRun& saved_run(int world, const std::vector<std::string>& args) {
+  make_runs(world, {args});
+  return saved_runs().at(run_key(world, args));
+}
+
+// `args` at each of `stages` (--sharding), made in one launch where not made already.
+inline std::vector<std::vector<std::string>> at_stages(const std::vector<std::string>& args, const std::vector<int>& stages) {
+  std::vector<std::vector<std::string>> out;
+  for (const int stage : stages) out.push_back(with(args, {"--sharding", std::to_string(stage)}));
+  return out;
+}
+
+// One run of `args` per stage at `world` ranks, each saving its checkpoint: the records, rank 0's
+// summary and the checkpoint per stage.
 struct StageRuns {
   std::map<int, std::map<std::string, torch::Tensor>> state;
   std::map<int, nlohmann::json> s;
+  std::map<int, std::string> ckpt;
 };
-inline StageRuns run_stages(const testing::TempDir& dir, int world, const std::vector<std::string>& args,
-                     const std::vector<int>& stages) {
+inline StageRuns run_stages(int world, const std::vector<std::string>& args, const std::vector<int>& stages) {
+  make_runs(world, at_stages(args, stages));
   StageRuns runs;
-  Runs chain;  // (one launch: the stages one after another)
-  const auto out_of = [&](int stage) { return std::string(dir / ("stage" + std::to_string(stage))); };
-  for (const int stage : stages)
-    chain.push_back({out_of(stage), with(args, {"--sharding", std::to_string(stage), "--save", out_of(stage) + ".ckpt"})});
-  run_chain(world, chain);
   for (const int stage : stages) {
-    const std::string out = out_of(stage);
-    const std::string ckpt = out + ".ckpt";
-    runs.state[stage] = records(ckpt, kState);
-    runs.s[stage] = summary(out, 0);
-    for (int r = 1; r < world; ++r) CHECK(torch::equal(params(out, r), params(out, 0)));  // bit for bit
+    const auto& r = saved_run(world, with(args, {"--sharding", std::to_string(stage)}));
+    runs.state[stage] = r.state;
+    runs.s[stage] = r.s;
+    runs.ckpt[stage] = r.ckpt;
   }
   return runs;
 }

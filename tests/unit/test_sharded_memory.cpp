@@ -52,18 +52,23 @@ TEST_CASE("stage 3 runs micro-batches as pieces: the ranks agree on each one's n
                                      "--precision", "fp32", "--items", "1", "--count-rows", "1"};
   for (const int world : {2, 3}) {
     SUBCASE((std::to_string(world) + " ranks").c_str()) {
-      const auto run = [&](const std::string& name, const std::string& stage, const std::string& piece_items) {
+      // The four runs in one launch (the driver's --then); the stand-ins are said in its log.
+      const auto args = [&](const std::string& name, const std::string& stage, const std::string& piece_items) {
         const std::string out = dir / name;
-        run_ranks(world, out, with(fit, {"--fit", out + "-out", "--sharding", stage, "--piece-items", piece_items,
-                                         "--save", out + ".ckpt"}));
-        std::vector<nlohmann::json> s;
-        for (int r = 0; r < world; ++r) s.push_back(summary(out, r));
-        return std::make_pair(records(out + ".ckpt", kState), s);
+        return std::make_pair(out, with(fit, {"--fit", out + "-out", "--sharding", stage, "--piece-items", piece_items,
+                                              "--save", out + ".ckpt"}));
       };
-      const auto [replicated, sr] = run("replicated", "0", "1");
-      const auto [pieces, sp] = run("pieces", "3", "1");
-      const auto [whole, sw] = run("whole", "3", "0");
-      const auto replicated_whole = run("replicated-whole", "0", "0").first;
+      run_chain(world, {args("pieces", "3", "1"), args("replicated", "0", "1"), args("whole", "3", "0"),
+                        args("replicated-whole", "0", "0")});
+      const auto run = [&](const std::string& name) {
+        std::vector<nlohmann::json> s;
+        for (int r = 0; r < world; ++r) s.push_back(summary(dir / name, r));
+        return std::make_pair(records(dir / (name + ".ckpt"), kState), s);
+      };
+      const auto [replicated, sr] = run("replicated");
+      const auto [pieces, sp] = run("pieces");
+      const auto [whole, sw] = run("whole");
+      const auto replicated_whole = run("replicated-whole").first;
       // The bound: how far the replicated run in these pieces is from itself with whole
       // micro-batches (fp32 summation order, which AdamW's normalised steps carry over 6
       // windows at 2 ranks, 4 at 3; measured 2.1e-6 at 2 ranks, 5.4e-7 at 3), and no less than 1e-6.
@@ -100,14 +105,17 @@ TEST_CASE("stage 3 runs micro-batches as pieces: the ranks agree on each one's n
     // The replicated run adds each piece's half gradient into an fp32 sum, as stage 3 adds it
     // into its units' fp32 gradients; both reduce in fp32. (Stage 2 with master weights sums a
     // micro-batch's pieces in the half gradient before its reduce-scatter: 1.5e-2 from both here.)
-    const auto run = [&](const std::string& name, const std::string& stage) {
+    const auto args = [&](const std::string& name, const std::string& stage) {
       const std::string out = dir / name;
-      run_ranks(2, out, with(fit, {"--fit", out + "-out", "--sharding", stage, "--piece-items", "1", "--precision",
-                                   "fp16master", "--reduce", "fp32", "--save", out + ".ckpt"}));
-      return std::make_pair(records(out + ".ckpt", kState), summary(out, 1));
+      return std::make_pair(out, with(fit, {"--fit", out + "-out", "--sharding", stage, "--piece-items", "1",
+                                            "--precision", "fp16master", "--reduce", "fp32", "--save", out + ".ckpt"}));
     };
-    const auto [replicated, r1] = run("master-replicated", "0");
-    const auto [stage3, s3] = run("master-stage3", "3");
+    run_chain(2, {args("master-replicated", "0"), args("master-stage3", "3")});  // (one launch)
+    const auto run = [&](const std::string& name) {
+      return std::make_pair(records(dir / (name + ".ckpt"), kState), summary(dir / name, 1));
+    };
+    const auto [replicated, r1] = run("master-replicated");
+    const auto [stage3, s3] = run("master-stage3");
     const double diff = compare(stage3, replicated);
     MESSAGE("2 ranks, FP16 master weights in pieces of 1 item: stage 3 against the replicated run " << diff);
     CHECK(diff <= 1e-6);  // (measured: 4.0e-7)
@@ -119,14 +127,17 @@ TEST_CASE("stage 3 runs micro-batches as pieces: the ranks agree on each one's n
     // Rank 1's items count 0 in every window's first micro-batch (--zero-items-rank): their rows
     // weigh nothing in either run, and rank 1 runs them whole, as the replicated run does, then
     // 3 stand-ins (a row of the micro-batch cut in 4).
-    const auto run = [&](const std::string& name, const std::string& stage) {
+    const auto args = [&](const std::string& name, const std::string& stage) {
       const std::string out = dir / name;
-      run_ranks(2, out, with(fit, {"--fit", out + "-out", "--sharding", stage, "--piece-items", "1", "--zero-items-rank",
-                                   "1", "--save", out + ".ckpt"}));
-      return std::make_pair(records(out + ".ckpt", kState), summary(out, 1));
+      return std::make_pair(out, with(fit, {"--fit", out + "-out", "--sharding", stage, "--piece-items", "1",
+                                            "--zero-items-rank", "1", "--save", out + ".ckpt"}));
     };
-    const auto [replicated, r1] = run("replicated-none", "0");
-    const auto [pieces, p1] = run("pieces-none", "3");
+    run_chain(2, {args("replicated-none", "0"), args("pieces-none", "3")});  // (one launch)
+    const auto run = [&](const std::string& name) {
+      return std::make_pair(records(dir / (name + ".ckpt"), kState), summary(dir / name, 1));
+    };
+    const auto [replicated, r1] = run("replicated-none");
+    const auto [pieces, p1] = run("pieces-none");
     const double diff = compare(pieces, replicated);
     MESSAGE("2 ranks, rank 1 without items, stage 3 in pieces against the replicated run: " << diff);
     CHECK(diff <= 1e-6);

@@ -40,11 +40,21 @@ TEST_CASE("stage 3: parameters sharded by unit, gathered for each forward and ba
                                          "--overflow-window", "2"}},
       {"FP32, N = 1, reduced after the backward", {"--precision", "fp32", "--accum", "1", "--overlap", "0"}},
   };
+  // Every case's runs in one launch per world size (the subcases read them); at 3 ranks also
+  // FP16's stage 2 with the whole model in one bucket.
+  const auto one_bucket = with(with(common, cases[1].args), {"--bucket-bytes", "4096", "--sharding", "2"});
+  for (const int world : {2, 3}) {
+    std::vector<std::vector<std::string>> all;
+    for (const auto& c : cases)
+      for (auto& args : at_stages(with(common, c.args), {0, 3})) all.push_back(std::move(args));
+    if (world == 3) all.push_back(one_bucket);
+    make_runs(world, all);
+  }
   for (const auto& c : cases) {
     for (const int world : {2, 3}) {
       SUBCASE((std::string(c.name) + ", " + std::to_string(world) + " ranks").c_str()) {
         const auto args = with(common, c.args);
-        auto [state, s] = run_stages(dir, world, args, {0, 3});
+        auto [state, s, ckpt] = run_stages(world, args, {0, 3});
         // Stage 3 gathers fc1 and fc2 for every forward and every backward: 4 all-gathers a
         // micro-batch, and between steps the model holds the root unit's parameters alone.
         const auto micro_batches = s[3]["windows"].get<std::int64_t>();  // (at least one each)
@@ -64,9 +74,7 @@ TEST_CASE("stage 3: parameters sharded by unit, gathered for each forward and ba
         // with 64; the replicated run against itself with other buckets, 1.9e-7.)
         double tolerance = 1e-6;
         if (world == 3 && std::string(c.name).find("FP16") != std::string::npos) {
-          const std::string out = dir / "stage2";
-          run_ranks(world, out, with(args, {"--bucket-bytes", "4096", "--sharding", "2", "--save", out + ".ckpt"}));
-          const auto stage2 = records(out + ".ckpt", kState);
+          const auto& stage2 = saved_run(world, one_bucket).state;
           const double floor = compare(stage2, state[0]);
           MESSAGE(std::string(c.name) << ", 3 ranks, stage 2 in one bucket against the replicated run: " << floor
                                       << "; stage 3 against it: " << compare(state[3], stage2));
@@ -95,10 +103,20 @@ TEST_CASE("stage 3 with master weights: half units gathered from the fp32 master
                                                 "--overflow-window", "1", "--reduce", "fp32"}},
       {"BF16 master weights, N = 1", {"--precision", "bf16master", "--accum", "1", "--reduce", "fp32"}},
   };
+  // Every case's runs in one launch per world size (the subcases read them); at 3 ranks also
+  // FP16's stage 2 with the whole model in one bucket.
+  const auto one_bucket = with(with(common, cases[0].args), {"--bucket-bytes", "4096", "--sharding", "2"});
+  for (const int world : {2, 3}) {
+    std::vector<std::vector<std::string>> all;
+    for (const auto& c : cases)
+      for (auto& args : at_stages(with(common, c.args), {0, 2, 3})) all.push_back(std::move(args));
+    if (world == 3) all.push_back(one_bucket);
+    make_runs(world, all);
+  }
   for (const auto& c : cases) {
     for (const int world : {2, 3}) {
       SUBCASE((std::string(c.name) + ", " + std::to_string(world) + " ranks").c_str()) {
-        auto [state, s] = run_stages(dir, world, with(common, c.args), {0, 2, 3});
+        auto [state, s, ckpt] = run_stages(world, with(common, c.args), {0, 2, 3});
         const auto micro_batches = s[3]["windows"].get<std::int64_t>();
         CHECK(s[3]["unit_gathers"].get<std::int64_t>() >= 4 * micro_batches);
         CHECK(s[3]["gradient_bytes"].get<std::int64_t>() == 0);
@@ -121,9 +139,7 @@ TEST_CASE("stage 3 with master weights: half units gathered from the fp32 master
         // itself, 2.9e-4 for stage 3 against stage 2; every other case under 5e-7.)
         double tolerance = 1e-6;
         if (world == 3 && std::string(c.name).find("FP16") != std::string::npos) {
-          const std::string out = dir / "one-bucket";
-          run_ranks(world, out, with(with(common, c.args), {"--bucket-bytes", "4096", "--sharding", "2", "--save", out + ".ckpt"}));
-          const double floor = compare(records(out + ".ckpt", kState), state[2]);
+          const double floor = compare(saved_run(world, one_bucket).state, state[2]);
           MESSAGE(std::string(c.name) << ", 3 ranks: stage 2 in one bucket against stage 2: " << floor);
           CHECK(floor > 1e-5);  // (the order shows)
           tolerance = 3 * floor;
@@ -137,9 +153,9 @@ TEST_CASE("stage 3 with master weights: half units gathered from the fp32 master
         // ranks, and stage 2's at stage 3, the records bit for bit.
         if (world == 2) {
           const auto args = with(common, c.args);
-          reloads_to(dir, args, 3, "3", dir / "stage3.ckpt", state[3]);
-          reloads_to(dir, args, 2, "2", dir / "stage3.ckpt", state[3]);
-          reloads_to(dir, args, 3, "3", dir / "stage2.ckpt", state[2]);
+          reloads_to(dir, args, 3, "3", ckpt[3], state[3]);
+          reloads_to(dir, args, 2, "2", ckpt[3], state[3]);
+          reloads_to(dir, args, 3, "3", ckpt[2], state[2]);
         }
       }
     }
