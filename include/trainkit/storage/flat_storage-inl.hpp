@@ -135,7 +135,7 @@ TRAINKIT_INLINE void FlatStorage::save_values(torch::serialize::OutputArchive& a
   // split the model over the ranks), the main rank the frozen ones (and the empty ones, which no
   // slice covers).
   for (const auto& e : placement_.parameters()) {
-    for (const auto& p : mode.pieces(e))
+    for (const auto& p : mode.slices_of(e))
       detail::write_piece("model.param." + e.name, e.param.sizes(), p.from, params_.narrow(0, e.offset + p.from, p.length));
     if (e.param.numel() == 0 && set->main()) detail::write_piece("model.param." + e.name, e.param.sizes(), 0, e.param);
   }

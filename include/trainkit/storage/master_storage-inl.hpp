@@ -259,7 +259,7 @@ TRAINKIT_INLINE void MasterStorage::index_kept(const detail::ShardingMode& mode)
   for (size_t i = 0; i < placed.size(); ++i) {
     if (!kept_[i]) continue;
     const auto& e = placed[i];
-    for (const auto& p : mode.pieces(e))
+    for (const auto& p : mode.slices_of(e))
       for (std::int64_t j = 0; j < p.length; ++j) {
         local_positions.push_back(p.at + j);
         kept_positions.push_back(at + p.from + j);

@@ -37,12 +37,12 @@ TRAINKIT_INLINE void ShardingMode::read_local(torch::serialize::InputArchive& ar
   if (const auto* set = ShardReads::of(archive)) {
     // Only this rank's pieces, read from the set's files.
     for (const auto& e : placed)
-      for (const auto& p : pieces(e)) set->read_range(prefix + e.name, p.from, p.length, local.narrow(0, p.at, p.length));
+      for (const auto& p : slices_of(e)) set->read_range(prefix + e.name, p.from, p.length, local.narrow(0, p.at, p.length));
     return;
   }
   for (const auto& e : placed) {
     const auto saved = read_tensor(archive, prefix + e.name).reshape({-1});
-    for (const auto& p : pieces(e)) local.narrow(0, p.at, p.length).copy_(saved.narrow(0, p.from, p.length));
+    for (const auto& p : slices_of(e)) local.narrow(0, p.at, p.length).copy_(saved.narrow(0, p.from, p.length));
   }
 }
 

@@ -60,9 +60,9 @@ struct BackwardDone {
 /// (the whole buffer, a chunk of it, or one of this rank's slices).
 using UpdatePart = std::function<void(const std::vector<ParamGroup>&, torch::Tensor&)>;
 
-/// A part of a parameter that this rank holds: `at` in this rank's local buffers, `from` in the
-/// parameter (flattened), `length` elements.
-struct Piece {
+/// A parameter's part of this rank's slices (the whole parameter when replicated): `at` in this
+/// rank's local buffers, `from` in the parameter (flattened), `length` elements.
+struct ParameterSlice {
   std::int64_t at = 0, from = 0, length = 0;
 };
 
@@ -118,8 +118,8 @@ class ShardingMode {
   /// The records `prefix` + name into `local` (from a set, only this rank's byte ranges).
   /// Throws naming the first record that is missing or misshapen, before anything is copied.
   void read_local(torch::serialize::InputArchive& archive, const std::string& prefix, const torch::Tensor& local) const;
-  /// The parts of placed parameter `e` this rank holds in its local layout.
-  virtual std::vector<Piece> pieces(const PlacedParameter& e) const = 0;
+  /// The parts of placed parameter `e` this rank holds in its local layout (its slices).
+  virtual std::vector<ParameterSlice> slices_of(const PlacedParameter& e) const = 0;
 
   // --- the units (ZeRO stage 3); the other modes have none ------------------------------------
   /// The trainer's forward starts: the schedule its tk::unit calls use, or null.

@@ -29,7 +29,7 @@ class Replicated final : public ShardingMode {
   const torch::Tensor& replicated_state() const override;
   void write_local(torch::serialize::OutputArchive& archive, const std::string& prefix,
                    const torch::Tensor& local) const override;
-  std::vector<Piece> pieces(const PlacedParameter& e) const override { return {{e.offset, 0, e.param.numel()}}; }
+  std::vector<ParameterSlice> slices_of(const PlacedParameter& e) const override { return {{e.offset, 0, e.param.numel()}}; }
 
  private:
   // Also the records of trainkit 0.1, which held the state per group, packed (optim.<kind>.<g>).

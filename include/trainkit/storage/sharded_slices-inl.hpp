@@ -26,14 +26,14 @@ TRAINKIT_INLINE void ShardedSlices::gradient_pieces(std::vector<torch::Tensor>& 
                                                     std::vector<std::int64_t>& owners) const {
   if (!local_grad_.defined()) return;
   for (const auto& e : storage_.placement().parameters())
-    for (const auto& p : this->pieces(e)) {
+    for (const auto& p : slices_of(e)) {
       pieces.push_back(local_grad_.narrow(0, p.at, p.length));
       owners.push_back(e.order);
     }
 }
 
-TRAINKIT_INLINE std::vector<Piece> ShardedSlices::pieces(const PlacedParameter& e) const {
-  std::vector<Piece> out;
+TRAINKIT_INLINE std::vector<ParameterSlice> ShardedSlices::slices_of(const PlacedParameter& e) const {
+  std::vector<ParameterSlice> out;
   const Range p{e.offset, e.param.numel()};
   for (std::int64_t b = 0; b < partition_.buckets(); ++b) {
     const Range s = partition_.slice(b);
@@ -48,7 +48,7 @@ TRAINKIT_INLINE void ShardedSlices::write_local(torch::serialize::OutputArchive&
   const auto& placed = storage_.placement().parameters();
   if (const auto* set = ShardedWrites::of(archive)) {
     for (const auto& e : placed) {
-      for (const auto& p : pieces(e)) write_piece(prefix + e.name, e.param.sizes(), p.from, local.narrow(0, p.at, p.length));
+      for (const auto& p : slices_of(e)) write_piece(prefix + e.name, e.param.sizes(), p.from, local.narrow(0, p.at, p.length));
       if (e.param.numel() == 0 && set->main()) write_piece(prefix + e.name, e.param.sizes(), 0, local.narrow(0, 0, 0));
     }
     return;

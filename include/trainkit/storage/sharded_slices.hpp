@@ -25,7 +25,7 @@ class ShardedSlices : public ShardingMode {
   void held_tensors(std::vector<torch::Tensor>& out) const override { out.insert(out.end(), {local_grad_, scratch_}); }
   void write_local(torch::serialize::OutputArchive& archive, const std::string& prefix,
                    const torch::Tensor& local) const override;
-  std::vector<Piece> pieces(const PlacedParameter& e) const override;
+  std::vector<ParameterSlice> slices_of(const PlacedParameter& e) const override;
   void check_attach_again(bool masters) const override;
 
  protected:
