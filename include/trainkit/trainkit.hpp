@@ -30,3 +30,4 @@
 #include <trainkit/trainer/recompute.hpp>
 #include <trainkit/trainer/unit.hpp>
 #include <trainkit/fit/memory.hpp>
+#include <trainkit/io/weights.hpp>

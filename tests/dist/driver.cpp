@@ -6,6 +6,7 @@
 //       [--precision fp32|fp16|fp16master|bf16master] [--reduce auto|fp32|half] (master weights)
 //       [--model mlp|mlp-ln|affine] [--bucket-bytes X] [--timeout S] [--heartbeat S] [--sleep-ms M] [--samples M]
 //       [--overflow-rank R --overflow-window W]   inject an inf loss on rank R in window W (1-based)
+//       [--overflow-gradient 1]                    with --fit: inject a NaN gradient there instead, the loss finite
 //       [--items 1]                                 item-weighted windows (uneven counts per rank; with
 //                                                  --fit each odd rank's micro-batches keep half their samples)
 //       [--load PATH] [--load-rank1 PATH]          every rank loads PATH (rank 1 the other one)
@@ -114,6 +115,7 @@ struct Args {
   std::string out, load, load_rank1, save, save_set, fit, precision = "fp32", model = "mlp", reduce = "auto";
   std::string checkpoint_format = "auto", units = "model", export_weights;
   std::int64_t steps = 6, batch = 4, accum = 1, samples = 64, bucket_bytes = 25 << 20;
+  int overflow_gradient = 0;
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
   int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1,
@@ -146,6 +148,7 @@ Args parse(int argc, char** argv) {
   take("precision", a.precision), take("model", a.model), take("steps", a.steps), take("batch", a.batch);
   take("accum", a.accum), take("samples", a.samples), take("bucket-bytes", a.bucket_bytes);
   take("overflow-rank", a.overflow_rank), take("overflow-window", a.overflow_window);
+  take("overflow-gradient", a.overflow_gradient);
   take("sleep-ms", a.sleep_ms), take("items", a.items), take("timeout", a.timeout);
   take("heartbeat", a.heartbeat), take("oom-rank", a.oom_rank), take("reduce", a.reduce);
   take("sharding", a.sharding), take("flush", a.flush), take("overlap", a.overlap);
@@ -405,7 +408,9 @@ int run(const Args& a, tk::ProcessGroup& base) {
       const auto idx = torch::tensor(b, torch::kLong);
       const auto loss = torch::mse_loss(model(x.index_select(0, idx)), y.index_select(0, idx));
       const bool inject = rank == a.overflow_rank && at_epoch == 0 && at_index + 1 >= a.overflow_window;
-      return inject ? loss * std::numeric_limits<float>::infinity() : loss;
+      if (!inject) return loss;
+      // (sqrt's gradient at 0 is infinite, times 0: NaN in every gradient, the loss itself finite)
+      return a.overflow_gradient ? loss + torch::sqrt(torch::relu(loss) * 0) : loss * std::numeric_limits<float>::infinity();
     };
     // Pieces for a replay: the loss is the mean over the batch's samples.
     task.items = [&](const std::vector<std::int64_t>& b) {

@@ -266,7 +266,9 @@ TEST_CASE("the main job trains the same model at 1, 2 and 4 ranks with one TARGE
     first.push_back("TRAIN.END_EPOCH=1");
     split_run(dir, name, 2, first);
     const auto resumed = split_run(dir, name, 4, with(sets), name + "-resumed");
-    CHECK(slurp(dir / (name + "-resumed.rank0.err")).find("was written by 2 processes, this run has 4") != std::string::npos);
+    const std::string said = slurp(dir / (name + "-resumed.rank0.err"));
+    CHECK(said.find("was written by 2 processes, this run has 4") != std::string::npos);
+    CHECK(said.find("samples per optimizer step is kept") != std::string::npos);  // (the configuration's total batch)
     REQUIRE(resumed.size() == 1);  // the resumed run trained epoch 1 alone
     INFO("stage " << stage << ": epoch 1 resumed at 4 ranks " << resumed[0] << ", 2 ranks " << w2[1]);
     CHECK(std::abs(resumed[0] - w2[1]) <= 1e-5 * w2[1]);

@@ -319,3 +319,82 @@ TEST_CASE("fit, FP16: a forward that overflows in one layer is warned about and 
 }
 
 }  // namespace test_forward_peaks
+
+namespace {
+
+// A user's classifier: 4 residual blocks of fc1 -> relu -> fc2, then a head; one block's fc1
+// weight scaled by 1e5, so that its float16 output passes 65504 and everything after it, the
+// loss included, is not finite.
+struct MlpBlockImpl : torch::nn::Module {
+  MlpBlockImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 16));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(MlpBlock);
+
+struct ClassifierImpl : torch::nn::Module {
+  explicit ClassifierImpl(std::int64_t broken) {
+    torch::manual_seed(12);
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 4; ++i) blocks->push_back(MlpBlock());
+    head = register_module("head", torch::nn::Linear(16, 3));
+    torch::NoGradGuard no_grad;
+    blocks[broken]->as<MlpBlockImpl>()->fc1->weight.mul_(1e5);
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (const auto& b : *blocks) x = b->as<MlpBlockImpl>()->forward(x);
+    return head(x);
+  }
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(Classifier);
+
+}  // namespace
+
+TEST_CASE("fit, FP16, no option set: a forward that overflows is blamed on its module, not on the scale or the head") {
+  testing::TempDir dir;
+  Classifier model(2);
+  tk::Trainer<tk::PrecisionPolicy<tk::FP16Static>> trainer{model, tk::SGD{0.01}};  // (the static scale: 128)
+  tk::Task<std::int64_t> task;
+  task.batches_per_epoch = [](std::int64_t) { return std::int64_t{8}; };
+  task.batch = [](std::int64_t epoch, std::int64_t index) { return epoch * 8 + index; };
+  task.loss = [&model](const std::int64_t& i, tk::Metrics&) {
+    torch::manual_seed(300 + i);
+    const auto x = torch::randn({6, 16}) * 2;
+    return torch::cross_entropy_loss(model(x).to(torch::kFloat), torch::arange(6) % 3);
+  };
+  testing::CaptureStderr err;
+  std::string stopped;
+  try {
+    tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(2).log_frequent(4).progress(false)
+                               .handle_signals(false).nonfinite_patience(6));
+  } catch (const tk::NonFiniteGradient& e) {
+    stopped = e.what();
+  }
+  const std::string said = err.text.str();
+  INFO(stopped);
+  INFO(said);
+  // Window 4: every step skipped and the loss not finite: the forward, not the scale; the
+  // forward's peaks go on by themselves, and window 5 (a log window for it) names the module.
+  CHECK(said.find("optimizer step 4: 4 of the last 4 optimizer steps were skipped (non-finite gradients; training "
+                  "loss nan)") != std::string::npos);
+  CHECK(said.find("the training loss itself is not finite, so the forward (or the loss) overflowed before any "
+                  "gradient existed: the loss scale is not the cause") != std::string::npos);
+  CHECK(said.find("trainkit now records the forward's peaks") != std::string::npos);
+  CHECK(said.find("optimizer step 5: the forward's output is first not finite in blocks.2.fc1") != std::string::npos);
+  // Window 8: 8 skipped, past the patience of 6: the stop names the module.
+  CHECK(stopped.find("epoch 0, micro-batch 7 of 8, optimizer step 8: ") == 0);
+  CHECK(stopped.find("(TRAIN.NONFINITE_PATIENCE 6): stopping; the training loss itself is not finite") != std::string::npos);
+  CHECK(stopped.find("; the forward's output is first not finite in blocks.2.fc1") != std::string::npos);
+  // Neither the scale nor the gradients' ranking (which would start at the head) is blamed.
+  for (const std::string& text : {said, stopped}) {
+    CHECK(text.find("static loss scale") == std::string::npos);
+    CHECK(text.find("first seen at") == std::string::npos);
+    CHECK(text.find("head") == std::string::npos);
+  }
+  CHECK(!trainer.watches_nonfinite());
+}

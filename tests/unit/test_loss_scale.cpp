@@ -51,6 +51,37 @@ TEST_CASE("defaults are GradScaler's") {
   CHECK(o.backoff_factor() == 0.5);
   CHECK(o.growth_interval() == 2000);
   CHECK(o.hysteresis() == 1);
+  // trainkit's floor and ceiling, the configuration's too (detail/loss_scale_defaults.hpp)
+  CHECK(o.min_scale() == 1.0);
+  CHECK(o.max_scale() == 16777216.0);
+  CHECK_THROWS_WITH_AS(tk::TrainerOptions().loss_scale(tk::LossScaleOptions().init_scale(0.5)).validate(),
+                       doctest::Contains("init_scale 0.500000 must lie within [min_scale, max_scale]"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("the floor and the ceiling alone (ATen's update, then a clamp) scale as the extras' clamps do") {
+  // collapse_windows > 0 takes the element-wise path (update_with_extras); without it, ATen's
+  // fused update and one clamp_. Over the same scripted overflows both give the same scales.
+  auto model_a = make_mlp(14), model_b = make_mlp(14);
+  const auto data = testing::regression(32);
+  const auto options = tk::LossScaleOptions().init_scale(8.0).min_scale(2.0).max_scale(32.0).growth_interval(2);
+  Dyn fused(model_a, tk::SGD{1e-3}, tk::TrainerOptions().loss_scale(options));
+  Dyn extras(model_b, tk::SGD{1e-3}, tk::TrainerOptions().loss_scale(tk::LossScaleOptions(options).collapse_windows(1000)));
+  const std::vector<int> script = {1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0};
+  float lowest = 8, highest = 8;
+  for (size_t i = 0; i < script.size(); ++i) {
+    CAPTURE(i);
+    window(fused, model_a, data, script[i] == 1);
+    window(extras, model_b, data, script[i] == 1);
+    const float scale = fused.loss_scale().template item<float>();
+    CHECK(scale == extras.loss_scale().template item<float>());
+    CHECK(fused.precision_policy().growth_tracker().template item<int>() ==
+          extras.precision_policy().growth_tracker().template item<int>());
+    lowest = std::min(lowest, scale);
+    highest = std::max(highest, scale);
+  }
+  CHECK(lowest == 2.0f);   // the floor held
+  CHECK(highest == 32.0f); // the ceiling held
 }
 
 TEST_CASE("FP16Dynamic follows GradScaler over a scripted sequence, growth included") {
@@ -86,7 +117,7 @@ TEST_CASE("growth stops where the scale would stop being finite in fp32") {
   const double huge = std::ldexp(1.0, 127);  // 2^127: doubling it overflows fp32
   Dyn trainer(model, tk::SGD{0.0 + 1e-12},
               tk::TrainerOptions().loss_scale(
-                  tk::LossScaleOptions().init_scale(huge).growth_interval(1)));
+                  tk::LossScaleOptions().init_scale(huge).max_scale(std::numeric_limits<double>::infinity()).growth_interval(1)));
   // Make every window clean whatever the scale: the loss is tiny.
   auto r = trainer.micro_step([&] { return torch::mse_loss(model(data.x), data.y) * 0.0; });
   REQUIRE(r.window_closed);

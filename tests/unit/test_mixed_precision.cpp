@@ -3,6 +3,8 @@
 // recovers.
 #include "../support/helpers.hpp"
 
+#include <algorithm>
+
 namespace test_mixed_precision {  // this file's names, apart from those of the files it shares a unity batch with
 
 using testing::make_mlp;
@@ -17,7 +19,7 @@ std::pair<double, std::int64_t> train_classifier(double init_scale = 65536.0) {
   tk::Trainer<Precision, tk::AccumulationPolicy<2>, tk::ClipPolicy<tk::ClipNorm>> trainer(
       model, tk::AdamW{5e-3, 1e-4},
       tk::TrainerOptions().max_grad_norm(1.0).loss_scale(
-          tk::LossScaleOptions().init_scale(init_scale).growth_interval(50)));
+          tk::LossScaleOptions().init_scale(init_scale).max_scale(std::max(init_scale, 16777216.0)).growth_interval(50)));
   for (int epoch = 0; epoch < 4; ++epoch)
     for (int i = 0; i < 2048; i += 32) {
       auto x = train.x.narrow(0, i, 32), y = train.y.narrow(0, i, 32);

@@ -107,4 +107,43 @@ TEST_CASE("FP16 with a static loss scale that overflows every window stops after
   CHECK(err.text.str().find("the static loss scale") != std::string::npos);  // the first skip's warning
 }
 
+TEST_CASE("FP16Dynamic from C++ with its defaults: a gradient that overflows at any scale is said within 20 steps, and stops") {
+  // The loss is finite, but its gradient overflows float16 at any scale >= 1: the scale backs
+  // off from 2^16 to its floor 1 in 16 windows (its search), then sits there. The first check
+  // comes at window 20 although LOG_FREQUENT is 100, and the epoch's end stops the run.
+  const tk::LossScaleOptions defaults;
+  CHECK(defaults.min_scale() == 1.0);
+  testing::TempDir dir;
+  auto model = testing::make_mlp(5);
+  tk::Trainer<tk::PrecisionPolicy<tk::FP16Dynamic>> trainer{model, tk::SGD{0.05}};
+  const auto data = testing::regression(64);
+  tk::Task<std::int64_t> task;
+  task.batches_per_epoch = [](std::int64_t) { return std::int64_t{60}; };
+  task.batch = [](std::int64_t, std::int64_t index) { return index; };
+  task.loss = [&](const std::int64_t& i, tk::Metrics&) {
+    const auto out = model(data.x.narrow(0, 8 * (i % 8), 8)).to(torch::kFloat);
+    return out.pow(2).mean() * 1e9;  // (its gradient, 2.5e8 x the output, passes 65504 in float16)
+  };
+  testing::CaptureStderr err;
+  std::string stopped;
+  try {
+    tk::fit(trainer, task, tk::FitOptions().output_path(dir.path).end_epoch(1).log_frequent(100).progress(false)
+                               .handle_signals(false).nonfinite_patience(20));
+  } catch (const tk::NonFiniteGradient& e) {
+    stopped = e.what();
+  }
+  const std::string said = err.text.str();
+  INFO(said);
+  INFO(stopped);
+  CHECK(said.find("trainkit: warning: epoch 0, micro-batch 19 of 60, optimizer step 20: 20 of the last 20 optimizer "
+                  "steps were skipped") != std::string::npos);
+  CHECK(said.find("the dynamic loss scale sits at its floor 1 (TRAIN.FP16_MIN_LOSS_SCALE, LossScaleOptions::min_scale) "
+                  "and the gradient still overflows") != std::string::npos);
+  // Window 20 counted 4 skips at the floor (16 were the search); the epoch's end 40 more.
+  CHECK(stopped.find("44 skipped with no clean log interval between them (TRAIN.NONFINITE_PATIENCE 20): stopping; the "
+                     "dynamic loss scale sits at its floor 1") != std::string::npos);
+  CHECK(trainer.loss_scale().item<float>() == 1.0f);
+  CHECK(trainer.applied_steps().item<std::int64_t>() == 0);
+}
+
 }  // namespace test_nonfinite

@@ -8,6 +8,9 @@
 #include "../support/sharding.hpp"
 
 #include <trainkit/io/weights.hpp>
+#include <trainkit/parallel/data_parallel.hpp>
+#include <trainkit/trainer/trainer.hpp>
+#include <trainkit/trainer/unit.hpp>
 #include <trainkit/run/plan.hpp>
 
 #include <chrono>
@@ -170,6 +173,58 @@ TEST_CASE("stage 3 with no units: every rank stops at set_replicas, saying so") 
   for (auto& c : ranks) {
     CHECK(wait_exit(c, 120) == 1);
     CHECK(slurp(c.err).find("ZeRO stage 3 (Sharding::parameters, TRAIN.ZERO_STAGE: 3) with no units") != std::string::npos);
+  }
+}
+
+namespace {
+// Three units; the forward calls `skipped` directly instead of through tk::unit (or, with -1,
+// reads the first unit's weight outside its call).
+struct UnitsImpl : torch::nn::Module {
+  explicit UnitsImpl(std::int64_t skipped) : skipped(skipped) {
+    torch::manual_seed(4);
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    blocks->push_back(torch::nn::Linear(16, 16));
+    blocks->push_back(torch::nn::Linear(16, 24));
+    blocks->push_back(torch::nn::Linear(24, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (std::int64_t i = 0; i < 3; ++i) {
+      torch::nn::Linear linear(blocks->ptr<torch::nn::LinearImpl>(static_cast<size_t>(i)));
+      x = i == skipped ? linear(x) : tk::unit(linear, x);
+    }
+    if (skipped < 0) x = x + blocks->ptr<torch::nn::LinearImpl>(0)->weight.t().sum() * 0;
+    return x;
+  }
+  std::int64_t skipped;
+  torch::nn::ModuleList blocks{nullptr};
+};
+TORCH_MODULE(Units);
+}  // namespace
+
+TEST_CASE("stage 3: a unit called without tk::unit, or its weight used outside its call, is named") {
+  // One process cut as sharded (DataParallel::shard_at_world_size_one): every unit is released
+  // between its calls, as on several ranks.
+  for (const std::int64_t skipped : {1, -1}) {
+    CAPTURE(skipped);
+    Units model(skipped);
+    tk::Trainer<> trainer(model, tk::SGD{0.1},
+                          tk::TrainerOptions().sharding(tk::Sharding::parameters).units({"blocks.*"}));
+    auto replicas = std::make_shared<tk::DataParallel>(tk::ProcessGroup::create());
+    replicas->shard_at_world_size_one(true);
+    trainer.set_replicas(replicas);
+    const auto x = torch::randn({5, 16});
+    std::string said;
+    try {
+      trainer.micro_step([&] { return model(x).pow(2).mean(); });
+    } catch (const std::logic_error& e) {
+      said = e.what();
+    }
+    INFO(said);
+    CHECK(said.find(skipped == 1 ? "the forward used a parameter of unit 'blocks.1' (a parameter of its sizes) while the "
+                                   "unit was released"
+                                 : "the forward used a parameter of unit 'blocks.0' (a parameter of its sizes)") == 10);
+    CHECK(said.find("Call the unit's module as `x = tk::unit(module, x)`") != std::string::npos);
+    CHECK(said.find("LibTorch said: setStorage: sizes [") != std::string::npos);
   }
 }
 

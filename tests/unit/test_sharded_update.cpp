@@ -130,23 +130,35 @@ TEST_CASE("the overflow diagnosis counts each rank's slices; combined by their m
 
 TEST_CASE("tk::fit sharded: a rank that overflows stops both ranks alike, naming every module from both ranks' slices") {
   // Stage 2 and one bucket: rank 0 holds the first half of the flat buffer (fc1), rank 1 the
-  // rest (fc2, ln). Rank 1's loss is infinite from micro-batch 1 on. LOG_FREQUENT 4 and
-  // patience 3: the check at window 4 reaches the patience unwatched on both ranks, window 5 is a
-  // log window on both (its collective agrees), watched, and both stop there naming the modules
-  // combined over the ranks (rank 0's slices alone hold fc1 only). The forward's peaks too: the
-  // infinite loss (rank 1's, after the model: the model's own) named on rank 0 as well.
+  // rest (fc2, ln). Rank 1's gradient is NaN from micro-batch 1 on, its loss finite. LOG_FREQUENT
+  // 4 and patience 3: the check at window 4 reaches the patience unwatched on both ranks, window
+  // 5 is a log window on both (its collective agrees), watched, and both stop there naming the
+  // modules combined over the ranks (rank 0's slices alone hold fc1 only). Then rank 1's loss
+  // itself infinite: the forward's case on both ranks, no gradient ranking, and the forward's
+  // peaks (the infinite loss after the model: the model's own) named on rank 0 as well.
   testing::TempDir dir;
-  auto ranks = spawn_ranks(2, dir / "overflow", std::to_string(free_port()),
-                           {"--fit", dir / "overflow-out", "--model", "mlp-ln", "--sharding", "2", "--overflow-rank",
-                            "1", "--overflow-window", "1", "--log-frequent", "4", "--patience", "3", "--forward-peaks", "1"});
-  for (auto& c : ranks) {
-    CHECK(wait_exit(c, 120) == 1);
-    const std::string err = slurp(c.err);
-    INFO(err);
-    CHECK(err.find("optimizer step 4: 4 of the last 4 optimizer steps were skipped") != std::string::npos);
-    CHECK(err.find("non-finite gradients in 3 modules (windows, nearest the loss first): fc2 (1)") != std::string::npos);
-    CHECK(err.find("fc1 (1)") != std::string::npos);
-    CHECK(err.find("; the forward's output is first not finite in (model); the checkpoints") != std::string::npos);
+  for (const bool in_gradient : {true, false}) {
+    CAPTURE(in_gradient);
+    const std::string out = in_gradient ? "overflow-gradient" : "overflow-loss";
+    auto ranks = spawn_ranks(2, dir / out, std::to_string(free_port()),
+                             {"--fit", dir / (out + "-out"), "--model", "mlp-ln", "--sharding", "2", "--overflow-rank",
+                              "1", "--overflow-window", "1", "--overflow-gradient", in_gradient ? "1" : "0",
+                              "--log-frequent", "4", "--patience", "3", "--forward-peaks", "1"});
+    for (auto& c : ranks) {
+      CHECK(wait_exit(c, 120) == 1);
+      const std::string err = slurp(c.err);
+      INFO(err);
+      CHECK(err.find("optimizer step 4: 4 of the last 4 optimizer steps were skipped") != std::string::npos);
+      if (in_gradient) {
+        CHECK(err.find("non-finite gradients in 3 modules (windows, nearest the loss first): fc2 (1)") != std::string::npos);
+        CHECK(err.find("fc1 (1)") != std::string::npos);
+        CHECK(err.find("the forward's output is first not finite") == std::string::npos);
+      } else {
+        CHECK(err.find("the training loss itself is not finite") != std::string::npos);
+        CHECK(err.find("non-finite gradients in") == std::string::npos);
+        CHECK(err.find("; the forward's output is first not finite in (model); the checkpoints") != std::string::npos);
+      }
+    }
   }
 }
 

@@ -7,6 +7,7 @@ DRIVER is tests/dist/driver.cpp's program, TOOL trainkit-weights, GUIDE docs/gui
 Two Gloo ranks train with ZeRO stage 2 and save the same state twice: one file gathered on rank 0
 (--save) and a set, each rank its own slices (--save-set). The checks:
   1. the snippet's records hold every tensor of the index, each chunk's CRC-32 checked with zlib;
+     its read_checkpoint reads the gathered single file too, and its records equal the set's;
   2. their model weights equal, bit for bit, those trainkit-weights converts from the set and from
      the gathered file (its C++ reader), and the optimizer's state is there for every parameter;
   3. trainkit-weights inspect names the set; convert to .pt opens with torch.load(weights_only).
@@ -69,6 +70,16 @@ def main():
     expected_names = set(json.load(open(index))["tensors"])
     if set(records) != expected_names:
         fail("the snippet read %d records, the index has %d" % (len(records), len(expected_names)))
+    # read_checkpoint: the set's index as read_set, and the single file of the same state.
+    if set(scope["read_checkpoint"](index)) != expected_names:
+        fail("read_checkpoint on the set's index reads other records than read_set")
+    single = scope["read_checkpoint"](p("gathered.ckpt"))
+    missing = sorted(expected_names - set(single))
+    if missing:
+        fail("read_checkpoint on the single file lacks %d of the set's records: %s" % (len(missing), missing[:5]))
+    for k in expected_names:
+        if single[k].dtype != records[k].dtype or not torch.equal(single[k], records[k]):
+            fail("read_checkpoint: the single file's %s differs from the set's" % k)
 
     # 2. Against the C++ readers: the set's weights and the gathered file's.
     run([tool, "convert", index, p("set.safetensors")])
@@ -101,8 +112,8 @@ def main():
     for k, v in weights.items():
         if not torch.equal(loaded[k], v):
             fail("set.pt: %s differs" % k)
-    print("ok: %d records (%d chunks over 2 files), %d weights equal to the C++ readers'" %
-          (len(records), pieces, len(weights)))
+    print("ok: %d records (%d chunks over 2 files), %d weights equal to the C++ readers', the single file's "
+          "%d records equal where the set has them" % (len(records), pieces, len(weights), len(single)))
 
 
 if __name__ == "__main__":

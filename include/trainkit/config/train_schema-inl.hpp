@@ -114,7 +114,7 @@ TRAINKIT_INLINE Schema train_schema() {
   s.number("MOMENTUM", 0.9).min(0).max_exclusive(1).doc("SGD momentum");
   s.boolean("FP16", false).doc("FP16 mixed precision");
   s.add("FP16_LOSS_SCALE", Field::either({Field::string("dynamic").one_of({"dynamic"}),
-                                          Field::number(128.0).min_exclusive(0)}, 128.0))
+                                          Field::number(detail::loss_scale_defaults::static_scale).min_exclusive(0)}, detail::loss_scale_defaults::static_scale))
       .doc("'dynamic' (FP16Dynamic) or a fixed scale > 0 (FP16Static)");
   s.list("LOSS_LOGGERS", Field::string("").check([](const nlohmann::json& v) -> std::string {
      const std::string t = v.get<std::string>();
@@ -125,13 +125,13 @@ TRAINKIT_INLINE Schema train_schema() {
    })).doc("the task's named losses to log, as \"output_key,DisplayName\" (Train-DisplayName; tk::LossLoggers)");
   // --- trainkit's additions ---------------------------------------------------------------
   s.boolean("BF16", false).doc("BF16 mixed precision (exclusive with FP16)");
-  s.number("FP16_INIT_SCALE", 65536.0).min_exclusive(0).doc("initial dynamic loss scale");
-  s.number("FP16_GROWTH_FACTOR", 2.0).min_exclusive(1).doc("the dynamic scale's growth after FP16_GROWTH_INTERVAL clean steps");
-  s.number("FP16_BACKOFF_FACTOR", 0.5).min_exclusive(0).max_exclusive(1).doc("the dynamic scale's cut on an overflow");
-  s.integer("FP16_GROWTH_INTERVAL", 2000).min(1).doc("clean optimizer steps in a row before the dynamic scale grows");
-  s.integer("FP16_HYSTERESIS", 1).min(1).doc("overflows in a row before the scale is cut");
-  s.number("FP16_MIN_LOSS_SCALE", 1.0).min(0).doc("the dynamic scale's floor (0: none)");
-  s.number("FP16_MAX_LOSS_SCALE", 16777216.0).min_exclusive(0).allow_infinity().doc("the dynamic scale's ceiling (infinite: none)");
+  s.number("FP16_INIT_SCALE", detail::loss_scale_defaults::init_scale).min_exclusive(0).doc("initial dynamic loss scale");
+  s.number("FP16_GROWTH_FACTOR", detail::loss_scale_defaults::growth_factor).min_exclusive(1).doc("the dynamic scale's growth after FP16_GROWTH_INTERVAL clean steps");
+  s.number("FP16_BACKOFF_FACTOR", detail::loss_scale_defaults::backoff_factor).min_exclusive(0).max_exclusive(1).doc("the dynamic scale's cut on an overflow");
+  s.integer("FP16_GROWTH_INTERVAL", detail::loss_scale_defaults::growth_interval).min(1).doc("clean optimizer steps in a row before the dynamic scale grows");
+  s.integer("FP16_HYSTERESIS", detail::loss_scale_defaults::hysteresis).min(1).doc("overflows in a row before the scale is cut");
+  s.number("FP16_MIN_LOSS_SCALE", detail::loss_scale_defaults::min_scale).min(0).doc("the dynamic scale's floor (0: none)");
+  s.number("FP16_MAX_LOSS_SCALE", detail::loss_scale_defaults::max_scale).min_exclusive(0).allow_infinity().doc("the dynamic scale's ceiling (infinite: none)");
   s.list("NO_DECAY", Field::string("").check([](const nlohmann::json& v) -> std::string {
      return v.get<std::string>().empty() ? "expected a part of a parameter's name, got an empty string" : "";
    })).doc("parameters without weight decay: those whose name contains one of these (BERT: [bias, LayerNorm.weight])");

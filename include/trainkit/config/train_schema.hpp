@@ -2,6 +2,7 @@
 /// The toolkit's schemas (docs/config-reference.md is generated from them): the TRAIN section with VL-BERT's keys and trainkit's, and
 /// the top level that holds it; applications register their own sections beside them.
 #include <trainkit/detail/inline.hpp>
+#include <trainkit/detail/loss_scale_defaults.hpp>
 #include <trainkit/config/error.hpp>
 #include <trainkit/config/schema.hpp>
 #include <trainkit/config/text.hpp>

@@ -176,10 +176,17 @@ void FitLoop<Batch>::check_world_size(const LoopState& saved, const std::string&
                       "step where this run's is " + std::to_string(options_.total_batch()) + " (world size x "
                       "BATCH_IMAGES x GRAD_ACCUMULATE_STEPS); set TRAIN.TARGET_BATCH: " + std::to_string(saved.total_batch) +
                       " to keep it (the batch per process is then derived), or start a new run");
-  say("trainkit: " + by + "; the total batch of " + std::to_string(saved.total_batch) + " samples is kept, the data go "
-      "on at the checkpoint's micro-batch, and " + (world > 1 ? "each process draws its random numbers by position "
-      "as a run of " + std::to_string(world) + " processes does" : "the random generators continue from the "
-      "checkpoint's (the main rank's)"));
+  // The total batch, when both runs know it (a configuration's RunPlan, or FitOptions::total_batch):
+  // kept (checked above). From C++ without it, each process trains what its task gives.
+  const std::string batch =
+      saved.total_batch > 0 && options_.total_batch() > 0
+          ? "the total batch of " + std::to_string(saved.total_batch) + " samples per optimizer step is kept"
+          : "each process trains the micro-batches its task gives, so the samples per optimizer step are this run's "
+            "(FitOptions::total_batch, set in both runs, has them checked)";
+  say("trainkit: " + by + "; " + batch + ", the data go on at the checkpoint's micro-batch, and " +
+      (world > 1 ? "each process draws its random numbers by position as a run of " + std::to_string(world) +
+                       " processes does"
+                 : "the random generators continue from the checkpoint's (the main rank's)"));
 }
 
 }  // namespace trainkit::detail

@@ -64,6 +64,8 @@ TRAINKIT_INLINE void RunLog::open(bool resumed, std::int64_t run_windows) {
   const std::int64_t step = trainer_.windows();
   skipped_at_log_ = trainer_.skipped_steps().item<std::int64_t>();  // once per run
   window_at_log_ = step;
+  first_check_window_ = step + first_check;
+  if (trainer_.uses_loss_scale()) scale_at_log_ = trainer_.loss_scale().item<double>();  // (once per run)
   run_total_ = run_windows;
   clock_ = Clock::now();
   if (!writes_) return;
@@ -105,6 +107,8 @@ TRAINKIT_INLINE void RunLog::window(const StepReport& report, LogPosition at,
   }
   const auto step = report.window();
   const double loss = interval->count("Loss") ? interval->at("Loss") : report.loss();
+  forward_due_ = false;
+  forward_recorded_ = forward_peaks_ != nullptr;
   forward_origin_ = forward_peaks_ ? forward_peaks_logged(at, step) : std::string();
   check_skipped({report.skipped_steps(), report.window(), report.loss_scale()}, at, loss, /*epoch_end=*/false);
   if (!trainer_.uses_loss_scale() && trainer_.options().nonfinite() == NonFinite::abort && !std::isfinite(loss))
@@ -176,6 +180,7 @@ TRAINKIT_INLINE void RunLog::epoch_ends(LogPosition at) {
   // (one copy, as at a log window; the epoch's end reads the device anyway): an epoch shorter
   // than LOG_FREQUENT windows is never silent about them.
   forward_origin_.clear();  // (a log window's: no forward was recorded since)
+  forward_recorded_ = false;
   if (!last_report_.empty() && last_report_.window() > window_at_log_)
     check_skipped({last_report_.skipped_steps(), last_report_.window(), last_report_.loss_scale()}, at, std::nullopt,
                   /*epoch_end=*/true);
@@ -206,13 +211,21 @@ TRAINKIT_INLINE void RunLog::scalar(const std::string& tag, double value, std::i
 
 TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std::optional<double> loss, bool epoch_end) {
   const std::int64_t skipped = now.skipped - skipped_at_log_, windows = now.window - window_at_log_;
+  const double scale_before = scale_at_log_;
   skipped_at_log_ = now.skipped;
   window_at_log_ = now.window;
+  scale_at_log_ = now.loss_scale;
+  // A training loss that is not finite (the interval's mean, agreed by the ranks): the forward
+  // or the loss overflowed before any gradient existed. The loss scale is not the cause, and
+  // the gradients' ranking would only name the layer nearest the loss: the forward's peaks say
+  // where (recorded by themselves from here on when FitOptions::forward_peaks is off).
+  const bool forward_broke = loss && !std::isfinite(*loss);
   // Which parameters: counted since the diagnosis went on (below, at a check with skips that
   // are not a dynamic scale's search). Read at every check while on (the ranks alike).
   const bool watched = trainer_.watches_nonfinite();
   const std::string names = watched ? nonfinite_names(now.window) : std::string();
-  const std::string named = (names.empty() ? std::string() : "; " + names) +
+  const std::string ranked = forward_broke ? std::string() : names;
+  const std::string named = (ranked.empty() ? std::string() : "; " + ranked) +
                             (forward_origin_.empty() ? std::string() : "; " + forward_origin_);
   const std::string intact = "; the checkpoints written so far are intact";
   if (!pending_stop_.empty())  // a stop that waited one watched window to say where: due, clean window or not
@@ -222,6 +235,7 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
     scale_warned_ = false;
     named_ = false;
     trainer_.watch_nonfinite(false);  // (a clean interval: the diagnosis off, its hooks gone)
+    if (forward_auto_) forward_peaks_.reset(), forward_auto_ = false;  // (and the forward's, if it turned them on)
     return;
   }
   const std::string where = detail::position_text(at.epoch, at.done - 1, at.batches) + ", optimizer step " +
@@ -229,52 +243,72 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
   const std::string what = std::to_string(skipped) + " of the last " + std::to_string(windows) +
                            " optimizer steps were skipped (non-finite gradients" +
                            (loss ? "; training loss " + detail::short_number(*loss) : std::string()) + ")";
-  const std::string promise = "; trainkit now watches which modules' gradients are not finite, and names them at the "
-                              "next check that finds skipped steps";
+  const std::string promise =
+      forward_broke ? "; trainkit now records the forward's peaks, and names the first module whose output is not "
+                      "finite at the next window"
+                    : "; trainkit now watches which modules' gradients are not finite, and names them at the next "
+                      "check that finds skipped steps";
   // Names said once per episode, where no warning or stop of this check carries them.
   const auto say_names = [&] {
-    if (names.empty() || named_) return;
+    if (ranked.empty() || named_) return;
     named_ = true;
-    say("trainkit: warning: " + where + ": " + names);
+    say("trainkit: warning: " + where + ": " + ranked);
   };
-  // FP32, BF16, a static loss scale and a dynamic one at its floor: nothing backs off, so skips
-  // in a row mean a run that trains nothing. (A dynamic scale's other skips are its search for
-  // a scale: warned about below.) The scale is a float: compared as one.
-  const double floor = trainer_.options().loss_scale().min_scale();
+  // FP32, BF16, a static loss scale and a dynamic one at its floor (or, with no floor, below 1,
+  // where the start-up backoff from 2^16 ends): nothing backs off, so skips in a row mean a run
+  // that trains nothing. So does a loss that is not finite, whatever the scale. (A dynamic
+  // scale's other skips are its search for a scale: warned about below.) The scale is a float:
+  // compared as one.
+  const LossScaleOptions& scaling = trainer_.options().loss_scale();
+  const double floor = scaling.min_scale();
   const bool dynamic = trainer_.uses_loss_scale() && trainer_.dynamic_loss_scale();
-  const bool at_floor =
-      dynamic && floor > 0 && static_cast<float>(now.loss_scale) <= static_cast<float>(floor);
-  if (!dynamic || at_floor) {
-    trainer_.watch_nonfinite(true);
-    skipped_unhealthy_ += skipped;
+  const double lowest = std::max(floor, std::min(1.0, scaling.init_scale()));
+  const bool at_floor = dynamic && static_cast<float>(now.loss_scale) <= static_cast<float>(lowest);
+  if (forward_broke || !dynamic || at_floor) {
+    if (forward_broke) record_forward_peaks();
+    else trainer_.watch_nonfinite(true);
+    // A dynamic scale that reached its floor in this interval searched on the way: those skips
+    // were its backoff, the rest count (the loss not finite: every skip counts).
+    skipped_unhealthy_ += dynamic && !forward_broke
+                              ? std::max<std::int64_t>(0, skipped - search_skips(scale_before, now.loss_scale))
+                              : skipped;
     const std::string patience = "TRAIN.NONFINITE_PATIENCE " + std::to_string(options_.nonfinite_patience());
+    const std::string overflows = "and the gradient still overflows: lower TRAIN.LR, check the data, train in BF16";
     const std::string remedy =
-        at_floor ? "the dynamic loss scale sits at its floor " + detail::short_number(floor) +
-                       " (TRAIN.FP16_MIN_LOSS_SCALE, LossScaleOptions::min_scale) and the gradient still overflows: lower "
-                       "TRAIN.LR, check the data, train in BF16, or lower the floor (0: none)"
+        forward_broke ? forward_remedy()
+        : at_floor && floor >= lowest
+            ? "the dynamic loss scale sits at its floor " + detail::short_number(floor) +
+                  " (TRAIN.FP16_MIN_LOSS_SCALE, LossScaleOptions::min_scale) " + overflows + ", or lower the floor (0: none)"
+        : at_floor
+            ? "the dynamic loss scale fell to " + detail::short_number(now.loss_scale) + ", below its start-up range (" +
+                  detail::short_number(scaling.init_scale()) + " down to 1), " + overflows
         : trainer_.uses_loss_scale()
             ? "the static loss scale " + detail::short_number(now.loss_scale) +
                   " overflows the gradient: set TRAIN.FP16_LOSS_SCALE to a smaller one (a power of 2), or to 'dynamic', "
                   "whose scale backs off after an overflow"
             : "lower TRAIN.LR or check the data";
+    // Where it went wrong is known when the gradients were watched, or, for a loss that is not
+    // finite, when this interval's log window recorded the forward.
+    const bool located = forward_broke ? forward_recorded_ : watched;
     if (skipped_unhealthy_ >= options_.nonfinite_patience()) {
       const std::string stop = where + ": " + what + "; " + std::to_string(skipped_unhealthy_) +
                                " skipped with no clean log interval between them (" + patience + "): stopping; " +
                                remedy;
-      if (watched) throw NonFiniteGradient(stop + named + intact);
-      // Not watched yet. At a log window one more window, watched and logged, says where, and the
+      if (located) throw NonFiniteGradient(stop + named + intact);
+      // Not located yet. At a log window one more window, watched and logged, says where, and the
       // run stops at it whatever it finds. At an epoch's end the epoch's work (validation,
       // checkpoints, callbacks) would come first: the run stops now, saying how to learn where.
       if (epoch_end) throw unwatched_stop(stop);
       pending_stop_ = stop;  // (diagnosis_due(): the loop makes the next window a log window)
       return;
     }
+    if (forward_broke && !located) forward_due_ = true;  // (the next window names the module: forward_peaks_logged)
     if (!skip_warned_) {
       skip_warned_ = true;
       say("trainkit: warning: " + where + ": " + what + ". " + trainer_.type_name() +
           " skips a step only when its gradient is not finite: " + remedy + " (" + patience +
-          " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)" + (watched ? named : promise));
-      named_ = named_ || !names.empty();
+          " such steps stop the run; TRAIN.NONFINITE: abort stops at the first)" + (located ? named : promise));
+      named_ = named_ || !ranked.empty();
     }
     say_names();
     return;
@@ -290,9 +324,31 @@ TRAINKIT_INLINE void RunLog::check_skipped(const Skips& now, LogPosition at, std
     say("trainkit: warning: " + where + ": " + what + ", past the loss scale's start-up backoff; the scale is now " +
         detail::short_number(now.loss_scale) + ". A scale that keeps falling means the gradient overflows at any "
         "scale: lower TRAIN.LR, check the data, or train in BF16" + (watched ? named : promise));
-    named_ = named_ || !names.empty();
+    named_ = named_ || !ranked.empty();
   }
   say_names();
+}
+
+TRAINKIT_INLINE std::int64_t RunLog::search_skips(double from, double to) const {
+  const LossScaleOptions& scaling = trainer_.options().loss_scale();
+  if (!(from > to) || !(to > 0)) return 0;
+  const double halvings = std::log(from / to) / std::log(1.0 / scaling.backoff_factor());
+  return static_cast<std::int64_t>(std::llround(halvings)) * scaling.hysteresis();
+}
+
+TRAINKIT_INLINE std::string RunLog::forward_remedy() const {
+  return std::string("the training loss itself is not finite, so the forward (or the loss) overflowed before any "
+                     "gradient existed: the loss scale is not the cause") +
+         (trainer_.uses_loss_scale()
+              ? "; in FP16 a module's output passed 65504: scale that module's input or weights down, or train in "
+                "BF16 (fp32's range)"
+              : "; check the data and the loss (log(0), a division by zero) and the activations' growth");
+}
+
+TRAINKIT_INLINE void RunLog::record_forward_peaks() {
+  if (forward_peaks_) return;
+  forward_peaks_ = std::make_unique<ForwardPeaks>(trainer_.model());  // (every rank: the loss is agreed)
+  forward_auto_ = true;
 }
 
 TRAINKIT_INLINE std::string RunLog::nonfinite_names(std::int64_t step) {

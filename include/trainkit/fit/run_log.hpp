@@ -45,6 +45,7 @@
 #include <trainkit/step/options.hpp>
 #include <trainkit/step/step_report.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -81,11 +82,16 @@ class RunLog {
   void say(const std::string& text);
   /// Whether the next optimizer window must be a log window: a run about to stop on skipped
   /// steps watches one more window to name where its gradient stops being finite.
-  bool diagnosis_due() const { return !pending_stop_.empty(); }
+  /// Also after a non-finite training loss, when the forward's peaks were not recorded: the next
+  /// window records them, to name the module whose output is first not finite.
+  bool diagnosis_due() const { return !pending_stop_.empty() || forward_due_; }
+  /// The first check of a run's health comes this many windows in at the latest, whatever
+  /// LOG_FREQUENT: a run that skips every step says so within them.
+  static constexpr std::int64_t first_check = 20;
   /// Whether optimizer window `window` (the trainer's count once it closes) is a log window:
-  /// every LOG_FREQUENT-th, and the one a diagnosis is due at.
+  /// every LOG_FREQUENT-th, the run's first_check-th, and the one a diagnosis is due at.
   bool logs_window(std::int64_t window) const {
-    return window % options_.log_frequent() == 0 || diagnosis_due();
+    return window % options_.log_frequent() == 0 || window == first_check_window_ || diagnosis_due();
   }
   /// The forward's peaks recorded while the result lives, when FitOptions::forward_peaks is on
   /// and `window` is a log window; an empty Recording otherwise (nothing registered).
@@ -153,6 +159,13 @@ class RunLog {
     double loss_scale = 1;
   };
   void check_skipped(const Skips& now, LogPosition at, std::optional<double> loss, bool epoch_end);
+  // Skips of a dynamic scale going from `from` down to `to` (its search, not a sign of trouble).
+  std::int64_t search_skips(double from, double to) const;
+  // What to do about a non-finite training loss (the forward, not the scale).
+  std::string forward_remedy() const;
+  // The forward's peaks, turned on by a non-finite training loss when FitOptions::forward_peaks
+  // is off (and off again after a clean interval).
+  void record_forward_peaks();
   // The overflow diagnosis since the last log window (the ranks' counts combined), logged as
   // nonfinite/<module> scalars; the text naming the modules, or empty.
   std::string nonfinite_names(std::int64_t step);
@@ -179,9 +192,14 @@ class RunLog {
   bool skip_warned_ = false, scale_warned_ = false;
   bool named_ = false;          // the modules said since the last clean interval
   std::string pending_stop_;    // a stop that waits for the next window, watched (diagnosis_due())
-  std::unique_ptr<ForwardPeaks> forward_peaks_;  // FitOptions::forward_peaks
+  std::unique_ptr<ForwardPeaks> forward_peaks_;  // FitOptions::forward_peaks, or turned on by a non-finite loss
+  bool forward_auto_ = false;   // forward_peaks_ turned on by a non-finite loss (off after a clean interval)
+  bool forward_due_ = false;    // the next window records the forward (diagnosis_due())
+  bool forward_recorded_ = false;  // the last log window's forward was recorded
   std::string forward_origin_;  // the last log window's: where the forward stopped being finite
   bool forward_warned_ = false; // said since the forward was last finite
+  std::int64_t first_check_window_ = first_check;  // open(): the run's first check, first_check windows in
+  double scale_at_log_ = 0;     // the loss scale at the last check (a dynamic scale's search)
   StepReport last_report_;      // the epoch's last window's (epoch_ends checks skipped steps)
   std::int64_t run_windows_ = 0, run_total_ = 0;  // this run's optimizer windows: done, all (progress ETA)
   std::optional<double> last_loss_;               // the last log window's, for the progress line

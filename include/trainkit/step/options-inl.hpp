@@ -22,6 +22,9 @@ TRAINKIT_INLINE void TrainerOptions::validate() const {
     fail("loss_scale.hysteresis must be >= 1, got " + std::to_string(s.hysteresis()));
   if (!(s.min_scale() >= 0) || !(s.max_scale() > s.min_scale()))
     fail("loss_scale.min_scale/max_scale must satisfy 0 <= min < max");
+  if (!(s.init_scale() >= s.min_scale() && s.init_scale() <= s.max_scale()))
+    fail("loss_scale.init_scale " + std::to_string(s.init_scale()) + " must lie within [min_scale, max_scale] = [" +
+         std::to_string(s.min_scale()) + ", " + std::to_string(s.max_scale()) + "]");
   if (s.collapse_windows() < 0)
     fail("loss_scale.collapse_windows must be >= 0 (0 disables the check)");
   if (!(s.static_scale() > 0) || !std::isfinite(s.static_scale()))

@@ -4,6 +4,7 @@
 /// (`TrainerOptions().max_grad_norm(1.0).accumulation_steps(4)`); checked by `validate()`
 /// before any work, with the option's name in the message.
 #include <trainkit/detail/inline.hpp>
+#include <trainkit/detail/loss_scale_defaults.hpp>
 #include <torch/arg.h>
 
 #include <cmath>
@@ -34,19 +35,24 @@ enum class ReducePrecision { automatic, fp32, half };
 /// (trainer/unit.hpp; docs/design/data-parallel.md, "Sharding").
 enum class Sharding { none, optimizer, gradients, parameters };
 
-/// Loss-scale settings. Dynamic defaults are torch.amp.GradScaler's; the extras (hysteresis,
-/// clamps, collapse check) are off by default, and then the scale follows GradScaler exactly.
+/// Loss-scale settings, defaults from detail/loss_scale_defaults.hpp (the configuration's FP16_*
+/// keys take theirs from there too). Growth and backoff are torch.amp.GradScaler's. The floor
+/// (min_scale 1) and the ceiling (max_scale 2^24) are trainkit's: a dynamic scale at its floor
+/// whose gradient still overflows counts its skips towards FitOptions::nonfinite_patience, which
+/// stops the run. With min_scale 0 and max_scale infinity (and hysteresis 1) the scale follows
+/// GradScaler exactly; the clamps cost one clamp_ per window, hysteresis and the collapse check a
+/// few more kernels.
 struct LossScaleOptions {
-  TORCH_ARG(double, init_scale) = 65536.0;      ///< FP16Dynamic initial scale
-  TORCH_ARG(double, growth_factor) = 2.0;       ///< scale *= growth after growth_interval clean steps
-  TORCH_ARG(double, backoff_factor) = 0.5;      ///< scale *= backoff on overflow
-  TORCH_ARG(std::int64_t, growth_interval) = 2000;
-  TORCH_ARG(std::int64_t, hysteresis) = 1;      ///< overflows in a row before the scale is cut
-  TORCH_ARG(double, min_scale) = 0.0;           ///< 0: no lower clamp
-  TORCH_ARG(double, max_scale) = std::numeric_limits<double>::infinity();  ///< inf: no clamp
+  TORCH_ARG(double, init_scale) = detail::loss_scale_defaults::init_scale;          ///< FP16Dynamic initial scale
+  TORCH_ARG(double, growth_factor) = detail::loss_scale_defaults::growth_factor;    ///< scale *= growth after growth_interval clean steps
+  TORCH_ARG(double, backoff_factor) = detail::loss_scale_defaults::backoff_factor;  ///< scale *= backoff on overflow
+  TORCH_ARG(std::int64_t, growth_interval) = detail::loss_scale_defaults::growth_interval;
+  TORCH_ARG(std::int64_t, hysteresis) = detail::loss_scale_defaults::hysteresis;    ///< overflows in a row before the scale is cut
+  TORCH_ARG(double, min_scale) = detail::loss_scale_defaults::min_scale;  ///< the floor (0: none)
+  TORCH_ARG(double, max_scale) = detail::loss_scale_defaults::max_scale;  ///< the ceiling (infinity: none)
   /// > 0: throw when the scale sits at min_scale and overflows this many windows in a row.
   TORCH_ARG(std::int64_t, collapse_windows) = 0;
-  TORCH_ARG(double, static_scale) = 128.0;      ///< FP16Static's fixed scale
+  TORCH_ARG(double, static_scale) = detail::loss_scale_defaults::static_scale;  ///< FP16Static's fixed scale
 };
 
 /// Everything a Trainer needs at run time besides the model and the optimizer.

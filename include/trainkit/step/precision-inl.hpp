@@ -36,14 +36,19 @@ TRAINKIT_INLINE PrecisionPolicy<FP16Dynamic>::PrecisionPolicy(const LossScaleOpt
   growth_tracker_ = torch::zeros({1}, i32);
   overflows_in_a_row_ = torch::zeros({1}, i32);
   collapsed_windows_ = torch::zeros({1}, i32);
-  extras_ = options.hysteresis() > 1 || options.min_scale() > 0 ||
-            std::isfinite(options.max_scale()) || options.collapse_windows() > 0;
+  extras_ = options.hysteresis() > 1 || options.collapse_windows() > 0;
+  clamps_ = options.min_scale() > 0 || std::isfinite(options.max_scale());
 }
 
 TRAINKIT_INLINE void PrecisionPolicy<FP16Dynamic>::update(const torch::Tensor& found_inf) {
   if (!extras_) {
     at::_amp_update_scale_(scale_, growth_tracker_, found_inf, options_.growth_factor(),
                            options_.backoff_factor(), options_.growth_interval());
+    if (clamps_) {
+      const auto max = std::isfinite(options_.max_scale()) ? std::optional<at::Scalar>(static_cast<float>(options_.max_scale()))
+                                                           : std::nullopt;
+      scale_.clamp_(std::optional<at::Scalar>(static_cast<float>(options_.min_scale())), max);
+    }
     return;
   }
   update_with_extras(found_inf.reshape({1}));

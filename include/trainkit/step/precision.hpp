@@ -184,7 +184,10 @@ class PrecisionPolicy<FP16Dynamic> {
 
   LossScaleOptions options_;
   torch::Device device_;
-  bool extras_ = false;
+  // extras_: hysteresis or the collapse check (update_with_extras). Otherwise ATen's fused
+  // update, then clamps_ (a floor or a ceiling): one clamp_, the same values as the extras'
+  // clamps (the scale starts inside [min, max], validate() checks it).
+  bool extras_ = false, clamps_ = false;
   torch::Tensor scale_, growth_tracker_, overflows_in_a_row_, collapsed_windows_;
 };
 

@@ -41,6 +41,7 @@
 #include <trainkit/step/schedule.hpp>
 #include <trainkit/step/step_report.hpp>
 #include <trainkit/storage/storage.hpp>
+#include <trainkit/storage/unit_gathers.hpp>
 #include <trainkit/trainer/trainer_core.hpp>
 #include <trainkit/trainer/trainer_key.hpp>
 #include <trainkit/version.hpp>
@@ -373,7 +374,15 @@ class Trainer final : public detail::TrainerCore {
       std::optional<detail::UnitScheduleScope> units;
       if (auto schedule = storage_.begin_forward()) units.emplace(std::move(schedule));
       [[maybe_unused]] const auto region = precision_.region();
-      loss = closure();
+      try {
+        loss = closure();
+      } catch (const c10::Error& e) {  // (a unit called without tk::unit: said in the model's terms)
+        const auto* gathers = units ? storage_.unit_gathers() : nullptr;
+        if (const std::string said = gathers ? gathers->released_use(e.what_without_backtrace()) : std::string();
+            !said.empty())
+          throw std::logic_error(said);
+        throw;
+      }
     }
     check_loss(loss);
     return loss;
