@@ -92,7 +92,7 @@ int work(const std::map<std::string, std::string>& kv) {
 
   auto base = tk::ProcessGroup::create(tk::DistributedOptions().timeout_seconds(300));
   auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(base.backend());
-  tk::ProcessGroup group(base.store(), counter, base.info(), base.timeout(), base.device());
+  tk::ProcessGroup group = base.over(counter);
 
   using Trainer = tk::Trainer<tk::PrecisionPolicy<tk::FP32>, tk::AccumulationPolicy<tk::Dynamic>>;
   std::printf("data parallel, 2 ranks on loopback (Gloo, CPU, 1 thread each): %d x Linear(%lld, %lld), "

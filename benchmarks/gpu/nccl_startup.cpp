@@ -129,7 +129,7 @@ int main(int argc, char** argv) try {
   // 4. Stage 2 at world size 1, cut as a sharded run (small buckets: several of them), every
   //    collective counted.
   auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(group.backend());
-  tk::ProcessGroup counted(group.store(), counter, group.info(), group.timeout(), group.device());
+  tk::ProcessGroup counted = group.over(counter);
   const auto sharded_options = tk::TrainerOptions(options).sharding(tk::Sharding::gradients).overlap_reduction(true);
   const auto sharded_replicas = [&] {
     auto replicas = std::make_shared<tk::DataParallel>(counted, /*bucket_bytes=*/1 << 20);

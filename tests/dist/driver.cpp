@@ -322,7 +322,7 @@ class AddressCap {
 template <class Trainer>
 int run(const Args& a, tk::ProcessGroup& base) {
   auto counter = c10::make_intrusive<trainkit_testing::CountingBackend>(base.backend());
-  tk::ProcessGroup group(base.store(), counter, base.info(), base.timeout(), base.device());
+  tk::ProcessGroup group = base.over(counter);  // (its heartbeat too: store_gone())
   const int rank = group.rank(), world = group.world_size();
   if (a.cap_mib > 0) {
     ::mallopt(M_ARENA_MAX, 1);

@@ -12,7 +12,7 @@ namespace trainkit_testing {
 
 /// A c10d backend that counts the all-reduce, reduce-scatter, all-gather and gather calls (and
 /// bytes) that pass through it to `inner`:
-/// tk::ProcessGroup(g.store(), counter, g.info(), ...).
+/// g.over(counter) (tk::ProcessGroup: the same group, its heartbeat included, counted).
 class CountingBackend final : public c10d::Backend {
  public:
   explicit CountingBackend(c10::intrusive_ptr<c10d::Backend> inner)

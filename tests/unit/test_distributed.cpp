@@ -12,6 +12,11 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <array>
+#include <chrono>
+#include <thread>
+#include <sstream>
+#include <fstream>
+#include <filesystem>
 #include <future>
 #include <map>
 #include <string>
@@ -294,6 +299,83 @@ TEST_CASE("data parallel: torchrun --no-python trains like the harness' launch")
     CHECK(summary(dir / "torchrun", r)["launcher"] == "torchrun");
     CHECK(torch::equal(params(dir / "torchrun", r), params(dir / "harness", r)));
   }
+}
+
+namespace {
+// The processes whose parent is `pid` (Linux: /proc/<p>/stat's fourth field).
+std::vector<pid_t> children_of(pid_t pid) {
+  std::vector<pid_t> out;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream f(e.path() / "stat");
+    std::string stat;
+    std::getline(f, stat);
+    const auto close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(stat.substr(close + 2));
+    char state = 0;
+    pid_t parent = 0;
+    rest >> state >> parent;
+    if (parent == pid) out.push_back(static_cast<pid_t>(std::stol(name)));
+  }
+  return out;
+}
+// Whether `pid` still runs (a zombie that nobody reaps has ended).
+bool running(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(f, stat)) return false;
+  const auto close = stat.rfind(')');
+  return close != std::string::npos && close + 2 < stat.size() && stat[close + 2] != 'Z' && stat[close + 2] != 'X';
+}
+}  // namespace
+
+TEST_CASE("data parallel: workers whose torchrun agent is killed stop within 30 s, writing a checkpoint") {
+  // The agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); its SIGKILL leaves the workers
+  // and their own Gloo connections alive. Their heartbeat finds the store gone, and tk::fit
+  // stops at the ranks' next agreement (about every 10 s between log windows: LOG_FREQUENT is
+  // 10000 here, far past the run), writing a checkpoint, as for SIGTERM.
+  const std::string launcher = torchrun();
+  if (!testing::file_exists(launcher)) {
+    MESSAGE("skipped: no torchrun at '" << launcher << "' (set TRAINKIT_TORCHRUN)");
+    return;
+  }
+  testing::TempDir dir;
+  std::vector<std::string> argv{launcher, "--no-python", "--nproc-per-node", "2", "--master-addr",
+                                "127.0.0.1", "--master-port", std::to_string(free_port())};
+  const auto worker = driver_args(dir / "orphans", {"--fit", dir / "orphans-out", "--samples", "8000", "--batch", "4",
+                                                    "--sleep-ms", "50", "--log-frequent", "10000", "--heartbeat", "2",
+                                                    "--steps", "0"});
+  argv.insert(argv.end(), worker.begin(), worker.end());
+  auto agent = spawn(argv, {}, dir / "agent.log");
+  std::vector<pid_t> workers;
+  for (int i = 0; i < 600 && workers.size() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    workers = children_of(agent.pid);
+  }
+  REQUIRE(workers.size() == 2);
+  std::this_thread::sleep_for(std::chrono::seconds(4));  // (joined and training)
+  ::kill(agent.pid, SIGKILL);
+  wait_exit(agent, 10);
+  const auto t0 = std::chrono::steady_clock::now();
+  while ((running(workers[0]) || running(workers[1])) && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (const pid_t w : workers)
+    if (running(w)) ::kill(w, SIGKILL);
+  const std::string said = slurp(agent.err) + slurp(agent.out);
+  INFO(said);
+  MESSAGE("the workers stopped " << took << " s after their agent's SIGKILL");
+  CHECK(took < 30);
+  CHECK(said.find("the store does not answer the heartbeat") != std::string::npos);
+  CHECK(said.find("the launcher is gone, the ranks are not") != std::string::npos);
+  CHECK(said.find("trainkit: stopped because the group's store is gone") != std::string::npos);
+  CHECK(said.find("fit wrote 1 checkpoints") != std::string::npos);
+  bool checkpoint = false;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "orphans-out/rank0"))
+    checkpoint |= e.path().extension() == ".ckpt";
+  CHECK(checkpoint);
 }
 
 TEST_CASE("data parallel: a rank that dies or hangs stops the other within the timeout") {

@@ -25,6 +25,7 @@
 /// The user's view: docs/guide/fit.md, memory.md, checkpoints.md, data-parallel.md. Why it is
 /// built this way: docs/design/memory.md, checkpoints.md, logging.md, data-parallel.md.
 #include <trainkit/trainer/any_trainer.hpp>
+#include <trainkit/fit/agreements.hpp>
 #include <trainkit/fit/checkpoint.hpp>
 #include <trainkit/fit/fit_events.hpp>
 #include <trainkit/config/error.hpp>
@@ -96,7 +97,8 @@ class FitLoop {
         pieces_(trainer, task, options.piece_items(), [this](const std::string& text) { say(text); },
                 [this](const std::string& text) {
                   if (log_) log_->say_local(text);
-                }) {
+                }),
+        agreements_(trainer.replicas(), options.log_frequent()) {
     checkpoints_.set_format(options.checkpoint_format());
   }
 
@@ -119,6 +121,7 @@ class FitLoop {
     const FitPosition start = resume();
     if (nothing_to_train(start)) return finish();
     log_->open(!result_.resumed_from.empty(), windows_from(start));
+    agreements_.start(trainer_.windows());
     Prefetcher<Batch> prefetch(task_.batch, options_.workers());
 
     for (std::int64_t epoch = start.epoch; epoch < options_.end_epoch(); ++epoch) {
@@ -127,7 +130,7 @@ class FitLoop {
       const std::int64_t first = epoch == start.epoch ? start.index : 0;
       if (first == 0) {  // a resumed epoch keeps its running sums (they are in the checkpoint)
         metrics_.reset();
-        logged_ = {};
+        logged_ = agreed_totals_ = {};
       }
       log_->epoch_begins(epoch, first, batches);
       trainer_.model().train();
@@ -148,7 +151,7 @@ class FitLoop {
           index = replay_window(e, epoch, index, batches) - 1;
           continue;
         }
-        asked.stop |= signals.received() != 0;
+        asked.stop |= signals.received() != 0 || trainer_.replicas().store_gone();
         if (r.window_closed) held_.clear();  // (a loss of terms: the window's micro-batches)
         if (saves()) background_checked(/*wait=*/false);  // (an atomic load, unless one finished)
         // 3. After a window: a log window logs, and the ranks agree there on stops and
@@ -161,12 +164,12 @@ class FitLoop {
           asked.checkpoint |= info.request_checkpoint;
           asked.stop |= info.request_stop;
         }
-        asked.stop |= signals.received() != 0;
+        asked.stop |= signals.received() != 0 || trainer_.replicas().store_gone();
         // Checkpoints inside an epoch fall on window boundaries: the signal's "finish the
         // current window" is this condition becoming true. One process acts on its own
-        // requests; ranks on what they agreed at the last log window (no sync of its own: a
-        // data-parallel stop or checkpoint waits for the next log window, where the
-        // checkpoint's running sums are every rank's: write_checkpoint).
+        // requests; ranks on what they agreed at the last log window or agreement between
+        // them (window_closed: no sync of its own; the checkpoint's running sums are then
+        // every rank's, agreed_totals_: write_checkpoint).
         const Requests now = single() ? asked : agreed;
         if ((now.stop || now.checkpoint) && trainer_.window_position() == 0 && index + 1 < batches) {
           state_.position = {epoch, index + 1};
@@ -180,11 +183,11 @@ class FitLoop {
       if (auto report = flush(epoch, batches)) window_closed(*report, {epoch, batches, batches});
       if (trainer_.window_position() == 0) held_.clear();
       log_->epoch_ends({epoch, batches, batches});
-      asked.stop |= signals.received() != 0;
+      asked.stop |= signals.received() != 0 || trainer_.replicas().store_gone();
       Metrics::Totals totals = metrics_.totals();
       if (agree({asked.stop, false, false}, &totals).stop) {  // every micro-batch ran; the epoch's end runs after resuming
         state_.position = {epoch, batches};
-        if (!single()) logged_ = totals;  // the sums over every rank (write_checkpoint)
+        if (!single()) logged_ = agreed_totals_ = totals;  // the sums over every rank (write_checkpoint)
         write_checkpoint(/*epoch_end*/ false);
         return stop(signals.received());
       }
@@ -198,13 +201,15 @@ class FitLoop {
       bool new_best = false;
       if (task_.validate && ((epoch + 1) % options_.val_frequent() == 0 || last)) {
         end.validation = validate(epoch);
-        mean_over_ranks(end.validation);  // the schedule and the best must agree on every rank
+        agreements_.mean(end.validation);  // the schedule and the best must agree on every rank
         result_.validation = state_.validation = end.validation;
         log_->validation(epoch, end.validation);
         new_best = observe_best(epoch, end.validation);
       }
       if (callbacks_.epoch_end) callbacks_.epoch_end(end);
-      const Requests agreed = agree({asked.stop || end.request_stop || signals.received() != 0, false, end.request_finish});
+      const Requests agreed = agree({asked.stop || end.request_stop || signals.received() != 0 ||
+                                         trainer_.replicas().store_gone(),
+                                     false, end.request_finish});
       state_.position = {epoch + 1, 0};
       if (agreed.finish) {  // data parallel: any rank's request, the main rank's reason
         finished_ = end.finish_reason.empty() ? "a callback finished training" : end.finish_reason;
@@ -225,11 +230,6 @@ class FitLoop {
   }
 
  private:
-  // Stop, checkpoint and finish requests: this rank's, or (agree()) any rank's.
-  struct Requests {
-    bool stop = false, checkpoint = false, finish = false;
-  };
-
   // Checkpoints, logs and messages: on the main rank only (every rank trains and resumes).
   bool writes() const { return options_.write_files() && trainer_.replicas().is_main(); }
   // This rank calls the checkpoint manager's save: the main rank, or every rank for a set.
@@ -239,32 +239,8 @@ class FitLoop {
     if (log_) log_->say(text);
   }
 
-  // Data parallel: what every rank must do alike is agreed in one small collective, called by
-  // every rank at the same point, which also combines the loop's `totals` when given: their
-  // sums and weights averaged alike, so that their ratio is the mean over every rank's items
-  // (every rank's task must add the same metric names). Returns the requests any rank made.
-  // One process: its own requests, the totals as they are.
-  Requests agree(Requests mine, Metrics::Totals* totals = nullptr) {
-    if (single()) return mine;
-    std::vector<double> v;
-    if (totals)
-      for (const auto& [name, sw] : totals->of) v.insert(v.end(), {sw.first, sw.second});
-    v.insert(v.end(), {mine.stop ? 1.0 : 0.0, mine.checkpoint ? 1.0 : 0.0, mine.finish ? 1.0 : 0.0});
-    trainer_.replicas().all_reduce(v, Reduce::mean);
-    std::size_t i = 0;
-    if (totals)
-      for (auto& [name, sw] : totals->of) sw = {v[i], v[i + 1]}, i += 2;
-    return {v[i] > 0, v[i + 1] > 0, v[i + 2] > 0};
-  }
-  // Validation metrics: the mean over the ranks.
-  void mean_over_ranks(std::map<std::string, double>& values) {
-    if (single()) return;
-    std::vector<double> v;
-    for (const auto& [name, x] : values) v.push_back(x);
-    trainer_.replicas().all_reduce(v, Reduce::mean);
-    std::size_t i = 0;
-    for (auto& [name, x] : values) x = v[i++];
-  }
+  // Data parallel: what every rank must do alike (fit/agreements.hpp).
+  Requests agree(Requests mine, Metrics::Totals* totals = nullptr) { return agreements_.agree(mine, totals); }
 
   // 1. Resume, by TRAIN.RESUME / AUTO_RESUME. Returns where training starts. The checkpoint's
   // configuration is checked before anything is loaded.
@@ -419,12 +395,21 @@ class FitLoop {
   // last log window; the ranks' totals and their requests go through one collective there.
   // Returns any rank's requests (none between log windows).
   Requests window_closed(const StepReport& report, LogPosition at, Requests asked = {}) {
-    if (!log_->logs_window(report.window())) {
+    const std::int64_t w = report.window();
+    if (!log_->logs_window(w)) {
       log_->window(report, at, nullptr);
-      return {};
+      if (!agreements_.due(w)) return {};
+      // An agreement between log windows: the requests (and, for a checkpoint, the sums).
+      const Requests agreed = agreements_.agree(asked, nullptr, w);
+      if (agreed.stop || agreed.checkpoint) {  // (every rank: agreed)
+        agreed_totals_ = metrics_.totals();
+        agree({}, &agreed_totals_);
+      }
+      return agreed;
     }
     Metrics::Totals totals = metrics_.totals();  // one sync with the report's (log_->window)
-    const Requests agreed = agree(asked, &totals);
+    const Requests agreed = agreements_.agree(asked, &totals, w);
+    agreed_totals_ = totals;
     std::map<std::string, double> interval;
     for (const auto& [name, sw] : totals.of) {
       const auto old = logged_.of.find(name);
@@ -517,6 +502,9 @@ class FitLoop {
     r.signal = signal;
     std::ostringstream msg;
     msg << "trainkit: stopped" << (signal == SIGINT ? " by SIGINT" : signal == SIGTERM ? " by SIGTERM" : "")
+        << (signal == 0 && trainer_.replicas().store_gone()
+                ? " because the group's store is gone (its host, torchrun's agent, was killed or died)"
+                : "")
         << " at epoch " << state_.position.epoch << ", micro-batch " << state_.position.index;
     if (!r.checkpoints.empty()) msg << "; checkpoint '" << r.checkpoints.back() << "' written";
     msg << ". To continue, run the same command again"
@@ -555,6 +543,8 @@ class FitLoop {
   FitResult result_;
   Metrics metrics_;         // the epoch's running sums: "Loss" and the task's metrics
   Metrics::Totals logged_;  // the sums at the last log (the next log's interval starts there)
+  Metrics::Totals agreed_totals_;  // data parallel: the ranks' sums where they last agreed them (a checkpoint's)
+  Agreements agreements_;   // data parallel: stops, checkpoints and sums agreed by the ranks
   struct WindowSums {       // the loop's sums when the open window began (a replay puts them back)
     Metrics metrics;
     RunLog::Counts counts;

@@ -55,7 +55,7 @@ FitPosition FitLoop<Batch>::resume() {
   result_.validation = state_.validation = saved.validation;
   pieces_.resume_with(saved.piece_items);
   metrics_ = saved.metrics;
-  logged_ = saved.logged;
+  logged_ = agreed_totals_ = saved.logged;
   if (saved.seed != options_.seed())
     std::cerr << "trainkit: warning: '" << opened->path << "' was written by a run with RNG_SEED " << saved.seed
               << ", this run has " << options_.seed() << "; data drawn from the seed will differ from the "
@@ -112,13 +112,14 @@ void FitLoop<Batch>::write_checkpoint(bool epoch_end) {
   }
   // The loop's running sums, so that a resumed epoch's means and logs equal the straight
   // run's. Data parallel, inside an epoch: the mean over the ranks of their running sums,
-  // which the log window this checkpoint follows has just computed (logged_). Every rank
+  // which the log window (or agreement) this checkpoint follows has just computed
+  // (agreed_totals_; logged_, where the log interval resumes, is saved too). Every rank
   // resumes with it, and every later mean over the ranks is then the uninterrupted run's.
   state_.finished = finished_;
   state_.piece_items = pieces_.piece_items();
   state_.world_size = trainer_.replicas().world_size();
   state_.total_batch = options_.total_batch();
-  state_.metrics = !single() && state_.position.index > 0 ? Metrics::from_totals(logged_) : metrics_;
+  state_.metrics = !single() && state_.position.index > 0 ? Metrics::from_totals(agreed_totals_) : metrics_;
   state_.logged = logged_;
   if (options_.background_checkpoints()) background_checked(/*wait=*/true);  // (the previous one, or its error)
   try {

@@ -62,6 +62,7 @@ class DataParallel final : public Replicas {
   int rank() const override { return group_.rank(); }
   int world_size() const override { return group_.world_size(); }
   const ProcessGroup& group() const { return group_; }
+  bool store_gone() const override { return group_.store_gone(); }
   std::int64_t bucket_bytes() const override { return bucket_bytes_; }
   /// All-reduce calls per window for a gradient of `numel` elements of `element_size` bytes.
   std::int64_t buckets(std::int64_t numel, std::int64_t element_size = 4) const {

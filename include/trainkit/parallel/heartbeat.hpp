@@ -19,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -64,6 +65,12 @@ class Heartbeat {
   }
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
+
+  /// How on_silent's message starts when the store itself stopped answering (its host is gone:
+  /// rank 0, or torchrun's agent), rather than a peer.
+  static constexpr const char* kStoreGone = "the store does not answer the heartbeat";
+  /// Whether the store stopped answering (on_silent was called with kStoreGone).
+  bool store_gone() const { return store_gone_.load(); }
 
   /// The message given to on_silent, or "" while every rank beats.
   std::string failure() const {
@@ -152,7 +159,8 @@ class Heartbeat {
           message = text.str();
         }
       } catch (const std::exception&) {
-        message = "the store does not answer the heartbeat: its host (rank 0, or torchrun's agent) is gone";
+        message = std::string(kStoreGone) + ": its host (rank 0, or torchrun's agent) is gone";
+        store_gone_ = true;
       }
       lock.lock();
       if (!message.empty() && !stop_) {
@@ -183,6 +191,7 @@ class Heartbeat {
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   bool stop_ = false, finished_ = false;
+  std::atomic<bool> store_gone_{false};
   const int uncaught_at_start_ = std::uncaught_exceptions();
   std::string failure_;
   std::thread thread_;

@@ -291,19 +291,37 @@ class ProcessGroup {
   /// Starts this rank's heartbeat (parallel/heartbeat.hpp; create() does, by
   /// DistributedOptions::heartbeat_seconds): a rank silent for `silence` is named on stderr
   /// and in the errors of later collectives, and NCCL's communicator is aborted.
+  /// A store hosted by torchrun's agent that stops answering means the agent is gone (killed),
+  /// while the ranks and their own connections live on: the ranks then stop by themselves
+  /// (store_gone(): tk::fit stops at its next agreement, writing a checkpoint, as for SIGTERM)
+  /// and NCCL's communicator is left alone for that.
   void start_heartbeat(std::chrono::milliseconds silence) {
     const bool nccl = state_->backend->getBackendName() == "nccl";
+    const bool agent_store = state_->info.store.find("torchrun's agent") != std::string::npos;
     const std::string who = "trainkit: rank " + std::to_string(rank()) + " of " + std::to_string(world_size());
     const std::string then = nccl ? "; aborting the NCCL communicator so that this rank stops now"
                                   : "; this rank stops when its collective fails or times out (" +
                                         detail::seconds_text(state_->timeout.count() / 1000.0) + " s)";
+    const std::string launcher_gone =
+        "; the launcher is gone, the ranks are not: tk::fit stops at the ranks' next agreement (within about " +
+        detail::seconds_text(Replicas::agreement_seconds) + " s), writing a checkpoint, as for SIGTERM (ProcessGroup::store_gone())";
     state_->heartbeat.reset();
-    state_->heartbeat = std::make_unique<detail::Heartbeat>(
-        state_->store, rank(), world_size(), silence, [backend = state_->backend, who, then, nccl](const std::string& m) {
+    state_->heartbeat = std::make_shared<detail::Heartbeat>(
+        state_->store, rank(), world_size(), silence,
+        [backend = state_->backend, who, then, launcher_gone, nccl, agent_store](const std::string& m) {
+          if (agent_store && m.rfind(detail::Heartbeat::kStoreGone, 0) == 0) {
+            std::cerr << who << ": " << m << launcher_gone << std::endl;
+            return;
+          }
           std::cerr << who << ": " << m << then << std::endl;
           if (nccl) backend->abort();  // pending and later collectives fail: fail() says why
         });
   }
+
+  /// Whether the group's store stopped answering the heartbeat (its host is gone: torchrun's
+  /// agent killed, or rank 0). The ranks' own connections may still work: a training loop
+  /// should stop at its next point where the ranks agree (tk::fit does, writing a checkpoint).
+  bool store_gone() const { return state_->heartbeat && state_->heartbeat->store_gone(); }
 
   /// Tells the other ranks that this one leaves with an error (`reason`, its first line is
   /// sent): each says so on stderr, naming this rank, within a heartbeat period, and with NCCL
@@ -316,8 +334,17 @@ class ProcessGroup {
     if (state_->heartbeat) state_->heartbeat->leave_with_error(reason);
   }
 
+  /// This group with `backend` in place of its own (a wrapper around it: one that counts the
+  /// collectives): the same store, identity, timeout and device, and the same heartbeat (its
+  /// store_gone() and the errors' "heartbeat:" part), which leaves when both groups are gone.
+  ProcessGroup over(c10::intrusive_ptr<c10d::Backend> backend) const {
+    ProcessGroup g(state_->store, std::move(backend), state_->info, state_->timeout, state_->device);
+    g.state_->heartbeat = state_->heartbeat;
+    return g;
+  }
+
   /// From parts: a store, a backend built over it (e.g. a wrapper around another group's
-  /// backend), the identity and timeout.
+  /// backend; over() keeps the heartbeat too), the identity and timeout.
   ProcessGroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
                RankInfo info, std::chrono::milliseconds timeout, torch::Device device)
       : state_(std::make_shared<State>(
@@ -481,7 +508,7 @@ class ProcessGroup {
     RankInfo info;
     std::chrono::milliseconds timeout;
     torch::Device device;
-    std::unique_ptr<detail::Heartbeat> heartbeat;  // last: stopped before the rest goes
+    std::shared_ptr<detail::Heartbeat> heartbeat;  // last: stopped before the rest goes (shared by over())
   };
   std::shared_ptr<State> state_;
 };

@@ -138,6 +138,13 @@ class Replicas {
   virtual int world_size() const = 0;
   /// True on the rank that logs and writes checkpoints.
   bool is_main() const { return rank() == 0; }
+  /// Whether the group's store is gone while the ranks' own connections may still work
+  /// (torchrun's agent killed): a training loop stops at its next agreement (tk::fit does,
+  /// writing a checkpoint, as for SIGTERM). Read at every window: no collective.
+  virtual bool store_gone() const { return false; }
+  /// tk::fit's ranks agree on stops and checkpoint requests at their log windows, and between
+  /// them at least about this often (seconds; windows agreed from the ranks' measured times).
+  static constexpr double agreement_seconds = 10.0;
 
   /// Makes every rank's parameters and buffers (and `flat_params`, the trainer's storage) rank 0's.
   /// Parameters that are views of `rewritten` (where defined) are left alone: the caller sets
