@@ -187,6 +187,14 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
       throw std::logic_error("trainkit: parameter of unit '" + units_[static_cast<size_t>(u)].name + "' received a "
                              "gradient from a backward outside the trainer's micro_step; with ZeRO stage 3 the "
                              "trainer takes every gradient itself");
+    if (backward_ && !held_ && !visited_[static_cast<size_t>(u)] && !units_[static_cast<size_t>(u)].whole)
+      throw std::logic_error(
+          "trainkit: a parameter of unit '" + units_[static_cast<size_t>(u)].name + "' received a gradient, but the "
+          "backward never reached the unit through tk::unit: the unit was called without it (or one of its "
+          "parameters was used outside its call), so the forward read its parameters while they were released or "
+          "still being gathered. Call the unit's module as `x = tk::unit(module, x)` (trainkit/trainer/unit.hpp), "
+          "and use its parameters only inside that call (a weight shared with another module belongs to the same "
+          "unit)");
     if (auto& g = param.mutable_grad(); g.defined() && g.numel() > 0) {
       if (reduction_ != nullptr && launched_[static_cast<size_t>(u)])
         throw std::runtime_error(
@@ -353,6 +361,25 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   /// its unit's call: the weight's transpose in a Linear), what to say instead: the units
   /// released at this point, those holding a parameter of the error's sizes (in any order: the
   /// view may be the transpose) first. Empty for any other error.
+  /// The unit whose buffer `storage` is (-1: none; the root unit, never released, included).
+  std::int64_t unit_of_storage(const c10::StorageImpl* storage) const {
+    for (size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].buffer.storage().unsafeGetStorageImpl() == storage) return static_cast<std::int64_t>(u);
+    return -1;
+  }
+  const std::string& unit_name(std::int64_t u) const { return units_[static_cast<size_t>(u)].name; }
+  /// A released unit's buffer allocated (zeros) outside the schedule, and released again: what
+  /// ReleasedUseGuard (storage/released_use.hpp) does around an operator that reads a released
+  /// parameter, before it throws. The schedule's own counts are not touched.
+  void allocate_unit_buffer(std::int64_t u) const {
+    const auto& buffer = units_[static_cast<size_t>(u)].buffer;
+    if (is_released(buffer)) allocate_released(buffer);
+  }
+  void release_unit_buffer(std::int64_t u) const {
+    const auto& buffer = units_[static_cast<size_t>(u)].buffer;
+    if (!is_released(buffer)) release_storage(buffer);
+  }
+
   std::string released_use(const std::string& error) const {
     if (error.find("out of bounds for storage of size 0") == std::string::npos) return {};
     std::vector<std::int64_t> wanted;  // "sizes [a, b, ...]" of the refused view, sorted

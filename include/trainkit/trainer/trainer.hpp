@@ -41,6 +41,7 @@
 #include <trainkit/step/schedule.hpp>
 #include <trainkit/step/step_report.hpp>
 #include <trainkit/storage/storage.hpp>
+#include <trainkit/storage/released_use.hpp>
 #include <trainkit/storage/unit_gathers.hpp>
 #include <trainkit/trainer/trainer_core.hpp>
 #include <trainkit/trainer/trainer_key.hpp>
@@ -374,15 +375,20 @@ class Trainer final : public detail::TrainerCore {
       std::optional<detail::UnitScheduleScope> units;
       if (auto schedule = storage_.begin_forward()) units.emplace(std::move(schedule));
       [[maybe_unused]] const auto region = precision_.region();
+      const auto* gathers = units ? storage_.unit_gathers() : nullptr;
+      // The first forward at stage 3: a released parameter read by any operator is named
+      // (storage/released_use.hpp), not a crash; later forwards name a refused view of one.
+      std::optional<detail::ReleasedUseGuard> guard;
+      if (gathers != nullptr && !units_checked_) guard.emplace(*gathers), units_checked_ = true;
       try {
         loss = closure();
       } catch (const c10::Error& e) {  // (a unit called without tk::unit: said in the model's terms)
-        const auto* gathers = units ? storage_.unit_gathers() : nullptr;
         if (const std::string said = gathers ? gathers->released_use(e.what_without_backtrace()) : std::string();
             !said.empty())
           throw std::logic_error(said);
         throw;
       }
+      if (guard) guard->check();
     }
     check_loss(loss);
     return loss;
@@ -559,6 +565,7 @@ class Trainer final : public detail::TrainerCore {
   Clip clip_;
   storage_type storage_;
   detail::NonfiniteWatch nonfinite_;
+  bool units_checked_ = false;  // stage 3: the first forward ran under a ReleasedUseGuard (forward())
   struct MicroBatchStart {  // the window as the current micro-batch found it (discard_micro_batch)
     typename Accumulation::State accumulation{};
     torch::Tensor window_loss;
