@@ -145,13 +145,13 @@ TRAINKIT_INLINE torch::Tensor host_copy(const torch::Tensor& tensor) {
   return tensor.detach().to(torch::kCPU, /*non_blocking=*/staged, /*copy=*/true);
 }
 
-TRAINKIT_INLINE void write_piece(const std::string& record, c10::IntArrayRef shape, std::int64_t offset,
-                                 const torch::Tensor& piece) {
+TRAINKIT_INLINE void write_chunk(const std::string& record, c10::IntArrayRef shape, std::int64_t offset,
+                                 const torch::Tensor& chunk) {
   auto* scope = ShardedWrites::active();
-  TORCH_CHECK(scope != nullptr, "write_piece outside a ShardedWrites scope");
-  // Staged (a background write), a copy; blocking, a CPU piece as it is (written before the state
-  // changes), a device piece copied to the host.
-  const auto flat = piece.detach().reshape({-1});
+  TORCH_CHECK(scope != nullptr, "write_chunk outside a ShardedWrites scope");
+  // Staged (a background write), a copy; blocking, a CPU chunk as it is (written before the state
+  // changes), a device chunk copied to the host.
+  const auto flat = chunk.detach().reshape({-1});
   scope->add({record, shape.vec(), offset, StagedWrites::active() || !flat.is_cpu() ? host_copy(flat) : flat.contiguous()});
 }
 
@@ -159,7 +159,7 @@ TRAINKIT_INLINE void write_tensor(torch::serialize::OutputArchive& archive, cons
                                   const torch::Tensor& tensor) {
   if (const auto* scope = ShardedWrites::of(archive);
       scope != nullptr && tensor.defined() && safetensors_dtype(tensor.scalar_type()) != nullptr) {
-    if (scope->main()) write_piece(key, tensor.sizes(), 0, tensor);
+    if (scope->main()) write_chunk(key, tensor.sizes(), 0, tensor);
     return;
   }
   if (StagedWrites::active() && tensor.defined()) {

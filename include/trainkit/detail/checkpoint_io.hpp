@@ -68,11 +68,12 @@ std::runtime_error missing_record(const std::string& key);
 /// StagedWrites scope, a copy of it on the host. Inside a ShardedWrites scope, to the scope's
 /// pieces on the main rank (whole), and nowhere on the others.
 void write_tensor(torch::serialize::OutputArchive& archive, const std::string& key, const torch::Tensor& tensor);
-/// Inside a ShardedWrites scope: elements [offset, offset + piece.numel()) of the flattened
-/// record `record` of shape `shape`, from `piece`: inside a StagedWrites scope a copy
-/// (asynchronous from a device, waited for by its wait()); outside one a CPU piece itself (the
-/// set is written before the state changes), a device piece copied to the host.
-void write_piece(const std::string& record, c10::IntArrayRef shape, std::int64_t offset, const torch::Tensor& piece);
+/// Inside a ShardedWrites scope: a chunk of a set's record (the index's word), elements
+/// [offset, offset + chunk.numel()) of the flattened record `record` of shape `shape`, from
+/// `chunk`: inside a StagedWrites scope a copy (asynchronous from a device, waited for by its
+/// wait()); outside one a CPU chunk itself (the set is written before the state changes), a
+/// device chunk copied to the host.
+void write_chunk(const std::string& record, c10::IntArrayRef shape, std::int64_t offset, const torch::Tensor& chunk);
 
 /// Background checkpoint writes in flight, and a second stop signal's wish to exit: the signal
 /// handler (fit/stop_signals.hpp) exits at once when no write is in flight, else leaves the exit

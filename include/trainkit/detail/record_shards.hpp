@@ -65,7 +65,7 @@ class ShardedWrites {
   static ShardedWrites* of(const torch::serialize::OutputArchive& archive);
   /// Whether this rank writes the records every rank holds alike.
   bool main() const { return main_; }
-  /// A piece, already copied to the host (checkpoint_io.hpp's write_piece makes the copy).
+  /// A piece, already copied to the host (checkpoint_io.hpp's write_chunk makes the copy).
   void add(RecordChunk chunk) { chunks_.push_back(std::move(chunk)); }
   std::vector<RecordChunk> take() { return std::move(chunks_); }
 

@@ -72,9 +72,9 @@ TRAINKIT_INLINE torch::Tensor FlatStorage::norm_whole() { return at::linalg_vect
 
 TRAINKIT_INLINE void FlatStorage::update_whole(const detail::UpdatePart& f) { f(placement_.groups(), grad_); }
 
-TRAINKIT_INLINE void FlatStorage::whole_gradient_pieces(std::vector<torch::Tensor>& pieces,
+TRAINKIT_INLINE void FlatStorage::whole_gradient_parts(std::vector<torch::Tensor>& parts,
                                                         std::vector<std::int64_t>& owners) const {
-  placement_.whole_pieces(grad_, pieces, owners);
+  placement_.whole_parts(grad_, parts, owners);
 }
 
 TRAINKIT_INLINE void FlatStorage::save_whole_window(torch::serialize::OutputArchive& archive) const {
@@ -136,8 +136,8 @@ TRAINKIT_INLINE void FlatStorage::save_values(torch::serialize::OutputArchive& a
   // slice covers).
   for (const auto& e : placement_.parameters()) {
     for (const auto& p : mode.slices_of(e))
-      detail::write_piece("model.param." + e.name, e.param.sizes(), p.from, params_.narrow(0, e.offset + p.from, p.length));
-    if (e.param.numel() == 0 && set->main()) detail::write_piece("model.param." + e.name, e.param.sizes(), 0, e.param);
+      detail::write_chunk("model.param." + e.name, e.param.sizes(), p.from, params_.narrow(0, e.offset + p.from, p.length));
+    if (e.param.numel() == 0 && set->main()) detail::write_chunk("model.param." + e.name, e.param.sizes(), 0, e.param);
   }
   detail::write_frozen(archive, module);
 }

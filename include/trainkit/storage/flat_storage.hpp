@@ -48,7 +48,7 @@ class FlatStorage : public detail::StorageBase {
                               const WindowWeights& window) override;
   torch::Tensor norm_whole() override;
   void update_whole(const detail::UpdatePart& f) override;
-  void whole_gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const override;
+  void whole_gradient_parts(std::vector<torch::Tensor>& parts, std::vector<std::int64_t>& owners) const override;
   void save_whole_window(torch::serialize::OutputArchive& archive) const override;
   void load_whole_window(torch::serialize::InputArchive& archive) override;
   void publish_update(const detail::ShardedUpdate& mode) override;

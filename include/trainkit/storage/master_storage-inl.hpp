@@ -97,14 +97,14 @@ TRAINKIT_INLINE void MasterStorage::update_whole(const detail::UpdatePart& f) {
   half_.write_back(params_);  // the model's half parameters from the masters, one copy
 }
 
-TRAINKIT_INLINE void MasterStorage::whole_gradient_pieces(std::vector<torch::Tensor>& pieces,
+TRAINKIT_INLINE void MasterStorage::whole_gradient_parts(std::vector<torch::Tensor>& parts,
                                                           std::vector<std::int64_t>& owners) const {
-  if (grad_.defined()) return placement_.whole_pieces(grad_, pieces, owners);
-  placement_.whole_pieces(half_.grad(), pieces, owners);
+  if (grad_.defined()) return placement_.whole_parts(grad_, parts, owners);
+  placement_.whole_parts(half_.grad(), parts, owners);
   const auto& placed = placement_.parameters();
   for (size_t i = 0; i < placed.size(); ++i)
     if (kept_[i] && placed[i].param.grad().defined()) {
-      pieces.push_back(placed[i].param.grad().view({-1}));
+      parts.push_back(placed[i].param.grad().view({-1}));
       owners.push_back(placed[i].order);
     }
 }

@@ -88,7 +88,7 @@ class MasterStorage : public detail::StorageBase {
   void update_whole(const detail::UpdatePart& f) override;
   // The whole fp32 gradient, or with the chunked phase the half gradient and the fp32-kept
   // parameters' own (their slots in the half one are unused zeros).
-  void whole_gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const override;
+  void whole_gradient_parts(std::vector<torch::Tensor>& parts, std::vector<std::int64_t>& owners) const override;
   void save_whole_window(torch::serialize::OutputArchive& archive) const override;
   void load_whole_window(torch::serialize::InputArchive& archive) override;
   std::optional<GradientFactor> reduce_scatter_in_half(Replicas& replicas, const detail::Partition& partition,

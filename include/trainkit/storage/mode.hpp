@@ -92,7 +92,7 @@ class ShardingMode {
   virtual void update(const UpdatePart& f) = 0;
   virtual void zero() = 0;
   /// The gradient norm() sees, parameter by parameter (the overflow diagnosis).
-  virtual void gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const = 0;
+  virtual void gradient_parts(std::vector<torch::Tensor>& parts, std::vector<std::int64_t>& owners) const = 0;
   virtual bool reduces_each_micro_batch() const { return false; }
   virtual void discard_micro_batch();
   virtual void allocate_gradient();

@@ -83,10 +83,10 @@ class Placement {
   /// The overflow diagnosis's view (trainer/nonfinite_watch.hpp) of `flat`, a whole buffer in
   /// the flat layout (nothing when undefined): each parameter's part of it, and its place among
   /// the model's trainable parameters.
-  void whole_pieces(const torch::Tensor& flat, std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const {
+  void whole_parts(const torch::Tensor& flat, std::vector<torch::Tensor>& parts, std::vector<std::int64_t>& owners) const {
     if (!flat.defined()) return;
     for (const auto& e : placed_) {
-      pieces.push_back(flat.narrow(0, e.offset, e.param.numel()));
+      parts.push_back(flat.narrow(0, e.offset, e.param.numel()));
       owners.push_back(e.order);
     }
   }

@@ -31,9 +31,9 @@ TRAINKIT_INLINE void Replicated::zero() {
   storage_.zero_gradient(/*release=*/false);
 }
 
-TRAINKIT_INLINE void Replicated::gradient_pieces(std::vector<torch::Tensor>& pieces,
+TRAINKIT_INLINE void Replicated::gradient_parts(std::vector<torch::Tensor>& parts,
                                                  std::vector<std::int64_t>& owners) const {
-  storage_.whole_gradient_pieces(pieces, owners);
+  storage_.whole_gradient_parts(parts, owners);
 }
 
 TRAINKIT_INLINE void Replicated::save(torch::serialize::OutputArchive& archive, torch::nn::Module& module,

@@ -21,7 +21,7 @@ class Replicated final : public ShardingMode {
   torch::Tensor norm() override;
   void update(const UpdatePart& f) override;
   void zero() override;
-  void gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const override;
+  void gradient_parts(std::vector<torch::Tensor>& parts, std::vector<std::int64_t>& owners) const override;
   void save(torch::serialize::OutputArchive& archive, torch::nn::Module& module, const UpdateRule& rule) const override;
   void load(torch::serialize::InputArchive& archive, torch::nn::Module& module, UpdateRule& rule) override;
   void save_window(torch::serialize::OutputArchive& archive, bool snapshot) const override;

@@ -22,12 +22,12 @@ TRAINKIT_INLINE void ShardedSlices::update(const UpdatePart& f) {
   after_update();
 }
 
-TRAINKIT_INLINE void ShardedSlices::gradient_pieces(std::vector<torch::Tensor>& pieces,
+TRAINKIT_INLINE void ShardedSlices::gradient_parts(std::vector<torch::Tensor>& parts,
                                                     std::vector<std::int64_t>& owners) const {
   if (!local_grad_.defined()) return;
   for (const auto& e : storage_.placement().parameters())
     for (const auto& p : slices_of(e)) {
-      pieces.push_back(local_grad_.narrow(0, p.at, p.length));
+      parts.push_back(local_grad_.narrow(0, p.at, p.length));
       owners.push_back(e.order);
     }
 }
@@ -48,8 +48,8 @@ TRAINKIT_INLINE void ShardedSlices::write_local(torch::serialize::OutputArchive&
   const auto& placed = storage_.placement().parameters();
   if (const auto* set = ShardedWrites::of(archive)) {
     for (const auto& e : placed) {
-      for (const auto& p : slices_of(e)) write_piece(prefix + e.name, e.param.sizes(), p.from, local.narrow(0, p.at, p.length));
-      if (e.param.numel() == 0 && set->main()) write_piece(prefix + e.name, e.param.sizes(), 0, local.narrow(0, 0, 0));
+      for (const auto& p : slices_of(e)) write_chunk(prefix + e.name, e.param.sizes(), p.from, local.narrow(0, p.at, p.length));
+      if (e.param.numel() == 0 && set->main()) write_chunk(prefix + e.name, e.param.sizes(), 0, local.narrow(0, 0, 0));
     }
     return;
   }

@@ -20,7 +20,7 @@ class ShardedSlices : public ShardingMode {
  public:
   torch::Tensor norm() override;
   void update(const UpdatePart& f) override;
-  void gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const override;
+  void gradient_parts(std::vector<torch::Tensor>& parts, std::vector<std::int64_t>& owners) const override;
   const torch::Tensor& local_gradients() const override { return local_grad_; }
   void held_tensors(std::vector<torch::Tensor>& out) const override { out.insert(out.end(), {local_grad_, scratch_}); }
   void write_local(torch::serialize::OutputArchive& archive, const std::string& prefix,

@@ -64,9 +64,9 @@ TRAINKIT_INLINE GradientFactor StorageBase::reduce(Replicas& replicas, const Win
 TRAINKIT_INLINE torch::Tensor StorageBase::norm() { return mode_->norm(); }
 TRAINKIT_INLINE void StorageBase::update(const UpdatePart& f) { mode_->update(f); }
 TRAINKIT_INLINE void StorageBase::zero() { mode_->zero(); }
-TRAINKIT_INLINE void StorageBase::gradient_pieces(std::vector<torch::Tensor>& pieces,
+TRAINKIT_INLINE void StorageBase::gradient_parts(std::vector<torch::Tensor>& parts,
                                                   std::vector<std::int64_t>& owners) const {
-  mode_->gradient_pieces(pieces, owners);
+  mode_->gradient_parts(parts, owners);
 }
 TRAINKIT_INLINE bool StorageBase::reduces_each_micro_batch() const { return mode_->reduces_each_micro_batch(); }
 TRAINKIT_INLINE void StorageBase::discard_micro_batch() { mode_->discard_micro_batch(); }

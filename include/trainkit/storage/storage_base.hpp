@@ -69,7 +69,7 @@ class StorageBase : public StorageCore {
   void zero();
   void check() const { views_.check(); }
   /// The gradient norm() sees, parameter by parameter (the overflow diagnosis).
-  void gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const;
+  void gradient_parts(std::vector<torch::Tensor>& parts, std::vector<std::int64_t>& owners) const;
   /// Whether each micro-batch's gradient is reduce-scattered into this rank's slices of the
   /// window's sum at its end (stages 2 and 3 with several ranks).
   bool reduces_each_micro_batch() const;

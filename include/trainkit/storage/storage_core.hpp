@@ -79,7 +79,7 @@ class StorageCore {
   virtual GradientFactor reduce_whole(Replicas& replicas, const Partition& partition, const WindowWeights& window) = 0;
   virtual torch::Tensor norm_whole() = 0;
   virtual void update_whole(const UpdatePart& f) = 0;
-  virtual void whole_gradient_pieces(std::vector<torch::Tensor>& pieces, std::vector<std::int64_t>& owners) const = 0;
+  virtual void whole_gradient_parts(std::vector<torch::Tensor>& parts, std::vector<std::int64_t>& owners) const = 0;
   /// Replicated and stage 1: the open window's gradient records as this rank holds them.
   virtual void save_whole_window(torch::serialize::OutputArchive& archive) const = 0;
   virtual void load_whole_window(torch::serialize::InputArchive& archive) = 0;

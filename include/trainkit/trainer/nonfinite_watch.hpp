@@ -137,21 +137,21 @@ class NonfiniteWatch {
 
   /// Phases 6-7 with the diagnosis on: the windows count of each parameter whose part of the
   /// phase's gradient is not finite grows by one (a parameter cut into several slices counts
-  /// once). `Storage`: FlatStorage or MasterStorage (gradient_pieces).
+  /// once). `Storage`: FlatStorage or MasterStorage (gradient_parts).
   template <class Storage>
   void count(const Storage& storage) {
-    std::vector<torch::Tensor> pieces;
+    std::vector<torch::Tensor> parts;
     std::vector<std::int64_t> owners;
-    storage.gradient_pieces(pieces, owners);
-    if (pieces.empty()) return;
+    storage.gradient_parts(parts, owners);
+    if (parts.empty()) return;
     if (!owners_.defined() || owners_.numel() != static_cast<std::int64_t>(owners.size())) {
-      // Once per turn-on (the pieces do not change). On CUDA from pinned memory without a wait,
+      // Once per turn-on (the parts do not change). On CUDA from pinned memory without a wait,
       // as the LR table is: a pageable copy would wait for the stream.
       owners_host_ = torch::tensor(owners, torch::kLong);
       if (counts_.device().is_cuda()) owners_host_ = owners_host_.pin_memory();
       owners_ = owners_host_.to(counts_.device(), /*non_blocking=*/true);
     }
-    const auto norms = at::stack(at::_foreach_norm(pieces, 2, at::kFloat));
+    const auto norms = at::stack(at::_foreach_norm(parts, 2, at::kFloat));
     const auto bad = at::isfinite(norms).logical_not();
     const auto per_parameter = torch::zeros_like(counts_).index_add_(0, owners_, bad.to(torch::kLong));
     counts_.add_(per_parameter.clamp_max(1));
