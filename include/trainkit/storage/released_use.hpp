@@ -44,14 +44,10 @@ class ReleasedUseGuard {
   /// After the forward: throws when an operator read a released unit's parameter.
   void check() {
     if (used_.empty()) return;
-    std::string units;
-    for (size_t i = 0; i < used_.size(); ++i)
-      units += (i == 0 ? "'" : i + 1 == used_.size() ? " and '" : ", '") + gathers_.unit_name(used_[i]) + "'";
-    throw std::logic_error(
-        "trainkit: the forward used a parameter of unit " + units + " while the unit was released (first in " +
-        first_op_ + "): at ZeRO stage 3 (TRAIN.ZERO_STAGE: 3) a unit's parameters exist only inside its call "
-        "through tk::unit. Call the unit's module as `x = tk::unit(module, x)` (trainkit/trainer/unit.hpp), and "
-        "use its parameters only inside that call (a weight shared with another module belongs to the same unit)");
+    throw std::logic_error("trainkit: the forward used a parameter of unit " + gathers_.units_text(used_, " and ") +
+                           " while the unit was released (first in " + first_op_ + "): at ZeRO stage 3 "
+                           "(TRAIN.ZERO_STAGE: 3) a unit's parameters exist only inside its call through tk::unit. " +
+                           UnitGathers::call_through_unit());
   }
 
  private:

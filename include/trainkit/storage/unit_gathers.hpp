@@ -192,9 +192,7 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
           "trainkit: a parameter of unit '" + units_[static_cast<size_t>(u)].name + "' received a gradient, but the "
           "backward never reached the unit through tk::unit: the unit was called without it (or one of its "
           "parameters was used outside its call), so the forward read its parameters while they were released or "
-          "still being gathered. Call the unit's module as `x = tk::unit(module, x)` (trainkit/trainer/unit.hpp), "
-          "and use its parameters only inside that call (a weight shared with another module belongs to the same "
-          "unit)");
+          "still being gathered. " + call_through_unit());
     if (auto& g = param.mutable_grad(); g.defined() && g.numel() > 0) {
       if (reduction_ != nullptr && launched_[static_cast<size_t>(u)])
         throw std::runtime_error(
@@ -356,11 +354,6 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   bool gathered(std::int64_t u) const { return !is_released(units_[static_cast<size_t>(u)].buffer); }
 
  public:
-  /// The forward failed with LibTorch's `error`. When it is the refusal to view a released
-  /// parameter (a unit's module called without tk::unit, or one of its parameters used outside
-  /// its unit's call: the weight's transpose in a Linear), what to say instead: the units
-  /// released at this point, those holding a parameter of the error's sizes (in any order: the
-  /// view may be the transpose) first. Empty for any other error.
   /// The unit whose buffer `storage` is (-1: none; the root unit, never released, included).
   std::int64_t unit_of_storage(const c10::StorageImpl* storage) const {
     for (size_t u = 0; u < units_.size(); ++u)
@@ -380,6 +373,24 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
     if (!is_released(buffer)) release_storage(buffer);
   }
 
+  /// Units named for a message: "'a', 'b' and 'c'" (`last`: " and " or " or ").
+  std::string units_text(const std::vector<std::int64_t>& us, const char* last) const {
+    std::string text;
+    for (size_t i = 0; i < us.size(); ++i)
+      text += (i == 0 ? "" : i + 1 == us.size() ? last : ", ") + ("'" + unit_name(us[i]) + "'");
+    return text;
+  }
+  /// How every message about a unit's parameters used outside its tk::unit call ends.
+  static std::string call_through_unit() {
+    return "Call the unit's module as `x = tk::unit(module, x)` (trainkit/trainer/unit.hpp), and use its parameters "
+           "only inside that call (a weight shared with another module belongs to the same unit)";
+  }
+
+  /// The forward failed with LibTorch's `error`. When it is the refusal to view a released
+  /// parameter (a unit's module called without tk::unit, or one of its parameters used outside
+  /// its unit's call: the weight's transpose in a Linear), what to say instead: the units
+  /// released at this point, those holding a parameter of the error's sizes (in any order: the
+  /// view may be the transpose) first. Empty for any other error.
   std::string released_use(const std::string& error) const {
     if (error.find("out of bounds for storage of size 0") == std::string::npos) return {};
     std::vector<std::int64_t> wanted;  // "sizes [a, b, ...]" of the refused view, sorted
@@ -397,25 +408,16 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
       }
       return false;
     };
-    std::vector<std::string> matching, released;
-    for (std::int64_t u = 0; u < static_cast<std::int64_t>(units_.size()); ++u) {
-      if (units_[static_cast<size_t>(u)].whole || gathered(u)) continue;
-      const std::string name = "'" + units_[static_cast<size_t>(u)].name + "'";
-      (sized(u) ? matching : released).push_back(name);
-    }
+    std::vector<std::int64_t> matching, released;
+    for (std::int64_t u = 0; u < static_cast<std::int64_t>(units_.size()); ++u)
+      if (!units_[static_cast<size_t>(u)].whole && !gathered(u)) (sized(u) ? matching : released).push_back(u);
     if (matching.empty() && released.empty()) return {};
-    const auto listed = [](const std::vector<std::string>& names) {
-      std::string text;
-      for (size_t i = 0; i < names.size(); ++i) text += (i == 0 ? "" : i + 1 == names.size() ? " or " : ", ") + names[i];
-      return text;
-    };
-    const std::string which = !matching.empty() ? "unit " + listed(matching) + " (a parameter of its sizes)"
-                                                : "one of the units released at this point, " + listed(released);
+    const std::string which = !matching.empty() ? "unit " + units_text(matching, " or ") + " (a parameter of its sizes)"
+                                                : "one of the units released at this point, " + units_text(released, " or ");
     return "trainkit: the forward used a parameter of " + which +
            " while the unit was released: at ZeRO stage 3 (TRAIN.ZERO_STAGE: 3) a unit's parameters exist only "
-           "inside its call through tk::unit. Call the unit's module as `x = tk::unit(module, x)` "
-           "(trainkit/trainer/unit.hpp), and use its parameters only inside that call (a weight shared with "
-           "another module belongs to the same unit). LibTorch said: " + error.substr(0, error.find('\n'));
+           "inside its call through tk::unit. " + call_through_unit() + ". LibTorch said: " +
+           error.substr(0, error.find('\n'));
   }
 
  private:
