@@ -71,4 +71,8 @@ function(trainkit_add_registry trainkit_target registry_header shard_header)
   set_property(TARGET trainkit_registry PROPERTY TRAINKIT_REGISTRY_HEADER "${registry_header}")
   # In the compiled mode, as its users then are: one mode for every file of a program.
   target_link_libraries(trainkit_registry PUBLIC ${trainkit_target} trainkit_compiled)
+  # Its users see the registered types as explicit instantiation declarations (dispatch.hpp,
+  # which the umbrella header includes): a program compiles their members once, here, not in each
+  # file that dispatches or names one.
+  target_compile_definitions(trainkit_registry INTERFACE TRAINKIT_EXTERN_TRAINERS)
 endfunction()

@@ -51,3 +51,12 @@
 #include <trainkit/trainer/forward_peaks-inl.hpp>
 #include <trainkit/trainer/recompute-inl.hpp>
 #include <trainkit/trainer/trainer_core-inl.hpp>
+// The parallel/ layer, where trainkit::compiled found Gloo's headers (detail/inline.hpp) and this
+// LibTorch has Gloo.
+#ifdef TRAINKIT_COMPILED_PARALLEL
+#include <trainkit/parallel/heartbeat-inl.hpp>
+#ifdef USE_C10D_GLOO  // (without it, process_group.hpp refuses to compile in any mode)
+#include <trainkit/parallel/data_parallel-inl.hpp>
+#include <trainkit/parallel/process_group-inl.hpp>
+#endif
+#endif

@@ -1,7 +1,7 @@
 # What every downstream project does once it has trainkit (find_package, add_subdirectory or
 # FetchContent): the program tests/downstream/main.cpp linked to trainkit::trainkit (and
 # trainkit::yaml where it exists; with TRAINKIT_DOWNSTREAM_COMPILED, in the compiled mode:
-# trainkit::compiled, built from the package's source), and a check that trainkit::registry is defined with a shard
+# trainkit::compiled, built from the package's source, with trainkit::precompiled's header), and a check that trainkit::registry is defined with a shard
 # for each precision of registry.hpp's list (built only when linked: they take a minute here).
 set(TRAINKIT_DOWNSTREAM_MAIN "${CMAKE_CURRENT_LIST_DIR}/main.cpp" CACHE FILEPATH "The program")
 
@@ -18,6 +18,11 @@ if(TRAINKIT_DOWNSTREAM_COMPILED)
     message(FATAL_ERROR "trainkit::compiled is not defined")
   endif()
   target_link_libraries(downstream PRIVATE trainkit::compiled)
+  # And the precompiled header, as the README advises with it (built in this project's tree).
+  if(NOT TARGET trainkit::precompiled)
+    message(FATAL_ERROR "trainkit::precompiled is not defined")
+  endif()
+  target_link_libraries(downstream PRIVATE trainkit::precompiled)
 endif()
 
 if(NOT TARGET trainkit::registry)

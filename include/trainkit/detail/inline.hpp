@@ -9,3 +9,13 @@
 #else
 #define TRAINKIT_INLINE inline
 #endif
+
+/// The parallel/ layer (ProcessGroup, DataParallel, the heartbeat) needs Gloo's headers, which a
+/// LibTorch wheel does not ship. Its definitions are compiled with the rest only where
+/// trainkit::compiled was configured with them found: the target then also defines
+/// TRAINKIT_COMPILED_PARALLEL for its users. Elsewhere they stay in the headers in both modes.
+#if defined(TRAINKIT_COMPILED_LIB) && defined(TRAINKIT_COMPILED_PARALLEL)
+#define TRAINKIT_PARALLEL_INLINE
+#else
+#define TRAINKIT_PARALLEL_INLINE inline
+#endif

@@ -16,6 +16,7 @@
 /// error (leave_with_error(), or its group destroyed while an exception unwinds the stack) writes
 /// "failed:<reason>" instead: its peers, which may be blocked in a collective it will never
 /// join (NCCL's wait() does not fail then), call `on_silent` within a beat, naming it.
+#include <trainkit/detail/inline.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
@@ -38,31 +39,8 @@ class Heartbeat {
   using Clock = std::chrono::steady_clock;
 
   Heartbeat(c10::intrusive_ptr<c10d::Store> store, int rank, int world_size, std::chrono::milliseconds silence,
-            std::function<void(const std::string&)> on_silent)
-      : store_(std::move(store)),
-        rank_(rank),
-        world_size_(world_size),
-        silence_(silence),
-        period_(std::max<std::chrono::milliseconds>(silence / 5, std::chrono::milliseconds(50))),
-        on_silent_(std::move(on_silent)) {
-    store_->set(key(rank_), beat_text(0));
-    thread_ = std::thread([this] { run(); });
-  }
-  ~Heartbeat() {
-    std::string error;
-    if (std::uncaught_exceptions() > uncaught_at_start_) {
-      // What this rank heard first, if anything, so that the others learn the first cause.
-      const std::string heard = failure();
-      error = heard.empty() ? "an exception unwound its process group" : "it stopped after: " + heard;
-    }
-    finish(error);
-    if (thread_.joinable()) thread_.detach();  // finish() was called on the beat's own thread: it returns by itself
-    try {
-      if (rank_ == 0) wait_for_others_to_leave();
-    } catch (const std::exception&) {
-      // The store is gone already.
-    }
-  }
+            std::function<void(const std::string&)> on_silent);
+  ~Heartbeat();
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
 
@@ -73,10 +51,7 @@ class Heartbeat {
   bool store_gone() const { return store_gone_.load(); }
 
   /// The message given to on_silent, or "" while every rank beats.
-  std::string failure() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return failure_;
-  }
+  std::string failure() const;
   std::chrono::milliseconds silence() const { return silence_; }
 
   /// This rank stops beating and tells its peers that it leaves with an error (`reason`, one
@@ -86,103 +61,18 @@ class Heartbeat {
 
  private:
   static std::string key(int rank) { return "heartbeat/" + std::to_string(rank); }
-  static std::vector<std::uint8_t> beat_text(std::int64_t n) {
-    const auto s = std::to_string(n);
-    return {s.begin(), s.end()};
-  }
+  static std::vector<std::uint8_t> beat_text(std::int64_t n);
   static std::vector<std::uint8_t> left_text() { return {'l', 'e', 'f', 't'}; }
   static constexpr const char* kFailed = "failed:";
-  static bool is_failed(const std::vector<std::uint8_t>& v) {
-    const std::string prefix = kFailed;
-    return v.size() >= prefix.size() && std::equal(prefix.begin(), prefix.end(), v.begin());
-  }
+  static bool is_failed(const std::vector<std::uint8_t>& v);
 
   // Stops the beat and writes this rank's last word, once: "left", or "failed:<error>" where
   // `error` is not empty.
-  void finish(const std::string& error) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (finished_) return;
-      finished_ = stop_ = true;
-    }
-    wake_.notify_all();
-    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
-    try {
-      if (error.empty()) {
-        store_->set(key(rank_), left_text());
-      } else {
-        const std::string text = kFailed + error.substr(0, error.find('\n'));
-        store_->set(key(rank_), std::vector<std::uint8_t>(text.begin(), text.end()));
-      }
-    } catch (const std::exception&) {
-      // The store is gone already: nothing to tell.
-    }
-  }
+  void finish(const std::string& error);
 
-  void run() {
-    std::vector<std::string> keys;
-    std::vector<int> peers;
-    for (int r = 0; r < world_size_; ++r)
-      if (r != rank_) keys.push_back(key(r)), peers.push_back(r);
-    std::vector<std::vector<std::uint8_t>> last(peers.size());
-    std::vector<Clock::time_point> changed(peers.size(), Clock::now());
-    std::vector<bool> left(peers.size(), false);
-    std::int64_t beat = 0;
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!stop_) {
-      lock.unlock();
-      std::string message;
-      try {
-        store_->set(key(rank_), beat_text(++beat));
-        // Keys a peer has not written yet (it is still joining) count as beating.
-        const auto now = Clock::now();
-        std::vector<int> silent;
-        std::string failed;  // the peers that left with an error, and why
-        for (size_t i = 0; i < peers.size(); ++i) {
-          if (left[i] || !store_->check({keys[i]})) continue;
-          const auto value = store_->get(keys[i]);
-          if (value == left_text()) left[i] = true;
-          else if (is_failed(value))
-            failed += (failed.empty() ? "" : "; ") + std::string("rank ") + std::to_string(peers[i]) +
-                      " left with an error (" + std::string(value.begin() + std::string(kFailed).size(), value.end()) + ")";
-          else if (value != last[i]) last[i] = value, changed[i] = now;
-          else if (now - changed[i] > silence_) silent.push_back(peers[i]);
-        }
-        if (!failed.empty()) {
-          message = failed;
-        } else if (!silent.empty()) {
-          std::string ranks;
-          for (size_t i = 0; i < silent.size(); ++i) ranks += (i ? ", " : "") + std::to_string(silent[i]);
-          std::ostringstream text;
-          text << "rank" << (silent.size() > 1 ? "s " : " ") << ranks << " sent no heartbeat for "
-               << silence_.count() / 1000.0 << " s: died or hangs";
-          message = text.str();
-        }
-      } catch (const std::exception&) {
-        message = std::string(kStoreGone) + ": its host (rank 0, or torchrun's agent) is gone";
-        store_gone_ = true;
-      }
-      lock.lock();
-      if (!message.empty() && !stop_) {
-        failure_ = message;
-        lock.unlock();
-        on_silent_(message);
-        return;
-      }
-      wake_.wait_for(lock, period_, [this] { return stop_; });
-    }
-  }
+  void run();
 
-  void wait_for_others_to_leave() {
-    const auto deadline = Clock::now() + silence_;
-    auto gone = [&](int r) {
-      const auto value = store_->get(key(r));
-      return value == left_text() || is_failed(value);
-    };
-    for (int r = 1; r < world_size_; ++r)
-      while (Clock::now() < deadline && store_->check({key(r)}) && !gone(r))
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  void wait_for_others_to_leave();
 
   c10::intrusive_ptr<c10d::Store> store_;
   const int rank_, world_size_;
@@ -198,3 +88,7 @@ class Heartbeat {
 };
 
 }  // namespace trainkit::detail
+
+#if !defined(TRAINKIT_COMPILED_LIB) || !defined(TRAINKIT_COMPILED_PARALLEL)
+#include <trainkit/parallel/heartbeat-inl.hpp>
+#endif

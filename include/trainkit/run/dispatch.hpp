@@ -13,9 +13,11 @@
 ///     });
 ///   });
 ///
-/// The registry and why it holds AccumulationPolicy<Dynamic> only: registry.hpp. To pay for
-/// the trainers' own members once, define TRAINKIT_EXTERN_TRAINERS before including this header
-/// and link trainkit::registry, whose shards hold their explicit instantiations.
+/// The registry and why it holds AccumulationPolicy<Dynamic> only: registry.hpp. A program that
+/// links trainkit::registry, whose shards hold the registered types' explicit instantiations,
+/// gets TRAINKIT_EXTERN_TRAINERS from it: this header then declares them, and the trainers'
+/// own members are compiled once, in the library, not in each file that dispatches or names one
+/// (with the macro defined by hand, link trainkit::registry).
 #include <trainkit/step/optim.hpp>
 #include <trainkit/step/options.hpp>
 #include <trainkit/run/plan.hpp>
