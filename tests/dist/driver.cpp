@@ -52,6 +52,9 @@
 //                                                  dominate the memory (--model wide)
 //       [--watch-nonfinite 1]                      the overflow diagnosis on from the start; the
 //                                                  summary's "nonfinite": this rank's counts
+//       [--stop-rank R --stop-window W]            with --fit: rank R alone asks to stop (BatchEnd::
+//                                                  request_stop) once window W closed; prints "fit stopped
+//                                                  at ..."; with --fit, each epoch's means ("fit epoch")
 //       [--log-frequent K] [--patience P]          with --fit: LOG_FREQUENT (default 1) and
 //                                                  NONFINITE_PATIENCE (default 20); with --fit,
 //                                                  --overflow-rank R --overflow-window W makes rank R's
@@ -121,6 +124,8 @@ struct Args {
   int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1,
       recompute_around = 0, count_rows = 0, load_held = 0, zero_items_rank = -1;
   std::int64_t log_frequent = 1, patience = 20;
+  int stop_rank = -1;
+  std::int64_t stop_window = 0;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
   double cap = 0, dropout = 0, cap_mib = 0, memory_budget = 0, memory_over_mib = 0;
@@ -161,6 +166,7 @@ Args parse(int argc, char** argv) {
       take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
   take("unused-bias-rank", a.unused_bias_rank), take("recompute-around", a.recompute_around);
   take("count-rows", a.count_rows), take("load-held", a.load_held), take("zero-items-rank", a.zero_items_rank);
+  take("stop-rank", a.stop_rank), take("stop-window", a.stop_window);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -435,6 +441,14 @@ int run(const Args& a, tk::ProcessGroup& base) {
       for (size_t i = 0; i < b.size(); ++i) pieces[i * static_cast<size_t>(parts) / b.size()].push_back(b[i]);
       return pieces;
     };
+    tk::Callbacks callbacks;
+    if (a.stop_rank == rank)  // (this rank alone asks, after window W: the ranks stop where they agree)
+      callbacks.batch_end = [&](tk::BatchEnd& e) { e.request_stop = trainer.windows() == a.stop_window; };
+    callbacks.epoch_end = [](tk::EpochEnd& e) {
+      for (const auto& [name, mean] : e.train)
+        std::printf("fit epoch %lld train %s %.17g\n", static_cast<long long>(e.epoch), name.c_str(), mean);
+      std::fflush(stdout);
+    };
     const auto result = tk::fit(trainer, task,
                                 tk::FitOptions()
                                     // (a sharded update writes a set: every rank into one directory)
@@ -451,9 +465,11 @@ int run(const Args& a, tk::ProcessGroup& base) {
                                     .checkpoint_format(tk::checkpoint_format_of(a.checkpoint_format))
                                     .auto_resume(a.resume != 0)
                                     .handle_signals(false)
-                                    .progress(false));
+                                    .progress(false),
+                                callbacks);
     std::cout << "fit wrote " << result.checkpoints.size() << " checkpoints, replayed " << result.replays
               << " window(s)" << std::endl;
+    if (result.stopped) std::cout << "fit stopped at epoch " << result.position.epoch << ", micro-batch " << result.position.index << std::endl;
     fit_piece_items = result.piece_items, stand_in_pieces = result.stand_in_pieces;
   }
   const auto calls_before = counter->all_reduce_calls, bytes_before = counter->all_reduce_bytes;

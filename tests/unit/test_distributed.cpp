@@ -206,6 +206,45 @@ TEST_CASE("data parallel: resume on every rank from the same checkpoint equals n
   }
 }
 
+TEST_CASE("data parallel: a stop agreed between log windows resumes to the uninterrupted run") {
+  // LOG_FREQUENT 1000: the ranks' one agreement between log windows here is the run's second
+  // window (fit/agreements.hpp). Rank 1 alone asks to stop after window 1; both stop at window 2,
+  // and the checkpoint holds the running sums they agreed there. Resumed, epoch 0's means and the
+  // final weights are the straight run's.
+  testing::TempDir dir;
+  auto with = [&](std::vector<std::string> more) {
+    for (const char* s : {"--samples", "64", "--batch", "4", "--accum", "2", "--log-frequent", "1000", "--steps", "0",
+                          "--resume", "1"})
+      more.push_back(s);
+    return more;
+  };
+  run_two(dir / "straight", with({"--fit", dir / "straight-out"}));
+  run_two(dir / "stopped", with({"--fit", dir / "out", "--stop-rank", "1", "--stop-window", "1"}));
+  for (int r = 0; r < 2; ++r) {
+    const std::string said = slurp(dir / ("stopped.log" + std::to_string(r) + ".out"));
+    CAPTURE(said);
+    CHECK(said.find("fit stopped at epoch 0, micro-batch 4") != std::string::npos);  // (window 2's end)
+    CHECK(said.find("fit epoch 0") == std::string::npos);
+  }
+  run_two(dir / "resumed", with({"--fit", dir / "out"}));
+  auto epoch_loss = [&](const std::string& name, int r, int epoch) {
+    const std::string said = slurp(dir / (name + ".log" + std::to_string(r) + ".out"));
+    const std::string key = "fit epoch " + std::to_string(epoch) + " train Loss ";
+    const auto at = said.find(key);
+    REQUIRE(at != std::string::npos);
+    return std::stod(said.substr(at + key.size()));
+  };
+  for (int r = 0; r < 2; ++r)
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      CAPTURE(r);
+      CAPTURE(epoch);
+      // (the same sums, added in another order: the agreed ones first)
+      CHECK(epoch_loss("resumed", r, epoch) == doctest::Approx(epoch_loss("straight", r, epoch)).epsilon(1e-12));
+    }
+  CHECK(torch::equal(params(dir / "resumed", 0), params(dir / "straight", 0)));
+  CHECK(torch::equal(params(dir / "resumed", 1), params(dir / "straight", 1)));
+}
+
 TEST_CASE("data parallel: tk::fit writes checkpoints and logs on rank 0 only") {
   testing::TempDir dir;
   run_two(dir / "fit", {"--fit", dir / "out", "--steps", "0", "--batch", "4", "--accum", "2"});
