@@ -4,18 +4,18 @@
 #ifndef TRAINKIT_COMPILED_LIB
 #define TRAINKIT_COMPILED_LIB
 #endif
+#include <trainkit/archive/checkpoint_io-inl.hpp>
+#include <trainkit/archive/checkpoint_set-inl.hpp>
+#include <trainkit/archive/record_shards-inl.hpp>
+#include <trainkit/archive/zip_check-inl.hpp>
 #include <trainkit/config/config-inl.hpp>
 #include <trainkit/config/json_reader-inl.hpp>
 #include <trainkit/config/resume_changes-inl.hpp>
 #include <trainkit/config/schema-inl.hpp>
 #include <trainkit/config/text-inl.hpp>
 #include <trainkit/config/train_schema-inl.hpp>
-#include <trainkit/detail/checkpoint_io-inl.hpp>
-#include <trainkit/detail/checkpoint_set-inl.hpp>
 #include <trainkit/detail/flat_layout-inl.hpp>
-#include <trainkit/detail/record_shards-inl.hpp>
 #include <trainkit/detail/rng_state-inl.hpp>
-#include <trainkit/detail/zip_check-inl.hpp>
 #include <trainkit/fit/callbacks-inl.hpp>
 #include <trainkit/fit/checkpoint-inl.hpp>
 #include <trainkit/fit/checkpoint_writes-inl.hpp>

@@ -10,7 +10,7 @@
 /// writing a flat record, unpack_into() after reading one. A checkpoint therefore does not
 /// depend on the alignment, and those written before it existed load unchanged.
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 
 #include <torch/serialize/archive.h>
 #include <torch/types.h>

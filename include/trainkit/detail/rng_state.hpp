@@ -4,7 +4,7 @@
 /// GPU, that device's CUDA generator (dropout on the GPU). Records "rng.cpu" and "rng.cuda".
 /// RngStates holds them in memory.
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 
 #include <ATen/Context.h>
 #include <ATen/core/Generator.h>

@@ -35,9 +35,9 @@
 /// message names the file and the first mismatch): a wrong configuration, not a damaged file.
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/trainer/any_trainer.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
-#include <trainkit/detail/checkpoint_set.hpp>
-#include <trainkit/detail/zip_check.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_set.hpp>
+#include <trainkit/archive/zip_check.hpp>
 #include <trainkit/fit/fit_options.hpp>
 #include <trainkit/fit/metrics.hpp>
 

@@ -11,7 +11,7 @@
 /// sum rather than adding in place, so a copy of a Metrics is a snapshot that later adds do not
 /// change (the fit loop rolls the window's metrics back that way when it replays a window).
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 
 #include <torch/serialize/archive.h>
 #include <torch/types.h>

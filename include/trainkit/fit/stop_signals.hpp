@@ -5,7 +5,7 @@
 // stores a sig_atomic_t, write(2)s a fixed message and, the second time, _exit()s: nothing else
 // is async-signal-safe.
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 #include <csignal>
 
 #include <signal.h>

@@ -9,8 +9,8 @@
 //                 small pickler, as torch.save writes it, so torch.load(weights_only=True) opens
 //                 it (torch::pickle_save's files need torch.jit globals that it refuses).
 // Tensors come back on the CPU, in file order. Little-endian hosts only (as LibTorch).
-#include <trainkit/detail/checkpoint_io.hpp>
-#include <trainkit/detail/safetensors.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
+#include <trainkit/archive/safetensors.hpp>
 
 #include <caffe2/serialize/inline_container.h>
 #include <nlohmann/json.hpp>
@@ -57,7 +57,7 @@ inline void write_file_atomically(const std::string& path, const std::string& wh
 
 // --- safetensors ------------------------------------------------------------------------------
 
-// (The dtype names and the writer: detail/safetensors.hpp, which checkpoint sets share.)
+// (The dtype names and the writer: archive/safetensors.hpp, which checkpoint sets share.)
 
 inline bool looks_like_safetensors(const std::string& head, std::uint64_t file_size) {
   if (head.size() < 9 || file_size < 10) return false;

@@ -20,8 +20,8 @@
 /// registers its submodules under PyTorch's names reads and writes PyTorch's files as they are.
 /// load_weights copies every weight whose name (after the renames) and shape match, converting
 /// the dtype where it differs (said in the report); the others keep their values and are listed.
-#include <trainkit/detail/checkpoint_io.hpp>
-#include <trainkit/detail/checkpoint_set.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_set.hpp>
 #include <trainkit/detail/released_storage.hpp>
 #include <trainkit/io/weight_files.hpp>
 

@@ -14,7 +14,7 @@
 ///   save / load       the window's counts and the running mean, for checkpoints
 /// Guarantees: with item counts, the window's gradient is the gradient of the mean over all
 /// its items, exactly, whatever the counts; every factor is a host double (no device work).
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 #include <trainkit/step/options.hpp>
 
 #include <torch/serialize/archive.h>

@@ -20,7 +20,7 @@
 ///                                         parameter name
 ///   save / load                           the rest of the state (the step count)
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 #include <trainkit/detail/flat_layout.hpp>
 #include <trainkit/detail/type_traits.hpp>
 

@@ -28,7 +28,7 @@
 /// the window's gradient in fp32, runs phases 6-9 on fp32 gradients, and rewrites the half
 /// parameters from the masters (one copy).
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 #include <trainkit/detail/type_traits.hpp>
 #include <trainkit/step/options.hpp>
 #include <trainkit/step/tags.hpp>

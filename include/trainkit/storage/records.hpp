@@ -6,7 +6,7 @@
 /// the flat layout, the frozen parameters (those the trainer does not hold), the shape check
 /// before anything is read. A mode writes and reads its own local buffers through these
 /// (ShardingMode::write_local, read_local).
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 #include <trainkit/storage/placement.hpp>
 
 #include <torch/nn/module.h>

@@ -27,8 +27,8 @@
 ///   autocast_dtype()             the dtype of the forward's autocast region; none for FP32
 /// Costs: one indirect call and one std::function call per micro-step (nanoseconds against a
 /// forward and backward); nothing per optimizer phase beyond what Trainer does.
-#include <trainkit/detail/checkpoint_io.hpp>
-#include <trainkit/detail/checkpoint_set.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_set.hpp>
 #include <trainkit/step/options.hpp>
 #include <trainkit/step/precision.hpp>
 #include <trainkit/step/replicas.hpp>

@@ -2,7 +2,7 @@
 /// The definitions of trainkit/trainer/forward_peaks.hpp (header-only: included by it; compiled
 /// mode: by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
 #include <trainkit/trainer/forward_peaks.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

@@ -29,7 +29,7 @@
 #include <trainkit/step/accumulation.hpp>
 #include <trainkit/trainer/any_trainer.hpp>
 #include <trainkit/step/clip.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 #include <trainkit/detail/module_of.hpp>
 #include <trainkit/detail/out_of_memory.hpp>
 #include <trainkit/detail/rng_state.hpp>

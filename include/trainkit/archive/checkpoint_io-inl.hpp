@@ -1,7 +1,7 @@
 #pragma once
-/// The definitions of trainkit/detail/checkpoint_io.hpp (header-only: included by it; compiled mode:
+/// The definitions of trainkit/archive/checkpoint_io.hpp (header-only: included by it; compiled mode:
 /// by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
 
 namespace trainkit::detail {
 

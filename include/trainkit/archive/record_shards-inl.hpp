@@ -1,7 +1,7 @@
 #pragma once
-/// The definitions of trainkit/detail/record_shards.hpp (header-only: included by it; compiled
+/// The definitions of trainkit/archive/record_shards.hpp (header-only: included by it; compiled
 /// mode: by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
-#include <trainkit/detail/record_shards.hpp>
+#include <trainkit/archive/record_shards.hpp>
 
 #include <nlohmann/json.hpp>
 

@@ -3,7 +3,7 @@
 /// length, a JSON header {"__metadata__": {...}, key: {dtype, shape, data_offsets}} padded with
 /// spaces so that the data start 8-byte aligned, then the tensors' bytes back to back. trainkit
 /// writes it for weight files (io/weight_files.hpp) and for each rank's file of a checkpoint set
-/// (detail/checkpoint_set.hpp), both through the one atomic file writer (write_atomically).
+/// (archive/checkpoint_set.hpp), both through the one atomic file writer (write_atomically).
 #include <c10/core/ScalarType.h>
 #include <nlohmann/json.hpp>
 
@@ -88,4 +88,4 @@ inline std::size_t write_safetensors_file(const std::string& path, const nlohman
 
 }  // namespace trainkit::detail
 
-#include <trainkit/detail/checkpoint_io.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>

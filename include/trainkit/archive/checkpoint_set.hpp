@@ -14,8 +14,8 @@
 /// headers): a set exists only once its index does. Every file is written atomically (as a
 /// single checkpoint is), so a crash at any instant leaves the previous sets whole.
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/checkpoint_io.hpp>
-#include <trainkit/detail/record_shards.hpp>
+#include <trainkit/archive/checkpoint_io.hpp>
+#include <trainkit/archive/record_shards.hpp>
 
 #include <torch/serialize/archive.h>
 
@@ -57,5 +57,5 @@ std::shared_ptr<ShardSource> open_checkpoint_file(torch::serialize::InputArchive
 }  // namespace trainkit::detail
 
 #ifndef TRAINKIT_COMPILED_LIB
-#include <trainkit/detail/checkpoint_set-inl.hpp>
+#include <trainkit/archive/checkpoint_set-inl.hpp>
 #endif

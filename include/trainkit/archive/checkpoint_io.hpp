@@ -5,8 +5,8 @@
 // Records are read and written through the helpers below, so that a missing record or one of
 // the wrong shape is reported by its name, the same way everywhere.
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/record_shards.hpp>
-#include <trainkit/detail/zip_check.hpp>
+#include <trainkit/archive/record_shards.hpp>
+#include <trainkit/archive/zip_check.hpp>
 
 #include <c10/core/Device.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -181,5 +181,5 @@ void load_or_restore(Part& part, torch::serialize::InputArchive& archive, const 
 }  // namespace trainkit::detail
 
 #ifndef TRAINKIT_COMPILED_LIB
-#include <trainkit/detail/checkpoint_io-inl.hpp>
+#include <trainkit/archive/checkpoint_io-inl.hpp>
 #endif

@@ -8,8 +8,8 @@
 /// archive's tensor records from it, so every reader (the trainer, the storages, the policies)
 /// reads a set as it reads a single file, and a storage reads only the ranges its rank holds.
 #include <trainkit/detail/inline.hpp>
-#include <trainkit/detail/safetensors.hpp>
-#include <trainkit/detail/zip_check.hpp>
+#include <trainkit/archive/safetensors.hpp>
+#include <trainkit/archive/zip_check.hpp>
 
 #include <c10/core/ScalarType.h>
 #include <torch/serialize/archive.h>
@@ -158,5 +158,5 @@ std::uint32_t index_crc(const std::string& compact_dump);
 }  // namespace trainkit::detail
 
 #ifndef TRAINKIT_COMPILED_LIB
-#include <trainkit/detail/record_shards-inl.hpp>
+#include <trainkit/archive/record_shards-inl.hpp>
 #endif

@@ -1,7 +1,7 @@
 #pragma once
-/// The definitions of trainkit/detail/zip_check.hpp (header-only: included by it; compiled mode:
+/// The definitions of trainkit/archive/zip_check.hpp (header-only: included by it; compiled mode:
 /// by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
-#include <trainkit/detail/zip_check.hpp>
+#include <trainkit/archive/zip_check.hpp>
 
 namespace trainkit::detail {
 

@@ -58,5 +58,5 @@ inline std::string check_archive_file(const std::string& path) { return ZipFile(
 }  // namespace trainkit::detail
 
 #ifndef TRAINKIT_COMPILED_LIB
-#include <trainkit/detail/zip_check-inl.hpp>
+#include <trainkit/archive/zip_check-inl.hpp>
 #endif

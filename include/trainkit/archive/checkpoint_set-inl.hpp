@@ -1,7 +1,7 @@
 #pragma once
-/// The definitions of trainkit/detail/checkpoint_set.hpp (header-only: included by it; compiled
+/// The definitions of trainkit/archive/checkpoint_set.hpp (header-only: included by it; compiled
 /// mode: by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
-#include <trainkit/detail/checkpoint_set.hpp>
+#include <trainkit/archive/checkpoint_set.hpp>
 
 #include <nlohmann/json.hpp>
 
