@@ -1,3 +1,6 @@
+# Gloo's headers, which parallel/ needs and a LibTorch wheel does not ship (Debian's libgloo-dev).
+find_path(TRAINKIT_GLOO_INCLUDE_DIR gloo/algorithm.h DOC "Gloo's headers (for trainkit/parallel/)")
+
 # trainkit_add_compiled(<trainkit target> <trainkit.cpp>): the static library trainkit_compiled
 # (alias trainkit::compiled), outside `all`: trainkit's compiled mode (docs/design/
 # compiled-mode.md). It compiles the non-template definitions of the -inl.hpp files once, in
@@ -6,9 +9,6 @@
 # trainkit::compiled to the program (trainkit::registry links it for its users). Used by trainkit's
 # own CMakeLists.txt and by the installed package (on the installed source), so that an install
 # stays header-only and independent of the compiler's ABI.
-# Gloo's headers, which parallel/ needs and a LibTorch wheel does not ship (Debian's libgloo-dev).
-find_path(TRAINKIT_GLOO_INCLUDE_DIR gloo/algorithm.h DOC "Gloo's headers (for trainkit/parallel/)")
-
 function(trainkit_add_compiled trainkit_target source)
   if(TARGET trainkit_compiled)
     return()
