@@ -23,6 +23,12 @@ if(TRAINKIT_DOWNSTREAM_COMPILED)
     message(FATAL_ERROR "trainkit::precompiled is not defined")
   endif()
   target_link_libraries(downstream PRIVATE trainkit::precompiled)
+  # Where Gloo's headers are found, the data-parallel layer is compiled in the library too.
+  get_target_property(_compiled_definitions trainkit::compiled INTERFACE_COMPILE_DEFINITIONS)
+  if(TRAINKIT_GLOO_INCLUDE_DIR AND NOT "TRAINKIT_COMPILED_PARALLEL" IN_LIST _compiled_definitions)
+    message(FATAL_ERROR "trainkit::compiled found Gloo's headers (${TRAINKIT_GLOO_INCLUDE_DIR}) but does not "
+                        "give its users TRAINKIT_COMPILED_PARALLEL: ${_compiled_definitions}")
+  endif()
 endif()
 
 if(NOT TARGET trainkit::registry)
