@@ -2,10 +2,11 @@
 // loop (tests/unit/test_fit_process.cpp): SIGKILL at random instants, SIGTERM, resume.
 //
 //   fit_driver --model-dir DIR [--set K=V]... [--sleep-ms MS] [--raise EPOCH:INDEX[:COUNT]] [--hidden H]
+//              [--batches B]
 //   fit_driver --bench-checkpoint HIDDEN --model-dir DIR     (times a checkpoint, blocking and in the background)
 //
 // Trains a 2-layer MLP (hidden width H, 16 by default: --hidden makes checkpoints as large as wanted) with dropout (FP16Dynamic, Accumulate<2>, ClipNorm, AdamW) on a fixed
-// regression set, 7 micro-batches per epoch, the batch of (epoch, index) drawn from a generator
+// regression set, 7 micro-batches per epoch (--batches: 1 to 8), the batch of (epoch, index) drawn from a generator
 // seeded by (RNG_SEED, epoch). On completion prints "final-hash <hex>": an FNV-1a hash of the
 // parameters, the optimizer's moments, the loss scale and the step counters. Exit status 0 when
 // it finished or stopped on a signal, 1 on an error (message on stderr).
@@ -123,6 +124,7 @@ int main(int argc, char** argv) {
     torch::set_num_threads(1);  // deterministic and cheap: the model is tiny
     const auto cl = tk::CommandLine::parse(argc, argv);
     int sleep_ms = 0, hidden = 16;
+    std::int64_t batches = 7;
     std::int64_t raise_epoch = -1, raise_index = -1, raise_count = 1;
     for (size_t i = 0; i < cl.rest.size(); ++i) {
       const std::string a = cl.rest[i];
@@ -131,6 +133,9 @@ int main(int argc, char** argv) {
         sleep_ms = std::stoi(cl.rest[++i]);
       } else if (a == "--hidden" && has_value) {
         hidden = std::stoi(cl.rest[++i]);
+      } else if (a == "--batches" && has_value) {
+        batches = std::stoll(cl.rest[++i]);
+        if (batches < 1 || batches > 8) throw std::runtime_error("--batches B: 1 to 8 (96 samples, 12 a batch)");
       } else if (a == "--raise" && has_value) {
         long long e = -1, x = -1, n = 1;
         if (std::sscanf(cl.rest[++i].c_str(), "%lld:%lld:%lld", &e, &x, &n) < 2) throw std::runtime_error("--raise EPOCH:INDEX[:COUNT]");
@@ -155,7 +160,7 @@ int main(int argc, char** argv) {
     const auto y = torch::sin(x.matmul(torch::randn({8, 3}, gen)));
 
     tk::Task<Batch> task;
-    task.batches_per_epoch = [](std::int64_t) { return std::int64_t{7}; };
+    task.batches_per_epoch = [batches](std::int64_t) { return batches; };
     task.batch = [&](std::int64_t epoch, std::int64_t index) {
       auto g = at::make_generator<at::CPUGeneratorImpl>(static_cast<std::uint64_t>(options.seed() * 1000 + epoch));
       const auto rows = torch::randperm(96, g).narrow(0, index * 12, 12);

@@ -408,7 +408,8 @@ bool wait_for_second_write(pid_t pid, const std::string& dir, size_t complete, d
 TEST_CASE("SIGKILL while a checkpoint is written in the background, at 10 instants: the previous one stays whole, and the run resumes exactly") {
   // Checkpoints of 22 MB (hidden 150000: 1.8 million parameters and AdamW's two moments), written
   // on the loop's writer thread (TRAIN.CHECKPOINT_BACKGROUND, on by default) while training goes
-  // on. Each run is killed while its writer writes a checkpoint (a complete one there), at
+  // on: epochs of one window (2 micro-batches, ~180 ms here), each longer than a write (~25 ms),
+  // so that every run is cheap. Each run is killed while its writer writes a checkpoint (a complete one there), at
   // i / 10 of the writer's time measured in the uninterrupted run (its text log says it), and
   // the next run resumes from the newest complete one. One file, and a set (its file, its
   // records, its index last).
@@ -416,8 +417,8 @@ TEST_CASE("SIGKILL while a checkpoint is written in the background, at 10 instan
   SUBCASE("one file") { format = "single"; }
   SUBCASE("a set") { format = "sharded"; }
   CAPTURE(format);
-  const std::vector<std::string> big = {"--hidden", "150000", "--set", "TRAIN.END_EPOCH=14", "--set",
-                                        "TRAIN.CHECKPOINT_FORMAT=" + format};
+  const std::vector<std::string> big = {"--hidden", "150000", "--batches", "2", "--set", "TRAIN.END_EPOCH=14",
+                                        "--set", "TRAIN.CHECKPOINT_FORMAT=" + format};
   TempDir ref_dir, ref_logs;
   const Finished ref = run(arguments(ref_dir.path, big), ref_logs.path);
   REQUIRE(ref.status == 0);
