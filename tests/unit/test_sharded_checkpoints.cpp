@@ -21,6 +21,7 @@
 
 #include <dirent.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 namespace test_sharded_checkpoints {  // this file's names, apart from those of the files it shares a unity batch with
 
@@ -163,6 +164,52 @@ TEST_CASE("a checkpoint set needs one directory that every rank shares: ranks na
   for (auto& c : ranks) {
     CHECK(wait_exit(c, 120) == 1);
     CHECK(slurp(c.err).find("the ranks name different output directories") != std::string::npos);
+  }
+}
+
+TEST_CASE("a checkpoint that one rank fails to write in the background stops every rank at the next agreement, "
+          "each saying why") {
+  // The file a rank writes in the background of epoch 0's checkpoint cannot take its name (a
+  // directory is there). Both ranks learn it at the next agreement (a log window, in epoch 1)
+  // and stop alike: the rank that failed with its own error, naming its file, the other saying
+  // which checkpoint was not written, not torn down by its peer.
+  testing::TempDir dir;
+  const std::string out = dir / "out";
+  REQUIRE(::mkdir(out.c_str(), 0755) == 0);
+  const auto launch = [&](const std::string& stage) {
+    auto ranks = spawn_ranks(2, dir / "failed", std::to_string(free_port()),
+                             {"--fit", out, "--steps", "0", "--batch", "4", "--accum", "2", "--model", "mlp-ln",
+                              "--sharding", stage, "--timeout", "60"});
+    for (auto& c : ranks) CHECK(wait_exit(c, 60) == 1);
+    return std::vector<std::string>{slurp(ranks[0].err), slurp(ranks[1].err)};
+  };
+  SUBCASE("a set (stage 2): rank 1's part, while the main rank's writer waits for it to write the index") {
+    const std::string set = out + "/model-0000.ckpt";
+    REQUIRE(::mkdir((set + ".00001-of-00002.safetensors").c_str(), 0755) == 0);
+    const auto err = launch("2");
+    CAPTURE(err[0]);
+    CAPTURE(err[1]);
+    CHECK(err[1].find("error: at epoch 1 (optimizer step ") != std::string::npos);
+    CHECK(err[1].find("to '" + set + ".00001-of-00002.safetensors'") != std::string::npos);  // (its file, named)
+    CHECK(err[0].find("error: at epoch 1 (optimizer step ") != std::string::npos);
+    CHECK(err[0].find("checkpoint '" + set + "' was not written: 1 other rank(s) could not write their part in "
+                      "the background") != std::string::npos);
+    CHECK(err[0].find("left with an error") == std::string::npos);  // (agreed, not the peer's teardown)
+    CHECK_FALSE(testing::file_exists(set));  // (no index: the set is not there)
+    CHECK_FALSE(testing::file_exists(out + "/model-0001.ckpt"));
+  }
+  SUBCASE("one file (stage 0): the main rank's") {
+    const std::string file = out + "/rank0/model-0000.ckpt";  // (the driver's rank 0 writes into out/rank0)
+    REQUIRE(::mkdir((out + "/rank0").c_str(), 0755) == 0);
+    REQUIRE(::mkdir(file.c_str(), 0755) == 0);
+    const auto err = launch("0");
+    CAPTURE(err[0]);
+    CAPTURE(err[1]);
+    CHECK(err[0].find("error: at epoch 1 (optimizer step ") != std::string::npos);
+    CHECK(err[0].find("to '" + file + "'") != std::string::npos);
+    CHECK(err[1].find("error: at epoch 1 (optimizer step ") != std::string::npos);
+    CHECK(err[1].find("the main rank could not write its checkpoint in the background") != std::string::npos);
+    CHECK(err[1].find("left with an error") == std::string::npos);
   }
 }
 

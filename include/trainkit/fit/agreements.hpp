@@ -1,7 +1,8 @@
 #pragma once
 /// Data parallel: what the fit loop's ranks must do alike (stop, write a checkpoint, finish) is
 /// agreed in one small collective that every rank calls at the same point, and which also
-/// combines the loop's running sums when asked. The points are the loop's: every log window,
+/// combines the loop's running sums when asked. A checkpoint that failed in the background on
+/// one rank is agreed the same way, so that every rank stops there. The points are the loop's: every log window,
 /// each epoch's end and, between log windows, the window about Replicas::agreement_seconds
 /// after the last agreement (from the ranks' mean time per window, the same on every rank), so
 /// that a stop (a signal, the launcher's store gone: Replicas::store_gone) waits seconds, not
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -18,9 +20,11 @@
 
 namespace trainkit::detail {
 
-/// Stop, checkpoint and finish requests: this rank's, or (agreed) any rank's.
+/// Stop, checkpoint and finish requests: this rank's, or (agreed) any rank's; and the ranks
+/// whose checkpoint written in the background failed (this rank's: 0 or 1; agreed: how many).
 struct Requests {
   bool stop = false, checkpoint = false, finish = false;
+  std::int64_t write_failures = 0;
 };
 
 class Agreements {
@@ -50,14 +54,15 @@ class Agreements {
     std::vector<double> v;
     if (totals)
       for (const auto& [name, sw] : totals->of) v.insert(v.end(), {sw.first, sw.second});
-    v.insert(v.end(), {mine.stop ? 1.0 : 0.0, mine.checkpoint ? 1.0 : 0.0, mine.finish ? 1.0 : 0.0});
+    v.insert(v.end(), {mine.stop ? 1.0 : 0.0, mine.checkpoint ? 1.0 : 0.0, mine.finish ? 1.0 : 0.0,
+                       static_cast<double>(mine.write_failures)});
     if (window > 0) v.push_back(seconds_per_window(window));
     replicas_.all_reduce(v, Reduce::mean);
     std::size_t i = 0;
     if (totals)
       for (auto& [name, sw] : totals->of) sw = {v[i], v[i + 1]}, i += 2;
-    if (window > 0) schedule(window, v[i + 3]);
-    return {v[i] > 0, v[i + 1] > 0, v[i + 2] > 0};
+    if (window > 0) schedule(window, v[i + 4]);
+    return {v[i] > 0, v[i + 1] > 0, v[i + 2] > 0, std::llround(v[i + 3] * replicas_.world_size())};
   }
 
   /// Validation metrics: the mean over the ranks.

@@ -248,6 +248,10 @@ class CheckpointManager {
   std::optional<Written> background_done();
   /// The background write in flight, waited for; as background_done().
   std::optional<Written> wait_background();
+  /// The background write in flight, stopped where it waits for other ranks (a set's main rank,
+  /// for their files: the set then has no index) and joined; its result or error dropped. For
+  /// when another rank's part failed.
+  void cancel_background();
 
   /// Deletes all but the newest `keep` checkpoints and `best_path` (a set's files with its
   /// index, the index first), stale temporary files, and the files of sets whose index was

@@ -284,6 +284,13 @@ TRAINKIT_INLINE std::optional<CheckpointManager::Written> CheckpointManager::wai
   return join_background();
 }
 
+TRAINKIT_INLINE void CheckpointManager::cancel_background() {
+  if (!background_) return;
+  background_->cancel.store(true);
+  background_->thread.join();
+  background_.reset();
+}
+
 TRAINKIT_INLINE CheckpointManager::~CheckpointManager() {
   if (!background_) return;
   // A set's other ranks may be gone: their files are waited for a while (a set is complete

@@ -209,7 +209,7 @@ class FitLoop {
       if (callbacks_.epoch_end) callbacks_.epoch_end(end);
       const Requests agreed = agree({asked.stop || end.request_stop || signals.received() != 0 ||
                                          trainer_.replicas().store_gone(),
-                                     false, end.request_finish});
+                                     asked.checkpoint || end.request_checkpoint, end.request_finish});
       state_.position = {epoch + 1, 0};
       if (agreed.finish) {  // data parallel: any rank's request, the main rank's reason
         finished_ = end.finish_reason.empty() ? "a callback finished training" : end.finish_reason;
@@ -220,8 +220,7 @@ class FitLoop {
         say(result_.message);
         return finish();
       }
-      if ((epoch + 1) % options_.checkpoint_frequent() == 0 || last || new_best || end.request_checkpoint ||
-          asked.checkpoint || agreed.stop)
+      if ((epoch + 1) % options_.checkpoint_frequent() == 0 || last || new_best || agreed.checkpoint || agreed.stop)
         write_checkpoint(/*epoch_end*/ true);
       if (agreed.stop && !last) return stop(signals.received());
       log_->paused();
@@ -239,8 +238,14 @@ class FitLoop {
     if (log_) log_->say(text);
   }
 
-  // Data parallel: what every rank must do alike (fit/agreements.hpp).
-  Requests agree(Requests mine, Metrics::Totals* totals = nullptr) { return agreements_.agree(mine, totals); }
+  // Data parallel: what every rank must do alike (fit/agreements.hpp). A background write that
+  // failed on any rank stops every rank here (write_failed_everywhere).
+  Requests agree(Requests mine, Metrics::Totals* totals = nullptr, std::int64_t window = 0) {
+    mine.write_failures = write_error_.empty() ? 0 : 1;
+    const Requests agreed = agreements_.agree(mine, totals, window);
+    if (agreed.write_failures > 0) write_failed_everywhere(agreed.write_failures - mine.write_failures);
+    return agreed;
+  }
 
   // 1. Resume, by TRAIN.RESUME / AUTO_RESUME. Returns where training starts. The checkpoint's
   // configuration is checked before anything is loaded.
@@ -400,7 +405,7 @@ class FitLoop {
       log_->window(report, at, nullptr);
       if (!agreements_.due(w)) return {};
       // An agreement between log windows: the requests (and, for a checkpoint, the sums).
-      const Requests agreed = agreements_.agree(asked, nullptr, w);
+      const Requests agreed = agree(asked, nullptr, w);
       if (agreed.stop || agreed.checkpoint) {  // (every rank: agreed)
         agreed_totals_ = metrics_.totals();
         agree({}, &agreed_totals_);
@@ -408,7 +413,7 @@ class FitLoop {
       return agreed;
     }
     Metrics::Totals totals = metrics_.totals();  // one sync with the report's (log_->window)
-    const Requests agreed = agreements_.agree(asked, &totals, w);
+    const Requests agreed = agree(asked, &totals, w);
     agreed_totals_ = totals;
     std::map<std::string, double> interval;
     for (const auto& [name, sw] : totals.of) {
@@ -481,9 +486,17 @@ class FitLoop {
   void write_checkpoint(bool epoch_end);
 
   // A background checkpoint that finished (with `wait`: the one in flight, waited for) is said
-  // written; one that failed stops the run here, naming the file (the checkpoints before it
-  // are complete).
+  // written. One that failed stops one process here, naming the file (the checkpoints before
+  // it are complete); data parallel, the error is kept (write_error_) until the ranks agree.
   void background_checked(bool wait);
+  // Data parallel, where every rank calls it: the background write in flight waited for
+  // (`wait`) or looked at, and the ranks agree whether one failed anywhere; if so, every rank
+  // stops (write_failed_everywhere).
+  void background_agreed(bool wait);
+  // Every rank stops alike on a background write that failed: this rank's own write cancelled
+  // (a set's main rank waits for the other ranks' files), then CheckpointError: this rank's
+  // error, or that `others` other ranks failed to write their part of the checkpoint.
+  [[noreturn]] void write_failed_everywhere(std::int64_t others);
 
   // The checkpoint's resolved configuration against this run's: a key that changes the
   // trajectory is refused with every difference (TRAIN.RESUME_CHANGES: allow lets it through,
@@ -515,7 +528,7 @@ class FitLoop {
   }
 
   FitResult finish() {
-    if (saves()) background_checked(/*wait=*/true);  // the run's checkpoints complete before it returns
+    background_agreed(/*wait=*/true);  // the run's checkpoints complete (on every rank) before it returns
     log_->finish(state_.position.epoch, state_.position.index);
     FitResult r = result_;
     r.position = state_.position;
@@ -545,6 +558,8 @@ class FitLoop {
   Metrics::Totals logged_;  // the sums at the last log (the next log's interval starts there)
   Metrics::Totals agreed_totals_;  // data parallel: the ranks' sums where they last agreed them (a checkpoint's)
   Agreements agreements_;   // data parallel: stops, checkpoints and sums agreed by the ranks
+  std::string write_error_;        // data parallel: this rank's background write failed, until the ranks agree
+  std::string background_path_;    // the checkpoint last written in the background (named by every rank)
   struct WindowSums {       // the loop's sums when the open window began (a replay puts them back)
     Metrics metrics;
     RunLog::Counts counts;

@@ -2,7 +2,8 @@
 /// The fit loop's checkpoints (FitLoop, fit.hpp): where a run resumes (TRAIN.RESUME,
 /// AUTO_RESUME: the newest checkpoint that loads, its configuration and world size checked
 /// first), what a run with nothing left to train says, and the checkpoints it writes (the main
-/// rank's files, every rank's slices of a set, background writes checked at each window).
+/// rank's files, every rank's slices of a set, background writes checked at each micro-batch,
+/// and data parallel a failed one agreed by every rank at the next agreement or checkpoint).
 /// Included by fit.hpp after the loop's class.
 #include <trainkit/fit/fit.hpp>
 
@@ -102,6 +103,12 @@ std::int64_t FitLoop<Batch>::windows_from(FitPosition start) const {
 
 template <class Batch>
 void FitLoop<Batch>::write_checkpoint(bool epoch_end) {
+  // (every rank: the previous background write, complete or failed on any rank)
+  if (options_.background_checkpoints()) {
+    background_agreed(/*wait=*/true);
+    background_path_ = epoch_end ? checkpoints_.epoch_path(state_.position.epoch - 1)
+                                 : checkpoints_.position_path(state_.position);
+  }
   if (!saves()) {
     // A sharded update in one file: every rank sends its slices to the main rank's archive.
     if (options_.write_files() && trainer_.saves_collectively()) {
@@ -121,7 +128,6 @@ void FitLoop<Batch>::write_checkpoint(bool epoch_end) {
   state_.total_batch = options_.total_batch();
   state_.metrics = !single() && state_.position.index > 0 ? Metrics::from_totals(agreed_totals_) : metrics_;
   state_.logged = logged_;
-  if (options_.background_checkpoints()) background_checked(/*wait=*/true);  // (the previous one, or its error)
   try {
     if (options_.background_checkpoints()) {
       result_.checkpoints.push_back(checkpoints_.save_in_background(trainer_, state_, epoch_end, callbacks_.state));
@@ -142,12 +148,38 @@ void FitLoop<Batch>::background_checked(bool wait) {
   try {
     done = wait ? checkpoints_.wait_background() : checkpoints_.background_done();
   } catch (const CheckpointError& e) {
-    throw CheckpointError("at epoch " + std::to_string(state_.position.epoch) + " (optimizer step " +
-                          std::to_string(trainer_.windows()) + "): " + e.what());
+    const std::string error = "at epoch " + std::to_string(state_.position.epoch) + " (optimizer step " +
+                              std::to_string(trainer_.windows()) + "): " + e.what();
+    if (single()) throw CheckpointError(error);
+    if (write_error_.empty()) write_error_ = error;  // (the ranks agree at their next agreement)
+    return;
   }
   if (done)
     log_->report("checkpoint '" + done->path + "' written (" + detail::short_number(static_cast<double>(done->bytes) / (1 << 20)) +
                  " MiB in " + detail::short_number(done->seconds) + " s, in the background)");
+}
+
+template <class Batch>
+void FitLoop<Batch>::background_agreed(bool wait) {
+  if (saves()) background_checked(wait);
+  if (single() || !options_.write_files() || !options_.background_checkpoints()) return;
+  const std::int64_t failed = trainer_.replicas().count_failures({!write_error_.empty()})[0];
+  if (failed > 0) write_failed_everywhere(failed - (write_error_.empty() ? 0 : 1));
+}
+
+template <class Batch>
+void FitLoop<Batch>::write_failed_everywhere(std::int64_t others) {
+  checkpoints_.cancel_background();
+  if (!write_error_.empty()) throw CheckpointError(write_error_);
+  const std::string at =
+      "at epoch " + std::to_string(state_.position.epoch) + " (optimizer step " + std::to_string(trainer_.windows()) + "): ";
+  // (one file: the main rank's, in its own directory, which this rank may not know)
+  if (!checkpoints_.writes_set(trainer_))
+    throw CheckpointError(at + "the main rank could not write its checkpoint in the background (it says why, naming "
+                          "the file); the checkpoints before it are intact");
+  throw CheckpointError(at + "checkpoint '" + background_path_ + "' was not written: " + std::to_string(others) +
+                        " other rank(s) could not write their part in the background (each says why); the "
+                        "checkpoints before it are intact");
 }
 
 template <class Batch>
