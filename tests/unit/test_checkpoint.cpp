@@ -589,8 +589,12 @@ TEST_CASE("a checkpoint set: the records of one file; damage refused naming the 
       const std::string index = read_bytes(first);
       const std::string member = records ? first + ".records" : shard(first), now = read_bytes(member);
       write_bytes(member, records ? old_records : old_file);  // one file of the earlier save left
+      // (the records file is checked as the set opens, a rank's file when it is first read)
       std::ostringstream report;
-      CHECK_FALSE(set.open_newest(report));
+      Trained fresh;
+      const auto before = testing::flat(*fresh.model);
+      CHECK_FALSE(set.resume_newest(fresh.trainer, report));
+      CHECK(torch::equal(testing::flat(*fresh.model), before));
       INFO(report.str());
       CHECK(report.str().find("skipping checkpoint '" + first + "'") != std::string::npos);
       // (the earlier save's file: its token, or already its size, differs from the index's)
@@ -599,6 +603,22 @@ TEST_CASE("a checkpoint set: the records of one file; damage refused naming the 
       write_bytes(member, now);
       CHECK(read_bytes(first) == index);
     }
+  }
+  SUBCASE("opened from its index alone: a rank's file is first touched, and checked, when its bytes are read") {
+    // (W ranks each opening every file would be W^2 metadata operations on a shared file system)
+    const std::string bytes = read_bytes(shard(first));
+    ::unlink(shard(first).c_str());
+    tk::detail::ShardSource source(first);  // (before: refused here, the file missing)
+    CHECK(source.world_size() == 1);
+    const auto records = source.records();
+    REQUIRE_FALSE(records.empty());
+    CHECK_THROWS_WITH_AS(source.read(records.front()),
+                         doctest::Contains(("its file '" + shard(first) + "' cannot be opened").c_str()),
+                         tk::detail::DamagedArchive);
+    CHECK(source.verify().find("its file '" + shard(first) + "' cannot be opened") != std::string::npos);
+    write_bytes(shard(first), bytes);
+    CHECK(torch::equal(source.read(records.front()), testing::checkpoint_tensors(file).at(records.front())));
+    CHECK(source.verify().empty());
   }
   SUBCASE("killed between a set's files and its index: never loaded; removed by the next save, as retention removes whole sets") {
     // A later set's files without an index, and a killed writer's temporary.

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <utility>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -89,40 +90,22 @@ TRAINKIT_INLINE ShardSource::ShardSource(std::string index) : index_(std::move(i
       throw damaged("its index has version " + std::to_string(version) + ", which this trainkit does not read");
     world_size_ = j.at("world_size").get<std::int64_t>();
     token_ = j.at("token").get<std::string>();
-    const auto opened = [&](const nlohmann::json& f) {
-      const std::string path = directory_ + "/" + f.at("file").get<std::string>();
-      const auto bytes = f.at("bytes").get<std::uint64_t>();
-      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) throw damaged("its file '" + path + "' cannot be opened (" + std::strerror(errno) + ")");
-      struct stat st {};
-      ::fstat(fd, &st);
-      if (static_cast<std::uint64_t>(st.st_size) != bytes) {
-        ::close(fd);
-        throw damaged("its file '" + path + "' holds " + std::to_string(st.st_size) + " bytes, the index says " +
-                      std::to_string(bytes));
-      }
-      return std::make_pair(path, fd);
-    };
-    auto [records, records_fd] = opened(j.at("records"));
-    ::close(records_fd);
-    records_file_ = records;
+    // The records file: every rank reads it whole now. The ranks' files: named and sized, each
+    // opened and checked (size, token) when its bytes are first read (file()): a rank of W
+    // reads a few of W files, and W ranks opening every file would be W^2 metadata operations
+    // on a shared file system.
+    const auto& records = j.at("records");
+    records_file_ = directory_ + "/" + records.at("file").get<std::string>();
+    struct stat st {};
+    if (::stat(records_file_.c_str(), &st) != 0)
+      throw damaged("its file '" + records_file_ + "' cannot be opened (" + std::strerror(errno) + ")");
+    if (static_cast<std::uint64_t>(st.st_size) != records.at("bytes").get<std::uint64_t>())
+      throw damaged("its file '" + records_file_ + "' holds " + std::to_string(st.st_size) + " bytes, the index says " +
+                    std::to_string(records.at("bytes").get<std::uint64_t>()));
     for (const auto& f : j.at("files")) {
-      auto [path, fd] = opened(f);
-      files_.push_back(path);
-      fds_.push_back(-1);  // (opened again when read: a rank reads a few of W files, and W may be large)
-      // Its header names the save it belongs to: a name written again (a resume) replaces the
-      // files one by one before the new index is in.
-      std::uint64_t n = 0;
-      std::string header;
-      if (::pread(fd, &n, 8, 0) == 8 && n < (std::uint64_t{1} << 30)) {
-        header.resize(n);
-        if (::pread(fd, header.data(), n, 8) != static_cast<ssize_t>(n)) header.clear();
-      }
-      ::close(fd);
-      const auto h = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
-      if (!h.is_object() || !h.contains("__metadata__") || h["__metadata__"].value("trainkit.token", std::string()) != token_)
-        throw damaged("its file '" + path + "' belongs to another save of that name (written again, and the new "
-                      "index not yet in)");
+      files_.push_back(directory_ + "/" + f.at("file").get<std::string>());
+      file_bytes_.push_back(f.at("bytes").get<std::uint64_t>());
+      fds_.push_back(-1);
     }
     for (const auto& [name, t] : j.at("tensors").items()) {
       Record r;
@@ -187,9 +170,7 @@ TRAINKIT_INLINE torch::Tensor ShardSource::read_chunk(const std::string& record,
   auto t = torch::empty({c.elements}, torch::dtype(r.dtype));
   auto* p = static_cast<unsigned char*>(t.data_ptr());
   const std::uint64_t n = c.end - c.begin;
-  int& fd = fds_[c.file];
-  if (fd < 0 && (fd = ::open(files_[c.file].c_str(), O_RDONLY | O_CLOEXEC)) < 0)
-    throw std::runtime_error("cannot read checkpoint '" + files_[c.file] + "': " + std::strerror(errno));
+  const int fd = file(c.file);
   for (std::uint64_t done = 0; done < n;) {
     const auto k = ::pread(fd, p + done, n - done, static_cast<off_t>(c.begin + done));
     if (k < 0 && errno == EINTR) continue;
@@ -204,6 +185,40 @@ TRAINKIT_INLINE torch::Tensor ShardSource::read_chunk(const std::string& record,
     throw DamagedArchive(files_[c.file], "record '" + record + "' elements [" + std::to_string(c.offset) + ", " +
                                              std::to_string(c.offset + c.elements) + ") fail their CRC-32");
   return t;
+}
+
+TRAINKIT_INLINE int ShardSource::file(std::size_t i) const {
+  int& fd = fds_[i];
+  if (fd >= 0) return fd;
+  const std::string& path = files_[i];
+  const auto damaged = [&](const std::string& why) { return DamagedArchive(index_, why); };
+  const int opened = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (opened < 0) throw damaged("its file '" + path + "' cannot be opened (" + std::strerror(errno) + ")");
+  struct Closer {  // (until the file is checked)
+    int fd;
+    ~Closer() {
+      if (fd >= 0) ::close(fd);
+    }
+  } closer{opened};
+  struct stat st {};
+  if (::fstat(opened, &st) != 0) throw std::runtime_error("cannot read checkpoint '" + path + "': " + std::strerror(errno));
+  if (static_cast<std::uint64_t>(st.st_size) != file_bytes_[i])
+    throw damaged("its file '" + path + "' holds " + std::to_string(st.st_size) + " bytes, the index says " +
+                  std::to_string(file_bytes_[i]));
+  // Its header names the save it belongs to: a name written again (a resume) replaces the
+  // files one by one before the new index is in.
+  std::uint64_t n = 0;
+  std::string header;
+  if (::pread(opened, &n, 8, 0) == 8 && n < (std::uint64_t{1} << 30)) {
+    header.resize(n);
+    if (::pread(opened, header.data(), n, 8) != static_cast<ssize_t>(n)) header.clear();
+  }
+  const auto h = nlohmann::json::parse(header, nullptr, /*allow_exceptions=*/false);
+  if (!h.is_object() || !h.contains("__metadata__") || h["__metadata__"].value("trainkit.token", std::string()) != token_)
+    throw damaged("its file '" + path + "' belongs to another save of that name (written again, and the new "
+                  "index not yet in)");
+  fd = std::exchange(closer.fd, -1);
+  return fd;
 }
 
 TRAINKIT_INLINE torch::Tensor ShardSource::read(const std::string& record) const {
@@ -230,6 +245,7 @@ TRAINKIT_INLINE std::string ShardSource::verify() const {
   try {
     if (const std::string damage = check_archive_file(records_file_); !damage.empty())
       return "its records file '" + records_file_ + "' is damaged: " + damage;
+    for (std::size_t i = 0; i < files_.size(); ++i) file(i);  // (a file no chunk is in, too)
     for (const auto& [name, r] : records_)
       for (const auto& c : r.chunks) read_chunk(name, r, c);
   } catch (const std::exception& e) {

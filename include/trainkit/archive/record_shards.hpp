@@ -84,8 +84,10 @@ class ShardSource {
  public:
   /// Whether `path` is a set's index (a JSON object), not a single archive.
   static bool is_index(const std::string& path);
-  /// Throws DamagedArchive naming `index` (or a file it names) when the index fails its own
-  /// CRC-32, does not parse, or names a file that is missing or of another size.
+  /// Reads the index alone (and the records file's size). Throws DamagedArchive naming `index`
+  /// when it fails its own CRC-32, does not parse, or its records file is missing or of
+  /// another size. A rank's file is checked (there, of its size, of this save) when its bytes
+  /// are first read, with the same error.
   explicit ShardSource(std::string index);
   ~ShardSource();
   ShardSource(const ShardSource&) = delete;
@@ -108,7 +110,8 @@ class ShardSource {
   torch::Tensor read(const std::string& record) const;
   /// Elements [from, from + n) of the flattened record into `out` (1-D, n elements, any device).
   void read_range(const std::string& record, std::int64_t from, std::int64_t n, const torch::Tensor& out) const;
-  /// Reads every chunk and checks its CRC-32: "" or what is wrong, naming the file.
+  /// Checks every file and reads every chunk, checking its CRC-32: "" or what is wrong, naming
+  /// the file.
   std::string verify() const;
 
  private:
@@ -124,12 +127,15 @@ class ShardSource {
     std::vector<Chunk> chunks;  // by offset, covering the record once
   };
   const Record& find(const std::string& record) const;
+  // File i's descriptor: opened and checked (its size, its save's token) at the first call.
+  int file(std::size_t i) const;
   // The chunk's elements, read and checked.
   torch::Tensor read_chunk(const std::string& record, const Record& r, const Chunk& c) const;
 
   std::string index_, directory_, records_file_, token_;
   std::int64_t world_size_ = 0;
   std::vector<std::string> files_;  // the shards, by rank
+  std::vector<std::uint64_t> file_bytes_;  // their sizes, as the index says
   mutable std::vector<int> fds_;  // each file's, once read from (-1: not yet)
   std::map<std::string, Record> records_;
 };
