@@ -534,6 +534,50 @@ TEST_CASE("a checkpoint set: the records of one file; damage refused naming the 
                                                      testing::file_size(staged + ".records")));
     CHECK(testing::same_tensors(testing::checkpoint_tensors(staged), reference));
   }
+  SUBCASE("written in the background, save after save: the copies cut from one region, sized from the state") {
+    // (on a GPU the region is page-locked, allocated once; here the same path with pinned memory
+    // off). Each save at the same point of a window (the open window's gradient is a record). A
+    // set's pieces, and one file's records (each record a storage of its own: the archive writes
+    // records of several dtypes).
+    TempDir other;
+    tk::CheckpointManager one_file(other.path, "model", 2);
+    std::vector<std::size_t> region, outside, copied, state_bytes;
+    std::size_t records = 0;
+    for (int i = 0; i < 4; ++i) {
+      t.steps(2);
+      const auto file_now = single.save(t.trainer, state_at(0, 4 + i), false);
+      const auto reference = testing::checkpoint_tensors(file_now);
+      const auto staged = set.save_in_background(t.trainer, state_at(0, 4 + i), false);
+      const auto staged_file = one_file.save_in_background(t.trainer, state_at(0, 4 + i), false);
+      t.steps(2);  // (the state changes while they are written)
+      REQUIRE(set.wait_background());
+      REQUIRE(one_file.wait_background());
+      CHECK(testing::same_tensors(testing::checkpoint_tensors(staged), reference));
+      CHECK(testing::same_tensors(testing::checkpoint_tensors(staged_file), reference));
+      if (i > 0) CHECK(one_file.staging().outside() == 0);
+      std::size_t bytes = 0;
+      for (const auto& [key, tensor] : reference) bytes += static_cast<std::size_t>(tensor.numel() * tensor.element_size());
+      state_bytes.push_back(bytes);
+      records = reference.size();
+      region.push_back(set.staging().bytes());
+      outside.push_back(set.staging().outside());
+      copied.push_back(set.staging().wanted());
+    }
+    MESSAGE("the state's tensor records " << state_bytes[0] << " B (the generators' states among them, new tensors, "
+            "not copies); copied " << copied[0] << " B a save; outside the region " << outside[0] << ", " << outside[1]
+            << ", " << outside[2] << ", " << outside[3] << " B; the region " << region[0] << " B after each save");
+    for (int i = 0; i < 4; ++i) {
+      CAPTURE(i);
+      CHECK(copied[i] == copied[0]);
+      CHECK(copied[i] <= state_bytes[i]);
+      CHECK(region[i] == region[0]);  // no growth
+      if (i > 0) CHECK(outside[i] == 0);  // every copy cut from the region
+    }
+    CHECK(copied[0] > state_bytes[0] / 4);
+    CHECK(outside[0] == copied[0]);  // the first save: new allocations, as before; the region after it
+    CHECK(region[0] >= copied[0]);
+    CHECK(region[0] < copied[0] + 64 * records);  // (each copy 64-byte aligned)
+  }
   SUBCASE("a flipped byte in a rank's file: refused naming it, the trainer unchanged") {
     std::string bytes = read_bytes(shard(first));
     std::uint64_t header = 0;

@@ -110,7 +110,46 @@ TRAINKIT_INLINE StagingState& state() {
 }
 }  // namespace staging
 
-TRAINKIT_INLINE StagedWrites::StagedWrites() : outer_(std::exchange(staging::state(), StagingState{true, false, {}})) {}
+TRAINKIT_INLINE void StagingRegion::begin() {
+  used_ = needed_ = wanted_ = outside_ = 0;
+  wanted_pinned_ = false;
+  // (a tensor cut from the region in an earlier save, still alive, holds its storage)
+  usable_ = region_.defined() && region_.storage().use_count() == 1;
+}
+
+TRAINKIT_INLINE torch::Tensor StagingRegion::take(const torch::Tensor& like, bool device) {
+  const auto nbytes = static_cast<std::size_t>(like.numel()) * like.element_size();
+  const std::size_t at = (used_ + kAlign - 1) / kAlign * kAlign;
+  needed_ = (needed_ + kAlign - 1) / kAlign * kAlign + nbytes;
+  wanted_ += nbytes;
+  wanted_pinned_ = wanted_pinned_ || device;
+  if (!usable_ || at + nbytes > bytes() || (device && !pinned_)) {
+    outside_ += nbytes;
+    return {};
+  }
+  used_ = at + nbytes;
+  // A storage of its own over the region's bytes, not a view of the region's: an archive writes
+  // each storage once, in one dtype, so views of one storage in several dtypes would be written
+  // wrong. The deleter holds the region's storage (begin() sees it in use while the copy lives).
+  c10::Storage region = region_.storage();
+  return at::from_blob(static_cast<std::uint8_t*>(region_.data_ptr()) + at, like.sizes(),
+                       [region = std::move(region)](void*) {}, at::TensorOptions().dtype(like.scalar_type()));
+}
+
+TRAINKIT_INLINE bool StagingRegion::reserve_wanted() {
+  if (needed_ <= bytes() && (pinned_ || !wanted_pinned_)) return false;
+  if (region_.defined() && region_.storage().use_count() > 1) return false;  // (in use: the next save tries again)
+  const auto size = static_cast<std::int64_t>(std::max(needed_, bytes()));
+  region_ = at::Tensor();  // (the old region first: never both)
+  region_ = at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(wanted_pinned_));
+  pinned_ = wanted_pinned_;
+  return true;
+}
+
+TRAINKIT_INLINE StagedWrites::StagedWrites(StagingRegion* region)
+    : outer_(std::exchange(staging::state(), StagingState{true, false, {}, region})) {
+  if (region) region->begin();
+}
 
 TRAINKIT_INLINE StagedWrites::~StagedWrites() { staging::state() = std::move(outer_); }
 
@@ -132,8 +171,9 @@ TRAINKIT_INLINE void StagedWrites::cannot_stage() {
 }
 
 // A host copy of `tensor`: inside a StagedWrites scope a device tensor's is asynchronous, into
-// pinned memory (_to_copy pins the target of a non-blocking copy from CUDA), waited for by
-// StagedWrites::wait, once per device.
+// pinned memory (the scope's region, pinned; or _to_copy's, which pins the target of a
+// non-blocking copy from CUDA), waited for by StagedWrites::wait, once per device; cut from the
+// scope's StagingRegion where it fits.
 TRAINKIT_INLINE torch::Tensor host_copy(const torch::Tensor& tensor) {
   torch::NoGradGuard no_grad;
   const bool device = !tensor.is_cpu();
@@ -142,6 +182,11 @@ TRAINKIT_INLINE torch::Tensor host_copy(const torch::Tensor& tensor) {
     auto& copying = staging::state().copying;
     if (std::find(copying.begin(), copying.end(), tensor.device()) == copying.end()) copying.push_back(tensor.device());
   }
+  if (auto* region = StagedWrites::active() ? staging::state().region : nullptr)
+    if (auto out = region->take(tensor, device); out.defined()) {
+      out.copy_(tensor.detach(), /*non_blocking=*/staged);  // (pinned: asynchronous from a device)
+      return out;
+    }
   return tensor.detach().to(torch::kCPU, /*non_blocking=*/staged, /*copy=*/true);
 }
 

@@ -97,15 +97,47 @@ inline ExitAfterWrites& exit_after_writes() {
 /// that cannot be copied so (the nested archive of a torch::optim optimizer, which writes its
 /// own tensors) calls cannot_stage(): the scope is then not complete(), and its archive must be
 /// serialized before the state changes.
+/// A host region that a background checkpoint's copies (StagedWrites) are cut from, reused by
+/// every save: one allocation sized from the state (what the previous save copied), page-locked
+/// when the copies come from a device. Without it each save's copies are new allocations, which
+/// LibTorch's caching host allocator rounds up to a power of two each and keeps (up to twice the
+/// state, for good). A save that finds the region too small, or still in use (a tensor cut from
+/// it alive), copies the rest as before and says how much (outside()); the region grows to fit
+/// once its copies are written (reserve_wanted(), off the training loop's pause).
+class StagingRegion {
+ public:
+  /// A save begins: its copies are cut from the start again, where no earlier cut is alive.
+  void begin();
+  /// A host tensor of `like`'s dtype and shape cut from the region (undefined when it does not
+  /// fit or is in use); counted in wanted() either way. `device`: the copy comes from a device.
+  torch::Tensor take(const torch::Tensor& like, bool device);
+  /// Grows the region to this save's bytes where it was too small (pinned where a copy came
+  /// from a device); returns whether it allocated.
+  bool reserve_wanted();
+  std::size_t bytes() const { return region_.defined() ? static_cast<std::size_t>(region_.numel()) : 0; }
+  /// This save's copies: their bytes, cut from the region or not, and those not cut from it
+  /// (each copy is cut at a 64-byte boundary: the region is up to 63 bytes a copy larger).
+  std::size_t wanted() const { return wanted_; }
+  std::size_t outside() const { return outside_; }
+
+ private:
+  static constexpr std::size_t kAlign = 64;
+  torch::Tensor region_;  // bytes (kByte)
+  std::size_t used_ = 0, needed_ = 0, wanted_ = 0, outside_ = 0;  // (needed_: wanted_ with each copy aligned)
+  bool usable_ = false, pinned_ = false, wanted_pinned_ = false;
+};
+
 /// What a StagedWrites scope holds for its thread.
 struct StagingState {
   bool active = false, incomplete = false;
   std::vector<c10::Device> copying;  // devices whose streams carry copies not waited for
+  StagingRegion* region = nullptr;   // where the copies are cut from (none: new allocations)
 };
 
 class StagedWrites {
  public:
-  StagedWrites();
+  /// `region`: the copies are cut from it (StagingRegion::begin() is called here).
+  explicit StagedWrites(StagingRegion* region = nullptr);
   ~StagedWrites();  // (the enclosing scope's state back: scopes nest)
   StagedWrites(const StagedWrites&) = delete;
   StagedWrites& operator=(const StagedWrites&) = delete;

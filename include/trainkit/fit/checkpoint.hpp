@@ -248,6 +248,9 @@ class CheckpointManager {
   std::optional<Written> background_done();
   /// The background write in flight, waited for; as background_done().
   std::optional<Written> wait_background();
+  /// The host region background saves copy the state into, reused by each (its bytes; the last
+  /// save's copies, and those made outside it: the first save's, or where the state grew).
+  const detail::StagingRegion& staging() const { return staging_; }
   /// The background write in flight, stopped where it waits for other ranks (a set's main rank,
   /// for their files: the set then has no index) and joined; its result or error dropped. For
   /// when another rank's part failed.
@@ -349,6 +352,9 @@ class CheckpointManager {
   std::int64_t keep_;
   CheckpointFormat format_ = CheckpointFormat::automatic;
   double set_timeout_s_ = 1800;  // how long the main rank waits for the other ranks' files
+  // The region background saves copy the state into (stage() and stage_set() are const: what
+  // they change is this cache of host memory, which the writer thread grows after its write).
+  mutable detail::StagingRegion staging_;
   std::unique_ptr<detail::BackgroundWrite> background_;  // the write in flight (or finished, not yet taken)
 };
 

@@ -128,7 +128,7 @@ TRAINKIT_INLINE detail::StagedSet CheckpointManager::stage_set(AnyTrainer& train
     bool copied = true;
     {
       std::optional<detail::StagedWrites> staged;
-      if (copies) staged.emplace();
+      if (copies) staged.emplace(&staging_);
       {
         detail::ShardedWrites pieces(*archive, s.main);
         if (s.main) {
@@ -194,15 +194,18 @@ TRAINKIT_INLINE std::string CheckpointManager::save_set_in_background(AnyTrainer
     detail::write_finished();
     throw;
   }
-  start_background(staged->path, [this, staged, best = state.best_path](const std::atomic<bool>& cancel) {
+  const std::string path = staged->path;
+  start_background(path, [this, staged = std::move(staged), best = state.best_path](const std::atomic<bool>& cancel) mutable {
     std::size_t bytes = staged->write();
     if (staged->main) {
       bytes = detail::write_index(staged->path, staged->world, staged->token, cancel, set_timeout_s_);
       prune(best, staged->path);
     }
+    staged.reset();  // (its copies, cut from the region: gone before the region grows)
+    staging_.reserve_wanted();
     return bytes;
   });
-  return staged->path;
+  return path;
 }
 
 TRAINKIT_INLINE void CheckpointManager::start_background(const std::string& path,
@@ -232,13 +235,16 @@ TRAINKIT_INLINE std::string CheckpointManager::save_in_background(AnyTrainer& tr
   wait_background();
   if (writes_set(trainer)) return save_set_in_background(trainer, state, epoch_end, callbacks);
   auto staged = std::make_shared<Staged>(stage(trainer, state, epoch_end, callbacks));
+  const std::string path = staged->path();
   detail::exit_after_writes().writing.fetch_add(1);  // (before the thread: a second signal waits for it)
-  start_background(staged->path(), [this, staged, best = state.best_path](const std::atomic<bool>&) {
+  start_background(path, [this, staged = std::move(staged), best = state.best_path](const std::atomic<bool>&) mutable {
     const std::size_t bytes = staged->write();
     prune(best, staged->path());
+    staged.reset();  // (its copies, cut from the region: gone before the region grows)
+    staging_.reserve_wanted();
     return bytes;
   });
-  return staged->path();
+  return path;
 }
 
 TRAINKIT_INLINE CheckpointManager::Staged CheckpointManager::stage(const AnyTrainer& trainer, const LoopState& state,
@@ -250,7 +256,7 @@ TRAINKIT_INLINE CheckpointManager::Staged CheckpointManager::stage(const AnyTrai
     s.archive_ = std::make_unique<torch::serialize::OutputArchive>();
     bool copied = false;
     {
-      detail::StagedWrites copies;
+      detail::StagedWrites copies(&staging_);
       fill(*s.archive_, trainer, state, s.path_, callbacks);
       copies.wait();
       copied = copies.complete() && callbacks.empty();  // (a callback writes its own records)
