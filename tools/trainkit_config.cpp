@@ -169,6 +169,7 @@ std::int64_t parameter_count(const std::string& flag, const std::string& text) {
 json memory_per_rank(const tk::RunPlan& d, const tk::ModelSize& model) {
   tk::StorageShape shape;
   shape.master_weights = d.trainer.master_weights;
+  shape.autocast_copies = !d.trainer.master_weights && d.trainer.precision != tk::PrecisionKind::FP32;
   shape.optimizer_values = tk::StorageShape::optimizer_values_of(d.optimizer);
   shape.accumulates = d.accumulation_steps != 1;
   shape.unit_prefetch = d.trainer_options.unit_prefetch();
@@ -195,7 +196,8 @@ json memory_per_rank(const tk::RunPlan& d, const tk::ModelSize& model) {
            {"gradients", held.gradients},
            {"masters", held.masters},
            {"optimizer", held.optimizer},
-           {"gathered_in_step", held.gathered}};
+           {"gathered_in_step", held.gathered},
+           {"autocast_copies_in_step", held.autocast}};
   }
   json out = {{"parameters", model.trained}, {"this_run", run}, {"by_world_size_and_stage", by_world}};
   if (!tk::predicts_stage3(model, shape))

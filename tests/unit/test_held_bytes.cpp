@@ -7,6 +7,7 @@
 #include <trainkit/storage/held_bytes.hpp>
 
 #include <string>
+#include <type_traits>
 
 namespace test_held_bytes {  // this file's names, apart from those of the files it shares a unity batch with
 
@@ -91,6 +92,28 @@ TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
   CHECK(tk::held_summary({110'000'000, 0, 7'000'000, 0}, master, 2, 4).find(", 3 367.2 MiB") != std::string::npos);
 }
 
+TEST_CASE("predict_held: stage 3 without master weights counts autocast's half copies of every unit, and says so") {
+  // Autocast saves each unit's half copy of its weights for the backward: the units' whole model
+  // at 2 bytes a parameter from the forward to the backward, on top of the units gathered.
+  const tk::ModelSize model{1000, 200, 300, 100};
+  tk::StorageShape fp32{false, 2, false}, bf16{false, 2, false}, master{true, 2, false};
+  bf16.autocast_copies = master.autocast_copies = true;  // (master weights: the weights are half, no copies)
+  CHECK(tk::predict_held(model, bf16, 3, 4).autocast == doctest::Approx(2.0 * 800));
+  CHECK(tk::predict_held(model, bf16, 3, 4).total() == tk::predict_held(model, fp32, 3, 4).total());  // (inside a step)
+  CHECK(tk::predict_held(model, bf16, 3, 4).gathered == tk::predict_held(model, fp32, 3, 4).gathered);
+  CHECK(tk::predict_held(model, fp32, 3, 4).autocast == 0);
+  CHECK(tk::predict_held(model, master, 3, 4).autocast == 0);
+  for (const int stage : {0, 1, 2}) CHECK(tk::predict_held(model, bf16, stage, 4).autocast == 0);
+  const std::string said = tk::held_summary({110'000'000, 0, 7'000'000, 0}, bf16, 3, 4);
+  CHECK(said.find(", and 209.8 MiB more for autocast's half copies of every unit's weights, which live from each "
+                  "unit's forward to its backward") != std::string::npos);
+  CHECK(said.find("with tk::MasterWeights the units are gathered as half copies") != std::string::npos);
+  CHECK(tk::held_summary({110'000'000, 0, 7'000'000, 0}, fp32, 3, 4).find("autocast") == std::string::npos);
+  CHECK(tk::held_table({110'000'000, 0, 7'000'000, 0}, bf16, 4)[2] ==
+        "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 314.7 MiB (+ 53.4 MiB gathered, + 209.8 MiB autocast's "
+        "copies)");
+}
+
 TEST_CASE_TEMPLATE("a trainer in one process holds what it predicts, once its optimizer's state exists", T,
                    Combo<tk::FP32, 1>, Combo<tk::BF16, 2>, Combo<tk::MasterWeights<tk::FP16Dynamic>, 1>,
                    Combo<tk::MasterWeights<tk::BF16>, 2>) {
@@ -107,6 +130,8 @@ TEST_CASE_TEMPLATE("a trainer in one process holds what it predicts, once its op
     CHECK(size.frozen == 32 * 32 + 32);
     CHECK(size.root == size.trained);  // (no units)
     CHECK(trainer.storage_shape().optimizer_values == (optimizer == "AdamW" ? 2 : optimizer == "SGD" ? 0 : 1));
+    // Autocast copies fp32 weights to half where the model is fp32 and the forward half (BF16).
+    CHECK(trainer.storage_shape().autocast_copies == std::is_same_v<T, Combo<tk::BF16, 2>>);
     const auto x = torch::randn({4, 32});
     for (int step = 0; step < 2 * T::n; ++step) trainer.micro_step([&] { return model->forward(x).square().mean(); });
     const double predicted = trainer.predicted_held().total();

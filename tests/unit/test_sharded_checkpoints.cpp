@@ -229,6 +229,11 @@ TEST_CASE("a sharded fit killed with SIGKILL resumes from its last checkpoint as
     return extra;
   };
   run_ranks(2, dir / "straight", with_fit("straight-out", {}));
+  // Stage 3 in FP16 without master weights says at start what autocast's half copies will hold.
+  const std::string said = slurp(dir / "straight.log0.err");
+  CAPTURE(said);
+  CHECK((said.find("more for autocast's half copies of every unit's weights") != std::string::npos) ==
+        (stage3 && precision == "fp16"));
   // Slowed down, killed in epoch 1 once epoch 0's checkpoint is there; then run again.
   auto ranks = spawn_ranks(2, dir / "killed", std::to_string(free_port()),
                            with_fit("killed-out", {"--sleep-ms", "40", "--resume", "1"}));

@@ -31,6 +31,11 @@ TRAINKIT_INLINE HeldBytes predict_held(const ModelSize& model, const StorageShap
     held.gathered = element * (shape.reshard_after_forward
                                    ? static_cast<double>(model.largest_unit) * static_cast<double>(1 + shape.unit_prefetch)
                                    : trained - static_cast<double>(model.root));
+  // Autocast casts each fp32 weight to half for its matmul and saves the cast for the backward:
+  // at stage 3 every unit's copy lives from its forward to its backward, though its fp32 unit
+  // was released (docs/design/data-parallel.md, "Memory per rank").
+  if (stage == 3 && shape.autocast_copies && !shape.master_weights)
+    held.autocast = 2 * (trained - static_cast<double>(model.root));
   return held;
 }
 
@@ -57,6 +62,10 @@ TRAINKIT_INLINE std::string held_summary(const ModelSize& model, const StorageSh
                                       : format_bytes(held.optimizer)) +
           ")";
   if (held.gathered > 0) line += ", and " + format_bytes(held.gathered) + " more for the units gathered inside a step";
+  if (held.autocast > 0)
+    line += ", and " + format_bytes(held.autocast) + " more for autocast's half copies of every unit's weights, which "
+            "live from each unit's forward to its backward (the units' whole model again, at 2 bytes a parameter: "
+            "with tk::MasterWeights the units are gathered as half copies and autocast keeps none)";
   if (world > 1) {
     line += "; at stage";
     for (int other = 0, said = 0; other <= 3; ++other)
@@ -83,7 +92,8 @@ TRAINKIT_INLINE std::vector<std::string> held_table(const ModelSize& model, cons
                 format_bytes(predict_held(model, shape, stage, w).total());
       if (predicts_stage3(model, shape)) {
         const HeldBytes three = predict_held(model, shape, 3, w);
-        line += ", 3 " + format_bytes(three.total()) + " (+ " + format_bytes(three.gathered) + " gathered)";
+        line += ", 3 " + format_bytes(three.total()) + " (+ " + format_bytes(three.gathered) + " gathered" +
+                (three.autocast > 0 ? ", + " + format_bytes(three.autocast) + " autocast's copies" : "") + ")";
       } else {
         line += ", 3 needs the units";
       }

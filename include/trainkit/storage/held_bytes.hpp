@@ -13,7 +13,7 @@
 /// on purpose: the padding of buckets and units (at most 64 bytes per rank and bucket), the
 /// norms that master weights keep in fp32 (2 bytes more each), and what exists only inside a
 /// step (a sharded gradient's slices, buckets in flight, stage 3's gathered units: `gathered`
-/// gives the largest one).
+/// gives the largest one; autocast's half copies of stage 3's units: `autocast`).
 #include <trainkit/detail/inline.hpp>
 #include <trainkit/step/optimizer_settings.hpp>
 
@@ -41,6 +41,9 @@ struct StorageShape {
   bool accumulates = false;           ///< several micro-batches per window
   std::int64_t unit_prefetch = 1;     ///< stage 3: units gathered ahead (TrainerOptions::unit_prefetch)
   bool reshard_after_forward = true;  ///< stage 3: units released after their forward
+  bool autocast_copies = false;       ///< the forward autocasts fp32 weights to a half type (FP16 or
+                                      ///< BF16 without master weights): autocast keeps each weight's
+                                      ///< half copy from its forward to its backward
 
   /// The fp32 values per parameter of the optimizer `settings` name: Adam and AdamW 2 (their
   /// moments), SGD 1 with momentum, 0 without.
@@ -58,6 +61,9 @@ struct HeldBytes {
   double optimizer = 0;   ///< the optimizer's state (this rank's slices at stages 1-3)
   double gathered = 0;    ///< stage 3, on top inside a step: the units gathered at once (the
                           ///< largest, and as many ahead as prefetched; every unit when kept)
+  double autocast = 0;    ///< stage 3 with autocast's copies, on top inside a step: every unit's
+                          ///< half copy, from its forward to its backward (2 bytes a parameter:
+                          ///< the units' whole model again, which master weights avoid)
   double total() const { return parameters + gradients + masters + optimizer; }
 };
 

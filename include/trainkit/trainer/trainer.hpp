@@ -270,7 +270,11 @@ class Trainer final : public detail::TrainerCore {
   bool saves_collectively() const override { return storage_.sharded(); }
   bool shards_parameters() const override { return storage_.shards_parameters(); }
   ModelSize model_size() const override { return storage_.model_size(*module_); }
-  StorageShape storage_shape() const override { return shape_of(Precision::master_weights); }
+  StorageShape storage_shape() const override {
+    // (master weights: the weights are half already, autocast makes no copies)
+    return shape_of(Precision::master_weights,
+                    !Precision::master_weights && detail::autocast_dtype_of<precision_mode>().has_value());
+  }
   std::int64_t held_bytes() const override {
     std::vector<torch::Tensor> tensors;
     storage_.held_tensors(tensors);

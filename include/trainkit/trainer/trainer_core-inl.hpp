@@ -64,9 +64,10 @@ TRAINKIT_INLINE std::int64_t TrainerCore::distinct_bytes(std::vector<torch::Tens
   return bytes;
 }
 
-TRAINKIT_INLINE StorageShape TrainerCore::shape_of(bool master_weights) const {
+TRAINKIT_INLINE StorageShape TrainerCore::shape_of(bool master_weights, bool autocast_copies) const {
   StorageShape shape;
   shape.master_weights = master_weights;
+  shape.autocast_copies = autocast_copies;
   const UpdateRule& rule = *rule_;
   shape.optimizer_values = rule.state_is_flat() ? static_cast<std::int64_t>(rule.flat_states().size()) : -1;
   shape.accumulates = window_length() != 1;

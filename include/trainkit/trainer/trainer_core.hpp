@@ -117,7 +117,7 @@ class TrainerCore : public AnyTrainer {
   TRAINKIT_INLINE std::int64_t distinct_bytes(std::vector<torch::Tensor> tensors) const;
   /// storage_shape(): the rule's fp32 values per parameter (none counted for a torch::optim
   /// optimizer's own state) and the window's length.
-  TRAINKIT_INLINE StorageShape shape_of(bool master_weights) const;
+  TRAINKIT_INLINE StorageShape shape_of(bool master_weights, bool autocast_copies) const;
   /// The error of an optimizer state the rule cannot read (`prefix` names the archive).
   [[noreturn]] void refuse_optimizer_state(torch::serialize::InputArchive& archive, const std::string& prefix,
                                            const std::exception& e) const;
