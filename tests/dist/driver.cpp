@@ -55,6 +55,8 @@
 //       [--stop-rank R --stop-window W]            with --fit: rank R alone asks to stop (BatchEnd::
 //                                                  request_stop) once window W closed; prints "fit stopped
 //                                                  at ..."; with --fit, each epoch's means ("fit epoch")
+//       [--main-writes 1]                          with --fit: FitOptions::write_files(false) on every
+//                                                  rank but 0 (its documented use)
 //       [--log-frequent K] [--patience P]          with --fit: LOG_FREQUENT (default 1) and
 //                                                  NONFINITE_PATIENCE (default 20); with --fit,
 //                                                  --overflow-rank R --overflow-window W makes rank R's
@@ -125,6 +127,7 @@ struct Args {
       recompute_around = 0, count_rows = 0, load_held = 0, zero_items_rank = -1;
   std::int64_t log_frequent = 1, patience = 20;
   int stop_rank = -1;
+  int main_writes = 0;
   std::int64_t stop_window = 0;
   std::int64_t width = 512, layers = 8;
   double timeout = 60, heartbeat = -1;  // heartbeat < 0: the library's default
@@ -166,7 +169,7 @@ Args parse(int argc, char** argv) {
       take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
   take("unused-bias-rank", a.unused_bias_rank), take("recompute-around", a.recompute_around);
   take("count-rows", a.count_rows), take("load-held", a.load_held), take("zero-items-rank", a.zero_items_rank);
-  take("stop-rank", a.stop_rank), take("stop-window", a.stop_window);
+  take("stop-rank", a.stop_rank), take("stop-window", a.stop_window), take("main-writes", a.main_writes);
   if (!kv.empty()) throw std::invalid_argument("unknown option --" + kv.begin()->first);
   if (a.out.empty()) throw std::invalid_argument("--out PREFIX is required");
   return a;
@@ -454,6 +457,7 @@ int run(const Args& a, tk::ProcessGroup& base) {
                                     // (a sharded update writes a set: every rank into one directory)
                                     .output_path(a.resume || a.sharding > 0 ? a.fit : a.fit + "/rank" + std::to_string(rank))
                                     .end_epoch(2)
+                                    .write_files(a.main_writes == 0 || rank == 0)
                                     .validate_by_unit(a.validate >= 2)
                                     .log_frequent(a.log_frequent)
                                     .nonfinite_patience(a.patience)

@@ -254,6 +254,12 @@ TEST_CASE("data parallel: tk::fit writes checkpoints and logs on rank 0 only") {
   CHECK(slurp(dir / "fit.log0.out").find("fit wrote 2 checkpoints") != std::string::npos);
   CHECK(slurp(dir / "fit.log1.out").find("fit wrote 0 checkpoints") != std::string::npos);
   CHECK(torch::equal(params(dir / "fit", 0), params(dir / "fit", 1)));
+  // The same with FitOptions::write_files(false) on rank 1: it writes nothing and still takes
+  // part in every agreement (a background write's, at each checkpoint and at the end).
+  run_two(dir / "quiet", {"--fit", dir / "quiet-out", "--steps", "0", "--batch", "4", "--accum", "2", "--main-writes", "1"});
+  CHECK(testing::file_exists(dir / "quiet-out/rank0/model-0001.ckpt"));
+  CHECK_FALSE(testing::file_exists(dir / "quiet-out/rank1"));
+  CHECK(torch::equal(params(dir / "quiet", 1), params(dir / "fit", 1)));
 }
 
 TEST_CASE("data parallel: a rank that runs out of memory replays its window alone, and the ranks stay equal") {

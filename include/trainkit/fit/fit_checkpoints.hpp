@@ -162,7 +162,9 @@ void FitLoop<Batch>::background_checked(bool wait) {
 template <class Batch>
 void FitLoop<Batch>::background_agreed(bool wait) {
   if (saves()) background_checked(wait);
-  if (single() || !options_.write_files() || !options_.background_checkpoints()) return;
+  // (not on write_files: a rank that writes nothing, FitOptions::write_files(false) on ranks
+  // other than 0, still takes part, with no failure of its own)
+  if (single() || !options_.background_checkpoints()) return;
   const std::int64_t failed = trainer_.replicas().count_failures({!write_error_.empty()})[0];
   if (failed > 0) write_failed_everywhere(failed - (write_error_.empty() ? 0 : 1));
 }
