@@ -12,7 +12,8 @@
 #   cmake -DLOG=... -DSOURCE=... -P check.cmake
 #       passes only if the errors in LOG that the compiler places in SOURCE's file match its
 #       expectation. An error belongs to the case whose file the diagnostics last named with a
-#       line number ("<case>.cpp:3:50: required from here", or the error's own place).
+#       line number ("<case>.cpp:3:50: required from here", or the error's own place): GCC's
+#       order, which names the place before the error (Clang names it after, in notes).
 
 # The output of `cmake --build` for TARGET, in _out; its exit status in _status.
 macro(build_target)
