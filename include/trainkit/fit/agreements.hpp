@@ -2,11 +2,12 @@
 /// Data parallel: what the fit loop's ranks must do alike (stop, write a checkpoint, finish) is
 /// agreed in one small collective that every rank calls at the same point, and which also
 /// combines the loop's running sums when asked. A checkpoint that failed in the background on
-/// one rank is agreed the same way, so that every rank stops there. The points are the loop's: every log window,
-/// each epoch's end and, between log windows, the window about Replicas::agreement_seconds
-/// after the last agreement (from the ranks' mean time per window, the same on every rank), so
-/// that a stop (a signal, the launcher's store gone: Replicas::store_gone) waits seconds, not
-/// LOG_FREQUENT slow windows. One process: no collective, its own requests.
+/// one rank is agreed the same way, so that every rank stops there. The points are the loop's:
+/// every log window, each epoch's end and, between log windows, the window about
+/// Replicas::agreement_seconds after the last agreement (from the ranks' mean time per window,
+/// the same on every rank), so that a stop (a signal, the launcher's store gone:
+/// Replicas::store_gone) waits seconds, not LOG_FREQUENT slow windows. One process: no
+/// collective, its own requests.
 #include <trainkit/fit/metrics.hpp>
 #include <trainkit/step/replicas.hpp>
 
