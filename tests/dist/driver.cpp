@@ -44,7 +44,8 @@
 //                                                  every Linear a unit with --sharding 3
 //       [--units P1,P2,...]                        stage 3's units (default: the model's own, below)
 //       [--alternate-order 1] [--unused-bias-rank R]  --model deep: every other forward runs the mids
-//                                                  in reverse; rank R leaves the first mid's bias unused
+//                                                  in reverse (training's and each validation's counted
+//                                                  apart); rank R leaves the first mid's bias unused
 //       [--recompute-around 1]                     --model deep: each mid's tk::unit call inside tk::recompute
 //       [--prefetch N] [--reshard 0|1]             stage 3: TrainerOptions::unit_prefetch (default 1) and
 //                                                  reshard_after_forward (default 1)
@@ -80,6 +81,9 @@
 //       [--validate 1|2|3]                         with --fit: a validation after each epoch (2: by unit; 3: by unit,
 //                                                  its loss averaged over the ranks after its forwards) in which rank r
 //                                                  runs r + 1 forwards (shards of different sizes)
+//       [--validate-forwards F]                    --validate: rank r runs F + r forwards instead
+//       [--validate-reverse-rank R]                --validate, --model deep: rank R's second validation
+//                                                  forward runs the mids in reverse (its units' order alone)
 //   ... --then --out PREFIX2 ...                 another run after this one, in the same process and
 //                                                  process group (the test suite's launches are its
 //                                                  cost: a chain makes one); not with --cap-*, --resume
@@ -111,6 +115,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 
 namespace tk = trainkit;
 
@@ -124,7 +129,8 @@ struct Args {
   int overflow_rank = -1, overflow_window = -1, sleep_ms = 0, items = 0, oom_rank = -1, sharding = 0, flush = 0, overlap = 1;
   int oom_backward_rank = -1, resume = 0, cap_rank = -1, oom_index = 1, watch_nonfinite = 0, forward_peaks = 0;
   int validate = 0, prefetch = 1, reshard = 1, export_hold = 1, alternate_order = 0, unused_bias_rank = -1,
-      recompute_around = 0, count_rows = 0, load_held = 0, zero_items_rank = -1;
+      recompute_around = 0, count_rows = 0, load_held = 0, zero_items_rank = -1, validate_forwards = 1,
+      validate_reverse_rank = -1;
   std::int64_t log_frequent = 1, patience = 20;
   int stop_rank = -1;
   int main_writes = 0;
@@ -163,7 +169,8 @@ Args parse(int argc, char** argv) {
   take("oom-backward-rank", a.oom_backward_rank), take("resume", a.resume), take("oom-index", a.oom_index);
   take("cap-rank", a.cap_rank), take("cap", a.cap), take("cap-mib", a.cap_mib), take("width", a.width), take("layers", a.layers), take("dropout", a.dropout);
   take("watch-nonfinite", a.watch_nonfinite), take("log-frequent", a.log_frequent), take("patience", a.patience);
-  take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
+  take("forward-peaks", a.forward_peaks), take("validate", a.validate), take("validate-forwards", a.validate_forwards),
+      take("validate-reverse-rank", a.validate_reverse_rank), take("save-set", a.save_set), take("checkpoint-format", a.checkpoint_format);
   take("units", a.units), take("prefetch", a.prefetch), take("reshard", a.reshard);
   take("memory-budget", a.memory_budget), take("memory-over-mib", a.memory_over_mib), take("row-mib", a.row_mib), take("piece-items", a.piece_items), take("export", a.export_weights),
       take("export-hold", a.export_hold), take("alternate-order", a.alternate_order);
@@ -213,7 +220,8 @@ struct MlpImpl : torch::nn::Module {
       // mid's bias is not used on this rank (its gradient never comes here).
       std::vector<size_t> order(mids->size());
       for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-      if (alternate_order && forwards++ % 2 == 1) std::reverse(order.begin(), order.end());
+      const bool alternate = alternate_order && (is_training() ? forwards++ : eval_forwards++) % 2 == 1;
+      if (alternate || std::exchange(reverse_once, false)) std::reverse(order.begin(), order.end());
       for (const size_t i : order) {
         auto* mid = mids[i]->as<torch::nn::LinearImpl>();
         const bool no_bias = unused_bias && i == 0;
@@ -248,8 +256,9 @@ struct MlpImpl : torch::nn::Module {
     }
     return tk::unit(fc2, h);
   }
-  bool affine, wide, deep, oom_in_backward = false, alternate_order = false, unused_bias = false, recompute_around = false;
-  std::int64_t forwards = 0, row_mib = 0;
+  bool affine, wide, deep, oom_in_backward = false, alternate_order = false, unused_bias = false, recompute_around = false,
+      reverse_once = false;
+  std::int64_t forwards = 0, eval_forwards = 0, row_mib = 0;  // (--alternate-order: training's, this validation's)
   torch::nn::ModuleList mids{nullptr};
   torch::Tensor rows_seen;  // (--count-rows)
   double p;
@@ -430,7 +439,11 @@ int run(const Args& a, tk::ProcessGroup& base) {
       task.validate = [&](std::int64_t) {
         torch::Tensor loss;
         const auto region = trainer.precision_region();  // (master weights: a half model, fp32 inputs)
-        for (int i = 0; i <= rank; ++i) loss = torch::mse_loss(model(x.narrow(0, 0, 8)), y.narrow(0, 0, 8));
+        model->eval_forwards = 0;
+        for (int i = 0; i < a.validate_forwards + rank; ++i) {
+          model->reverse_once = i == 1 && rank == a.validate_reverse_rank;
+          loss = torch::mse_loss(model(x.narrow(0, 0, 8)), y.narrow(0, 0, 8));
+        }
         last_validation = loss.item<double>();
         if (a.validate == 3) {  // (the mean over the ranks, after uneven forwards)
           std::vector<double> v{last_validation};
@@ -568,6 +581,7 @@ int run(const Args& a, tk::ProcessGroup& base) {
                       {"reduce_scatter_calls", counter->reduce_scatter_calls},
                       {"all_gather_calls", counter->all_gather_calls},
                       {"unit_gathers", units ? units->gathers() : 0},
+                      {"unit_announcements", units ? units->announcements() : 0},
                       {"unit_peak", units ? units->peak_gathered() : 0},
                       {"unit_largest", unit_largest},
                       {"unit_total", unit_total},

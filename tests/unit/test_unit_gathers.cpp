@@ -193,6 +193,48 @@ TEST_CASE("stage 3 validates unit by unit: a rank whose forwards end sooner gath
   CHECK(slurp(dir / "sharded.log0.out").find("fit wrote 2 checkpoints") != std::string::npos);
 }
 
+TEST_CASE("stage 3 validating unit by unit announces each batch's units once, stays paired when their order changes "
+          "alike on every rank, and stops every rank when one rank's order differs") {
+  testing::TempDir dir;
+  // Linear(8, 16), 4 x Linear(16, 16), Linear(16, 4): 6 units. Rank r runs 4 + r validation
+  // forwards after each of the 2 epochs.
+  const std::vector<std::string> common{"--steps", "0", "--batch", "4", "--accum", "2", "--model", "deep", "--width",
+                                        "16", "--layers", "4", "--precision", "fp32", "--validate", "2",
+                                        "--validate-forwards", "4", "--prefetch", "0", "--timeout", "30"};
+  const auto run = [&](const std::string& name, const std::string& stage, const std::vector<std::string>& extra = {}) {
+    return Runs::value_type{dir / name, with(with(common, {"--fit", dir / (name + "-out"), "--sharding", stage}), extra)};
+  };
+  run_chain(2, {run("replicated", "0"), run("sharded", "3"), run("alternating-replicated", "0", {"--alternate-order", "1"}),
+                run("alternating", "3", {"--alternate-order", "1"})});
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const auto sharded = summary(dir / "sharded", r), alternating = summary(dir / "alternating", r);
+    CHECK(sharded["validation"].get<double>() ==
+          doctest::Approx(summary(dir / "replicated", r)["validation"].get<double>()).epsilon(1e-5));
+    CHECK(alternating["validation"].get<double>() ==
+          doctest::Approx(summary(dir / "alternating-replicated", r)["validation"].get<double>()).epsilon(1e-5));
+    // Each validation: the first batch unit by unit (6), one announcement a batch after it (4,
+    // rank 0 joining rank 1's last), the end (1). One a unit made 5 x 6 + 1.
+    CHECK(sharded["unit_announcements"] == 2 * (6 + 4 + 1));
+    CHECK(sharded["unit_peak"] == sharded["unit_largest"]);  // (still one unit at a time)
+    // Every other forward in reverse (alike on both ranks): from the first change on, a unit an
+    // announcement; the followed batch's rest (5 units after fc1) gathered for nothing, once a
+    // validation.
+    CHECK(alternating["unit_announcements"] > sharded["unit_announcements"]);
+    CHECK(alternating["unit_gathers"].get<std::int64_t>() == sharded["unit_gathers"].get<std::int64_t>() + 2 * 5);
+  }
+  // Rank 1 alone runs its second validation forward in reverse: it gathers the rest of the
+  // batch with rank 0, then names its unit where rank 0 names its next batch's first. Both stop.
+  auto ranks = spawn_ranks(2, dir / "differ", std::to_string(free_port()),
+                           with(run("differ", "3").second, {"--validate-reverse-rank", "1"}));
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(wait_exit(ranks[static_cast<size_t>(r)], 120) == 1);
+    const auto err = slurp(ranks[static_cast<size_t>(r)].err);
+    CHECK(err.find("the ranks called different units at once (units 'fc1' and 'mids.3')") != std::string::npos);
+  }
+}
+
 }  // namespace test_unit_gathers
 
 #endif

@@ -43,6 +43,7 @@
 /// (its input) are written (settle_all: the update, a load); one its pass did not use is dropped.
 #include <trainkit/detail/partition.hpp>
 #include <trainkit/detail/released_storage.hpp>
+#include <trainkit/storage/evaluation_order.hpp>
 #include <trainkit/storage/unit_schedule.hpp>
 #include <trainkit/step/replicas.hpp>
 #include <trainkit/storage/readiness.hpp>
@@ -119,10 +120,14 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
     backward_ = false;
   }
   void before_forward(std::int64_t u) override {
-    if (evaluating_) {  // (outside the step: its buffer, announced, gathered; released after its call)
-      reserve(u);
-      announce(u);
+    if (evaluating_) {  // (outside the step: its buffer, announced unless followed, gathered; released after its call)
+      order_.call(u, [&](std::int64_t owed) { gather_for_others(owed); },
+                  [&](std::int64_t unit, double key) {
+                    reserve(unit);
+                    return announce(unit, key);
+                  });
       gather(u, /*again=*/true);
+      ++inside_[static_cast<size_t>(u)];
       return;
     }
     gather(u);
@@ -134,6 +139,7 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   }
   // In the backward (tk::recompute around the unit) the unit stays: its backward follows.
   void after_forward(std::int64_t u) override {
+    if (evaluating_ && --inside_[static_cast<size_t>(u)] > 0) return;  // (called inside its own call: the outer's)
     if ((reshard_ && !backward_) || evaluating_) release(u);
   }
   // The unit the backward reached before this one is done (a unit's backward ends before the
@@ -281,14 +287,18 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   bool held() const override { return held_; }
   /// An evaluation by unit: until end_evaluation(), a unit's call outside the step gathers it
   /// and releases it after its call, so that a rank holds one unit (and the root unit) at a
-  /// time. Before each such gather every rank says which unit it gathers (one small all-reduce):
-  /// the ranks still evaluating call the same unit, or each throws, naming both. No collective
-  /// here.
+  /// time. Before such a gather every rank says which unit it gathers (one small all-reduce):
+  /// the ranks still evaluating call the same unit, or each throws, naming both. Once per
+  /// batch: the units that follow the batch's first one, in the order learnt from the first
+  /// batch and agreed, are gathered unannounced (EvaluationOrder, storage/evaluation_order.hpp).
+  /// No collective here.
   void begin_evaluation() {
     if (held_)
       throw std::logic_error("trainkit: an evaluation by unit while every unit is held gathered "
                              "(hold_parameters(true)); call hold_parameters(false) on every rank first");
     drop_pending();
+    order_.reset();
+    inside_.assign(units_.size(), 0);
     evaluation_thread_ = std::this_thread::get_id();
     evaluating_ = true;
   }
@@ -310,10 +320,8 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   /// Only on the thread that opened the evaluation (another thread's collective is not its).
   void join_evaluation() {
     if (!evaluating_ || std::this_thread::get_id() != evaluation_thread_) return;
-    for (std::int64_t u = announce(-1); u >= 0; u = announce(-1)) {
-      gather(u);
-      release(u);
-    }
+    order_.join([&](std::int64_t u) { gather_for_others(u); },
+                [&](std::int64_t u, double key) { return announce(u, key); });
   }
   void join() override { join_evaluation(); }
   bool evaluating() const override { return evaluating_; }
@@ -346,6 +354,9 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   /// Gathers launched ahead (prefetch), since construction; of them, in backwards.
   std::int64_t gathers_ahead() const { return ahead_; }
   std::int64_t gathers_ahead_in_backward() const { return ahead_backward_; }
+  /// An evaluation by unit's announcements (each a small all-reduce and a host sync) since
+  /// construction.
+  std::int64_t announcements() const { return announcements_; }
   /// Seconds the host spent in gathers, waiting for them or making them (on a GPU the waits
   /// only order streams: there it is launch time), since construction.
   double gather_seconds() const { return gather_seconds_; }
@@ -422,26 +433,35 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
 
  private:
   // An evaluation by unit: this rank's next unit u (-1: its evaluation is done) said to every
-  // rank. Returns the unit the ranks still evaluating gather (-1 when none is left); throws on
-  // every rank alike when those ranks name different units.
-  std::int64_t announce(std::int64_t u) {
+  // rank, with its EvaluationOrder's `key`. Returns the unit the ranks still evaluating gather
+  // (-1 when none is left) and the keys' range; throws on every rank alike when those ranks name
+  // different units.
+  EvaluationOrder::Agreed announce(std::int64_t u, double key) {
     if (!replicas_)
       throw std::logic_error("tk::unit: a unit evaluated after its trainer is gone; its parameters were sharded "
                              "(ZeRO stage 3) and exist no more in this process");
     // The largest unit named and, negated, the smallest: equal when every evaluating rank
-    // names the same one (a rank done names none).
-    std::vector<double> said{static_cast<double>(u), u >= 0 ? -static_cast<double>(u) : -1e18};
+    // names the same one (a rank done names none). Then the largest key and, negated, the
+    // smallest (whether the ranks know the same batch).
+    std::vector<double> said{static_cast<double>(u), u >= 0 ? -static_cast<double>(u) : -1e18, key, -key};
     replicas_->all_reduce_while_joining(said, Reduce::max);  // (no join inside this rank's own announcement)
-    if (said[0] < 0) return -1;
+    ++announcements_;
+    if (said[0] < 0) return {};
     const auto first = static_cast<std::int64_t>(said[0]), second = static_cast<std::int64_t>(-said[1]);
     if (first != second) {
       const auto name = [&](std::int64_t v) { return "'" + units_[static_cast<size_t>(v)].name + "'"; };
-      throw std::runtime_error("tk::unit: in an evaluation by unit (ZeRO stage 3) the ranks called different units "
+      throw UnitsDiffer("tk::unit: in an evaluation by unit (ZeRO stage 3) the ranks called different units "
                                "at once (units " + name(second) + " and " + name(first) + "): their forwards must "
                                "call the model's units in one order; for a model whose units depend on its input, "
                                "hold every unit (AnyTrainer::hold_parameters(true)) around the evaluation instead");
     }
-    return first;
+    return {first, -said[3], said[2]};
+  }
+  // Unit u gathered with the ranks that call it while this rank does not (a rank done, or the
+  // rest of a batch this rank left), and released after, unless this rank is inside its call.
+  void gather_for_others(std::int64_t u) {
+    gather(u, /*again=*/true);
+    if (inside_[static_cast<size_t>(u)] == 0) release(u);
   }
   // Unit u's buffer allocated where released (its contents undefined until gathered). An
   // evaluation by unit reserves before its announcement, so that a rank that runs out of memory
@@ -564,6 +584,9 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   // one; joined only on the thread that opened it).
   std::atomic<bool> evaluating_{false};
   std::thread::id evaluation_thread_;
+  EvaluationOrder order_{static_cast<std::int64_t>(units_.size())};  // (its announcements' batches)
+  std::vector<std::int64_t> inside_;  // each unit's calls under way in the evaluation
+  std::int64_t announcements_ = 0;
   double gather_seconds_ = 0;
 };
 
