@@ -9,6 +9,7 @@
 
 #include <trainkit/io/weights.hpp>
 #include <trainkit/run/plan.hpp>
+#include <trainkit/storage/unit_gathers.hpp>
 
 #include <chrono>
 #include <cmath>
@@ -26,6 +27,54 @@ namespace test_unit_gathers {  // this file's names, apart from those of the fil
 
 using namespace trainkit_testing::dist_driver;
 using namespace trainkit_testing::sharding;
+
+// Two ranks' replicas of which only the unit gathers exist: each writes its bucket, and its
+// wait fails (a peer gone in the middle of the collective).
+class FailingGathers final : public tk::Replicas {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 2; }
+  void attach(torch::nn::Module&, const torch::Tensor&, const torch::Tensor&) override { unused(); }
+  void check_same_state(const std::vector<torch::Tensor>&, const std::string&) override { unused(); }
+  void all_reduce(std::vector<double>&, tk::Reduce) override { unused(); }
+  std::unique_ptr<tk::Reduction> start_reduction(torch::Tensor&, torch::Tensor, const tk::detail::Partition&,
+                                                 const tk::WindowWeights&, bool) override {
+    unused();
+  }
+  torch::Tensor global_norm(const torch::Tensor&) override { unused(); }
+  void sum(torch::Tensor&) override { unused(); }
+  void all_gather(torch::Tensor&, const tk::detail::Partition&) override { unused(); }
+  torch::Tensor gather_to_main(const torch::Tensor&, const tk::detail::Partition&) override { unused(); }
+  std::function<void()> start_gather_bucket(const torch::Tensor&, const torch::Tensor& bucket,
+                                            const std::string& what) override {
+    bucket.fill_(1);
+    return [what] { throw std::runtime_error("the wait for the " + what + " failed"); };
+  }
+
+ private:
+  [[noreturn]] static void unused() { throw std::logic_error("FailingGathers: not used here"); }
+};
+
+TEST_CASE("stage 3: a unit whose all-gather's wait fails hands its buffer's memory to the replicas, kept until the "
+          "communicator is gone (the collective may still write it), and the unit counts as released") {
+  FailingGathers replicas;
+  const auto buffer = torch::zeros({8});
+  const auto param = buffer.view({2, 4});
+  tk::detail::release_storage(buffer);
+  tk::detail::UnitGathers::Unit unit;
+  unit.name = "block";
+  unit.buffer = buffer;
+  unit.members = 1;
+  tk::detail::UnitGathers gathers({unit}, {param}, {0}, {0}, replicas, tk::detail::Partition({{0, 8}}, 2, 0),
+                                  torch::zeros({4}));
+  CHECK_THROWS_WITH_AS(gathers.before_forward(0), "the wait for the all-gather of unit 'block' (1/1) failed",
+                       std::runtime_error);
+  CHECK(replicas.kept_after_failure() == 8 * 4);
+  CHECK(tk::detail::is_released(buffer));
+  // Gathered again (a load's refresh, another forward): new memory; the kept one stays kept.
+  CHECK_THROWS(gathers.before_forward(0));
+  CHECK(replicas.kept_after_failure() == 2 * 8 * 4);
+}
 
 TEST_CASE("stage 3: the model's weights written while every unit is held are the checkpoint's parameters, bit for "
           "bit; written without the hold, they are refused, naming a parameter") {

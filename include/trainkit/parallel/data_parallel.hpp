@@ -77,6 +77,11 @@ class DataParallel final : public Replicas {
   TRAINKIT_PARALLEL_INLINE void gather_bucket(const torch::Tensor& mine, const torch::Tensor& bucket, const std::string& what) override;
   TRAINKIT_PARALLEL_INLINE std::function<void()> start_gather_bucket(const torch::Tensor& mine, const torch::Tensor& bucket, const std::string& what) override;
   TRAINKIT_PARALLEL_INLINE torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) override;
+  /// Kept with the process group (ProcessGroup::keep_after_failure), after its backend.
+  void keep_after_failure(c10::DataPtr memory, std::int64_t bytes) override {
+    group_.keep_after_failure(std::move(memory), bytes);
+  }
+  std::int64_t kept_after_failure() const override { return group_.kept_after_failure(); }
   TRAINKIT_PARALLEL_INLINE void check_same_state(const std::vector<torch::Tensor>& state, const std::string& what) override;
 
   TRAINKIT_PARALLEL_INLINE void all_reduce(std::vector<double>& values, Reduce op) override;

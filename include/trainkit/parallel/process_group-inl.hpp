@@ -205,7 +205,7 @@ TRAINKIT_PARALLEL_INLINE ProcessGroup ProcessGroup::over(c10::intrusive_ptr<c10d
 TRAINKIT_PARALLEL_INLINE ProcessGroup::ProcessGroup(c10::intrusive_ptr<c10d::Store> store,
                                            c10::intrusive_ptr<c10d::Backend> backend, RankInfo info,
                                            std::chrono::milliseconds timeout, torch::Device device)
-    : state_(std::make_shared<State>( State{std::move(store), std::move(backend), std::move(info), timeout, device, nullptr})) {
+    : state_(new State{{}, std::move(store), std::move(backend), std::move(info), timeout, device, nullptr}) {
   TORCH_CHECK(state_->backend->getRank() == state_->info.rank &&
                   state_->backend->getSize() == state_->info.world_size,
               "ProcessGroup: the backend is rank ", state_->backend->getRank(), " of ",

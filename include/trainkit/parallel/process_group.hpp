@@ -67,6 +67,7 @@
 #include <map>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -208,12 +209,32 @@ class ProcessGroup {
   /// (a mean is the sum divided on the host). Every rank calls it alike.
   void all_reduce(std::vector<double>& values, Reduce op, const std::string& what) const;
 
+  /// Memory that a collective of this group which failed may still write (a unit's gather
+  /// whose wait threw: on NCCL its kernel can run on until the communicator is aborted), kept,
+  /// never reused, until this group's state goes, after its backend.
+  void keep_after_failure(c10::DataPtr memory, std::int64_t bytes) const {
+    const std::lock_guard<std::mutex> lock(state_->kept.mutex);
+    state_->kept.memory.push_back(std::move(memory));
+    state_->kept.bytes += bytes;
+  }
+  std::int64_t kept_after_failure() const {
+    const std::lock_guard<std::mutex> lock(state_->kept.mutex);
+    return state_->kept.bytes;
+  }
+
   /// Throws DistributedError for a failed `what`: rank and peers, and which ranks do not answer
   /// a roll call through the store within a few seconds (they died or hang).
   [[noreturn]] void fail(const std::string& what, const std::string& error) const;
 
  private:
+  // Memory that a failed collective may still write (keep_after_failure).
+  struct Kept {
+    std::mutex mutex;
+    std::vector<c10::DataPtr> memory;
+    std::int64_t bytes = 0;
+  };
   struct State {
+    Kept kept;  // first: freed after the backend is released (its communicator torn down with its last reference)
     c10::intrusive_ptr<c10d::Store> store;
     c10::intrusive_ptr<c10d::Backend> backend;
     RankInfo info;

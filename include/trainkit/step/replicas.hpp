@@ -49,6 +49,11 @@
 ///   gather_to_main(local, partition)
 ///                                 checkpoints: every rank's slices into one host tensor in the
 ///                                 flat layout on the main rank (undefined on the others)
+///   keep_after_failure(memory, bytes)
+///                                 a unit's buffer whose gather's wait failed: that collective
+///                                 may still write it (on NCCL until the communicator is
+///                                 aborted), so it is kept, never reused, until the
+///                                 communicator is gone, instead of freed
 /// and, for the training loop and the application:
 ///   rank(), world_size(), is_main()   log and write checkpoints on the main rank only
 ///   all_reduce(values, op)        a few host scalars combined over the ranks (sum, mean or
@@ -223,6 +228,15 @@ class Replicas {
     return [] {};
   }
   virtual torch::Tensor gather_to_main(const torch::Tensor& local, const detail::Partition& partition) = 0;
+  /// Memory that a failed collective may still write, kept until the communicator is gone (see
+  /// the file comment; DataParallel keeps it with its process group). Here: as long as these
+  /// replicas live.
+  virtual void keep_after_failure(c10::DataPtr memory, std::int64_t bytes) {
+    kept_.push_back(std::move(memory));
+    kept_bytes_ += bytes;
+  }
+  /// Bytes handed to keep_after_failure() (all of this process's, for the process group's).
+  virtual std::int64_t kept_after_failure() const { return kept_bytes_; }
 
  protected:
   /// Every live Joinable handed to join_before_all_reduce() joined (an implementation's
@@ -242,6 +256,8 @@ class Replicas {
  private:
   std::vector<std::weak_ptr<Joinable>> joinables_;
   bool joining_ = false;  // inside all_reduce_while_joining
+  std::vector<c10::DataPtr> kept_;  // keep_after_failure's
+  std::int64_t kept_bytes_ = 0;
 };
 
 /// One process: nothing to send, nothing to wait for.

@@ -328,13 +328,12 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   /// The storage is gone: later calls (a graph outliving it) throw. A gather still in flight
   /// is waited for first (it writes into a buffer that goes with the storage).
   void close() {
-    for (auto& wait : pending_)
-      if (wait) {
-        try {
-          std::exchange(wait, nullptr)();
-        } catch (const std::exception&) {  // (the group's failure was said where it happened)
-        }
+    for (std::int64_t u = 0; u < static_cast<std::int64_t>(pending_.size()); ++u) {
+      try {
+        settle(u);
+      } catch (const std::exception&) {  // (the group's failure was said where it happened)
       }
+    }
     replicas_ = nullptr;
   }
 
@@ -528,15 +527,21 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
     for (size_t w = 0; w < units_.size(); ++w)
       if (pending_[w]) release(static_cast<std::int64_t>(w));
   }
-  // Unit u's gather launched ahead, if any, complete. A failed wait releases the buffer (it
-  // holds no unit) before the error goes on.
+  // Unit u's gather launched ahead, if any, complete. After a failed wait the buffer holds no
+  // unit, and the collective may still write it: its memory goes to the replicas, kept until
+  // the communicator is gone (Replicas::keep_after_failure), before the error goes on.
   void settle(std::int64_t u) {
     auto wait = std::exchange(pending_[static_cast<size_t>(u)], nullptr);
     if (!wait) return;
     try {
       wait();
     } catch (...) {
-      drop_buffer(u);
+      const auto& unit = units_[static_cast<size_t>(u)];
+      if (gathered(u)) {
+        const auto bytes = unit.buffer.numel() * static_cast<std::int64_t>(unit.buffer.element_size());
+        replicas_->keep_after_failure(take_storage(unit.buffer), bytes);
+        if (!unit.whole) now_ -= unit.buffer.numel();
+      }
       throw;
     }
   }
