@@ -664,6 +664,36 @@ TEST_CASE("a checkpoint set: the records of one file; damage refused naming the 
     CHECK(torch::equal(source.read(records.front()), testing::checkpoint_tensors(file).at(records.front())));
     CHECK(source.verify().empty());
   }
+  SUBCASE("ranges read: into host memory straight, into a device's through two slots in turn (here the same path "
+          "with pageable slots), reused from one read to the next") {
+    tk::detail::ShardSource direct(first), staged(first);
+    staged.stage_host_reads(true);
+    const auto whole = testing::checkpoint_tensors(file);
+    std::int64_t largest = 0;  // (bytes of the largest record: a chunk is at most one)
+    const auto read_all = [&] {
+      for (const auto& name : direct.records()) {
+        CAPTURE(name);
+        const auto expected = whole.at(name).reshape({-1});
+        const auto n = expected.numel();
+        largest = std::max<std::int64_t>(largest, n * static_cast<std::int64_t>(expected.element_size()));
+        for (const auto& [from, length] : std::vector<std::pair<std::int64_t, std::int64_t>>{{0, n}, {n / 3, n - n / 3}, {1, n - 2}}) {
+          if (length <= 0) continue;
+          auto straight = torch::full({length}, -1, expected.options()), through = straight.clone();
+          direct.read_range(name, from, length, straight);
+          staged.read_range(name, from, length, through);
+          CHECK(torch::equal(straight, expected.narrow(0, from, length)));
+          CHECK(torch::equal(through, straight));
+        }
+      }
+    };
+    read_all();
+    CHECK(direct.staging_bytes() == 0);
+    const auto slots = staged.staging_bytes();
+    CHECK(slots > 0);
+    CHECK(slots <= 2 * largest);
+    read_all();
+    CHECK(staged.staging_bytes() == slots);
+  }
   SUBCASE("killed between a set's files and its index: never loaded; removed by the next save, as retention removes whole sets") {
     // A later set's files without an index, and a killed writer's temporary.
     write_bytes(dir / "model-0000-000007.ckpt.00000-of-00002.safetensors", read_bytes(shard(first)));

@@ -3,6 +3,7 @@
 /// mode: by src/trainkit.cpp alone). See docs/design/compiled-mode.md.
 #include <trainkit/archive/record_shards.hpp>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -146,6 +147,13 @@ TRAINKIT_INLINE ShardSource::ShardSource(std::string index) : index_(std::move(i
 TRAINKIT_INLINE ShardSource::~ShardSource() {
   for (const int fd : fds_)
     if (fd >= 0) ::close(fd);
+  for (auto& slot : slots_)  // (the slots' last copies done before their memory goes)
+    if (slot.copied) {
+      try {
+        slot.copied->synchronize();
+      } catch (const std::exception&) {  // (a device error: the next use of the device says it)
+      }
+    }
 }
 
 TRAINKIT_INLINE std::vector<std::string> ShardSource::files() const {
@@ -168,7 +176,12 @@ TRAINKIT_INLINE const ShardSource::Record& ShardSource::find(const std::string& 
 
 TRAINKIT_INLINE torch::Tensor ShardSource::read_chunk(const std::string& record, const Record& r, const Chunk& c) const {
   auto t = torch::empty({c.elements}, torch::dtype(r.dtype));
-  auto* p = static_cast<unsigned char*>(t.data_ptr());
+  read_chunk_into(record, c, t.data_ptr());
+  return t;
+}
+
+TRAINKIT_INLINE void ShardSource::read_chunk_into(const std::string& record, const Chunk& c, void* into) const {
+  auto* p = static_cast<unsigned char*>(into);
   const std::uint64_t n = c.end - c.begin;
   const int fd = file(c.file);
   for (std::uint64_t done = 0; done < n;) {
@@ -184,7 +197,32 @@ TRAINKIT_INLINE torch::Tensor ShardSource::read_chunk(const std::string& record,
   if (crc.value() != c.crc)
     throw DamagedArchive(files_[c.file], "record '" + record + "' elements [" + std::to_string(c.offset) + ", " +
                                              std::to_string(c.offset + c.elements) + ") fail their CRC-32");
-  return t;
+}
+
+TRAINKIT_INLINE torch::Tensor ShardSource::stage(const std::string& record, const Record& r, const Chunk& c,
+                                                 bool device) const {
+  auto& slot = slots_[next_slot_];
+  if (slot.copied) slot.copied->synchronize();  // (its last copy, two chunks ago: done by now, as a rule)
+  const auto bytes = static_cast<std::int64_t>(c.end - c.begin);
+  if (!slot.bytes.defined() || slot.bytes.numel() < bytes)
+    slot.bytes = torch::empty({bytes}, torch::dtype(torch::kUInt8).pinned_memory(device));
+  read_chunk_into(record, c, slot.bytes.data_ptr());
+  return slot.bytes.narrow(0, 0, bytes).view(r.dtype);
+}
+
+TRAINKIT_INLINE void ShardSource::record_copy(const torch::Device& device) const {
+  auto& slot = slots_[next_slot_];
+  next_slot_ = 1 - next_slot_;
+  if (device.is_cpu()) return;  // (a host copy is done when copy_ returns)
+  if (!slot.copied) slot.copied.emplace(device.type());
+  slot.copied->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+}
+
+TRAINKIT_INLINE std::int64_t ShardSource::staging_bytes() const {
+  std::int64_t total = 0;
+  for (const auto& slot : slots_)
+    if (slot.bytes.defined()) total += slot.bytes.numel();
+  return total;
 }
 
 TRAINKIT_INLINE int ShardSource::file(std::size_t i) const {
@@ -234,10 +272,20 @@ TRAINKIT_INLINE void ShardSource::read_range(const std::string& record, std::int
   const auto& r = find(record);
   // Whole chunks are read (each one's CRC covers it whole); a chunk is at most one rank's slice
   // of one parameter in one bucket.
+  const bool device = !out.is_cpu(), staged = device || stage_host_reads_;
   for (const auto& c : r.chunks) {
     const auto lo = std::max(from, c.offset), hi = std::min(from + n, c.offset + c.elements);
     if (lo >= hi) continue;
-    out.narrow(0, lo - from, hi - lo).copy_(read_chunk(record, r, c).narrow(0, lo - c.offset, hi - lo));
+    auto into = out.narrow(0, lo - from, hi - lo);
+    if (!staged) {
+      if (lo == c.offset && hi == c.offset + c.elements && into.is_contiguous() && into.scalar_type() == r.dtype)
+        read_chunk_into(record, c, into.data_ptr());  // (straight into place)
+      else
+        into.copy_(read_chunk(record, r, c).narrow(0, lo - c.offset, hi - lo));
+      continue;
+    }
+    into.copy_(stage(record, r, c, device).narrow(0, lo - c.offset, hi - lo), /*non_blocking=*/device);
+    record_copy(out.device());
   }
 }
 

@@ -11,13 +11,16 @@
 #include <trainkit/archive/safetensors.hpp>
 #include <trainkit/archive/zip_check.hpp>
 
+#include <c10/core/Event.h>
 #include <c10/core/ScalarType.h>
 #include <torch/serialize/archive.h>
 #include <torch/types.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -109,7 +112,18 @@ class ShardSource {
   /// The whole record, on the host.
   torch::Tensor read(const std::string& record) const;
   /// Elements [from, from + n) of the flattened record into `out` (1-D, n elements, any device).
+  /// Into host memory: a chunk that `out` takes whole is read straight into it (no copy). Into
+  /// a device's: each chunk is read into one of two page-locked slots in turn and copied from
+  /// there asynchronously, on the device's current stream, while the next chunk is read; a slot
+  /// is written again only once its last copy is done (an event: the host waits for that copy
+  /// alone). Later work on that stream sees the values; the source waits for its copies before
+  /// it goes.
   void read_range(const std::string& record, std::int64_t from, std::int64_t n, const torch::Tensor& out) const;
+  /// The slots' bytes (twice the largest chunk read into a device; 0 before).
+  std::int64_t staging_bytes() const;
+  /// Tests: read_range into host memory through the slots too (pageable, copies synchronous),
+  /// the device path's own code.
+  void stage_host_reads(bool on) { stage_host_reads_ = on; }
   /// Checks every file and reads every chunk, checking its CRC-32: "" or what is wrong, naming
   /// the file.
   std::string verify() const;
@@ -131,12 +145,26 @@ class ShardSource {
   int file(std::size_t i) const;
   // The chunk's elements, read and checked.
   torch::Tensor read_chunk(const std::string& record, const Record& r, const Chunk& c) const;
+  // The chunk's bytes read into `p` and checked.
+  void read_chunk_into(const std::string& record, const Chunk& c, void* p) const;
+  // The chunk's elements read and checked into the next slot (page-locked when `device`), once
+  // that slot's last copy is done; its copy then goes through record_copy().
+  torch::Tensor stage(const std::string& record, const Record& r, const Chunk& c, bool device) const;
+  // The copy from the slot stage() gave last, just enqueued on `device`'s current stream.
+  void record_copy(const torch::Device& device) const;
+  struct Slot {
+    torch::Tensor bytes;            // (uint8; grown to the largest chunk staged in it)
+    std::optional<c10::Event> copied;  // its last copy into a device
+  };
 
   std::string index_, directory_, records_file_, token_;
   std::int64_t world_size_ = 0;
   std::vector<std::string> files_;  // the shards, by rank
   std::vector<std::uint64_t> file_bytes_;  // their sizes, as the index says
   mutable std::vector<int> fds_;  // each file's, once read from (-1: not yet)
+  mutable std::array<Slot, 2> slots_;  // read_range into a device: chunks staged in turn
+  mutable std::size_t next_slot_ = 0;
+  bool stage_host_reads_ = false;
   std::map<std::string, Record> records_;
 };
 
