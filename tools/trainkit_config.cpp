@@ -197,7 +197,8 @@ json memory_per_rank(const tk::RunPlan& d, const tk::ModelSize& model) {
            {"masters", held.masters},
            {"optimizer", held.optimizer},
            {"gathered_in_step", held.gathered},
-           {"autocast_copies_in_step", held.autocast}};
+           {"autocast_copies_in_step", held.autocast},
+           {"unit_gradients_in_step", held.unit_gradients}};
   }
   json out = {{"parameters", model.trained}, {"this_run", run}, {"by_world_size_and_stage", by_world}};
   if (!tk::predicts_stage3(model, shape))

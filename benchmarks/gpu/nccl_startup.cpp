@@ -16,13 +16,18 @@
 //      units all-gathered for every forward and backward (one launched ahead:
 //      unit_prefetch 1), each unit's gradient reduce-scattered and released; counted and
 //      asserted, the losses equal one process's, and the memory held between steps equal to
-//      the trainer's prediction.
+//      the trainer's prediction;
+//   6. ZeRO stage 3 in half precision (stage3_check.hpp): MasterWeights<FP16Dynamic> and BF16,
+//      the device allocator's peak in a forward and backward against the prediction's in-step
+//      terms, one window's all-gathers and reduce-scatters counted exactly, and a checkpoint set
+//      written in the background (its pause timed) loaded into a fresh trainer, bit-equal.
 // Its last line is PASS or FAIL: and the list (exit 1).
 //
 //   nccl_startup             # cuda:0, NCCL
 //   nccl_startup --dry-run   # the same code on the CPU with Gloo (no GPU needed)
 #include "harness.hpp"
 #include "resume_check.hpp"
+#include "stage3_check.hpp"
 #include "../../tests/support/counting_backend.hpp"
 
 #include <trainkit/parallel/data_parallel.hpp>
@@ -257,6 +262,10 @@ int main(int argc, char** argv) try {
     if (stage3.size() != unsharded.size() || !(diff <= 1e-6 * std::abs(unsharded.front())))
       failed.push_back("stage 3 at world size 1 differs from one process by " + std::to_string(diff));
   }
+
+  // 6. Stage 3 in half precision: memory against the prediction, a window's collectives, a set
+  //    written in the background and loaded back.
+  bench::check_stage3(bench::Stage3Setup{device, dry, sharded_replicas, counter}, failed);
 
   if (failed.empty()) {
     std::printf("PASS\n");

@@ -27,7 +27,10 @@
 #      hook-launched buckets on NCCL, counted and asserted, against one process and resumed;
 #      then ZeRO stage 3 the same way (6 units through tk::unit, one gathered ahead: unit
 #      all-gathers, per-unit reduce-scatters, released buffers, the held bytes against the
-#      prediction); torch.distributed's start-up for reference.
+#      prediction); then stage 3 in half precision (MasterWeights<FP16Dynamic>, BF16): the
+#      allocator's peak in a forward and backward against the prediction, one window's
+#      collectives counted, a checkpoint set written in the background loaded back bit-equal;
+#      torch.distributed's start-up for reference.
 # The unit tests are not run there: they run in CI on the CPU, building them would cost most of
 # the machine's time, and their one CUDA case (test_recompute.cpp's "recompute on CUDA") runs in
 # gpu_check, on the same model and code (tests/support/recompute_model.hpp). Each step has a time limit out of one budget (TRAINKIT_GPU_BUDGET

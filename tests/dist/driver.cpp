@@ -592,6 +592,7 @@ int run(const Args& a, tk::ProcessGroup& base) {
                       {"parameter_bytes", parameter_bytes(*model)},
                       {"held_bytes", trainer.held_bytes()},
                       {"predicted_bytes", trainer.predicted_held().total()},
+                      {"predicted_unit_gradients", trainer.predicted_held().unit_gradients},
                       {"vm_peak", tk::detail::proc_status_bytes("VmPeak")},
                       {"rss_peak", tk::detail::proc_status_bytes("VmHWM")},
                       {"buckets", replicas->buckets(trainer.parameters().numel())},

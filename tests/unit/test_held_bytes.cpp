@@ -64,6 +64,18 @@ TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
   CHECK(three.gathered == doctest::Approx(4.0 * 300 * 2));  // (unit_prefetch 1: two units)
   CHECK(tk::predict_held({1000, 200, 300, 100}, {false, 2, false, 0, true}, 3, 4).gathered == doctest::Approx(4.0 * 300));
   CHECK(tk::predict_held({1000, 200, 300, 100}, {false, 2, false, 1, false}, 3, 4).gathered == doctest::Approx(4.0 * 800));
+  // Inside a backward the units' fp32 gradients until reduce-scattered: the one filled and two in
+  // flight, at most every unit's; without the overlap every unit's (half units' too: in fp32).
+  CHECK(three.unit_gradients == doctest::Approx(4.0 * 800));  // (3 x 300 > the units' 800)
+  CHECK(tk::predict_held({4000, 200, 300, 100}, fp32, 3, 4).unit_gradients == doctest::Approx(4.0 * 300 * 3));
+  tk::StorageShape after = fp32;
+  after.overlap_reduction = false;
+  CHECK(tk::predict_held({4000, 200, 300, 100}, after, 3, 4).unit_gradients == doctest::Approx(4.0 * 3800));
+  CHECK(tk::predict_held({4000, 200, 300, 100}, master, 3, 4).unit_gradients == doctest::Approx(4.0 * 300 * 3));
+  CHECK(tk::predict_held({4000, 200, 300, 100}, fp32, 2, 4).unit_gradients == 0);
+  CHECK(tk::held_summary({4000, 200, 300, 100}, fp32, 3, 4).find(", and 3.5 KiB more for the units' fp32 gradients "
+                                                                  "inside a backward, until each is reduce-scattered") !=
+        std::string::npos);
   // With master weights the root unit, the frozen parameters and the gathered units are half.
   const tk::HeldBytes half = tk::predict_held({1000, 200, 300, 100}, master, 3, 4);
   CHECK(half.parameters == doctest::Approx(2.0 * (1000 / 4 + 200 + 100)));
@@ -83,7 +95,8 @@ TEST_CASE("predict_held: ZeRO's bytes per parameter by stage and world size") {
   const auto lines = tk::held_table({110'000'000, 0, 7'000'000, 0}, fp32, 4);
   REQUIRE(lines.size() == 4);  // 1, 2, 4, 8 ranks
   CHECK(lines[0] == "  1 rank:  every stage 1.64 GiB");
-  CHECK(lines[2] == "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 314.7 MiB (+ 53.4 MiB gathered)");
+  CHECK(lines[2] == "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 314.7 MiB (+ 53.4 MiB gathered, + 80.1 MiB "
+                    "gradients)");
   CHECK(tk::held_table({110'000'000, 0, 0, 0}, fp32, 4)[2] == "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 needs the units");
   const std::string said = tk::held_summary({110'000'000, 0, 0, 0}, master, 2, 4);
   CHECK(said.find("each rank will hold 524.5 MiB") == 0);  // (2 + 12 / 4 bytes per parameter)
@@ -110,8 +123,8 @@ TEST_CASE("predict_held: stage 3 without master weights counts autocast's half c
   CHECK(said.find("with tk::MasterWeights the units are gathered as half copies") != std::string::npos);
   CHECK(tk::held_summary({110'000'000, 0, 7'000'000, 0}, fp32, 3, 4).find("autocast") == std::string::npos);
   CHECK(tk::held_table({110'000'000, 0, 7'000'000, 0}, bf16, 4)[2] ==
-        "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 314.7 MiB (+ 53.4 MiB gathered, + 209.8 MiB autocast's "
-        "copies)");
+        "  4 ranks: stage 0 1.64 GiB, 1 1.02 GiB, 2 629.4 MiB, 3 314.7 MiB (+ 53.4 MiB gathered, + 80.1 MiB gradients, "
+        "+ 209.8 MiB autocast's copies)");
 }
 
 TEST_CASE_TEMPLATE("a trainer in one process holds what it predicts, once its optimizer's state exists", T,

@@ -214,6 +214,9 @@ TEST_CASE("stage 3: a model whose replicated training does not fit a memory cap 
                     << " elements, gathered peak " << s["unit_peak"].get<std::int64_t>() << ", VmPeak "
                     << s["vm_peak"].get<double>() / 1048576 << " MiB");
     CHECK(s["unit_gradient_peak"].get<std::int64_t>() < numel / 2);
+    // (at most the prediction's: the unit the backward fills and two in flight, fp32)
+    CHECK(4.0 * s["unit_gradient_peak"].get<double>() <= s["predicted_unit_gradients"].get<double>());
+    CHECK(s["predicted_unit_gradients"].get<double>() < 4.0 * numel / 2);
     CHECK(s["unit_peak"].get<std::int64_t>() < numel / 3);  // (the unit called and the next, gathered ahead: 2 of 10)
   }
 }

@@ -36,6 +36,13 @@ TRAINKIT_INLINE HeldBytes predict_held(const ModelSize& model, const StorageShap
   // was released (docs/design/data-parallel.md, "Memory per rank").
   if (stage == 3 && shape.autocast_copies && !shape.master_weights)
     held.autocast = 2 * (trained - static_cast<double>(model.root));
+  // A unit's gradient is summed in fp32 (master weights' too) from its first parameter's
+  // gradient until its reduce-scatter completes (storage/unit_gathers.hpp).
+  if (stage == 3) {
+    const double units = trained - static_cast<double>(model.root);
+    held.unit_gradients =
+        4 * (shape.overlap_reduction ? std::min(units, 3 * static_cast<double>(model.largest_unit)) : units);
+  }
   return held;
 }
 
@@ -62,6 +69,9 @@ TRAINKIT_INLINE std::string held_summary(const ModelSize& model, const StorageSh
                                       : format_bytes(held.optimizer)) +
           ")";
   if (held.gathered > 0) line += ", and " + format_bytes(held.gathered) + " more for the units gathered inside a step";
+  if (held.unit_gradients > 0)
+    line += ", and " + format_bytes(held.unit_gradients) + " more for the units' fp32 gradients inside a backward, " +
+            (shape.overlap_reduction ? "until each is reduce-scattered" : "every unit's until the backward ends");
   if (held.autocast > 0)
     line += ", and " + format_bytes(held.autocast) + " more for autocast's half copies of every unit's weights, which "
             "live from each unit's forward to its backward (the units' whole model again, at 2 bytes a parameter: "
@@ -92,7 +102,8 @@ TRAINKIT_INLINE std::vector<std::string> held_table(const ModelSize& model, cons
                 format_bytes(predict_held(model, shape, stage, w).total());
       if (predicts_stage3(model, shape)) {
         const HeldBytes three = predict_held(model, shape, 3, w);
-        line += ", 3 " + format_bytes(three.total()) + " (+ " + format_bytes(three.gathered) + " gathered" +
+        line += ", 3 " + format_bytes(three.total()) + " (+ " + format_bytes(three.gathered) + " gathered, + " +
+                format_bytes(three.unit_gradients) + " gradients" +
                 (three.autocast > 0 ? ", + " + format_bytes(three.autocast) + " autocast's copies" : "") + ")";
       } else {
         line += ", 3 needs the units";

@@ -44,6 +44,8 @@ struct StorageShape {
   bool autocast_copies = false;       ///< the forward autocasts fp32 weights to a half type (FP16 or
                                       ///< BF16 without master weights): autocast keeps each weight's
                                       ///< half copy from its forward to its backward
+  bool overlap_reduction = true;      ///< stage 3: each unit's gradient reduced as the backward leaves
+                                      ///< it (TrainerOptions::overlap_reduction); false: after it
 
   /// The fp32 values per parameter of the optimizer `settings` name: Adam and AdamW 2 (their
   /// moments), SGD 1 with momentum, 0 without.
@@ -64,6 +66,9 @@ struct HeldBytes {
   double autocast = 0;    ///< stage 3 with autocast's copies, on top inside a step: every unit's
                           ///< half copy, from its forward to its backward (2 bytes a parameter:
                           ///< the units' whole model again, which master weights avoid)
+  double unit_gradients = 0;  ///< stage 3, on top inside a backward: the units' fp32 gradients until
+                              ///< each is reduce-scattered (the unit the backward fills and two in
+                              ///< flight, DataParallel's limit; every unit's without the overlap)
   double total() const { return parameters + gradients + masters + optimizer; }
 };
 

@@ -73,6 +73,7 @@ TRAINKIT_INLINE StorageShape TrainerCore::shape_of(bool master_weights, bool aut
   shape.accumulates = window_length() != 1;
   shape.unit_prefetch = options_.unit_prefetch();
   shape.reshard_after_forward = options_.reshard_after_forward();
+  shape.overlap_reduction = options_.overlap_reduction();
   return shape;
 }
 
