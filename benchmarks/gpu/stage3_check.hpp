@@ -7,7 +7,8 @@
 //     against the prediction's in-step terms (HeldBytes::gathered, unit_gradients, autocast) and
 //     the activations; the memory held between steps against HeldBytes::total();
 //   - the collectives of one window counted: every unit all-gathered for each micro-batch's
-//     forward and again for its backward, and reduce-scattered once per micro-batch;
+//     forward and again for its backward (but the last, kept into it), and reduce-scattered once
+//     per micro-batch;
 //   - a checkpoint set written in the background (the pause, the time save_in_background takes,
 //     against the write), loaded into a fresh trainer (through the page-locked slots on a GPU),
 //     and the next window's loss and the state bit-equal to the uninterrupted run's.
@@ -154,12 +155,13 @@ void check_stage3_precision(const Stage3Setup& s, const std::string& name, std::
       failed.push_back(tag + "a forward and backward allocated " + std::to_string(rise / 1048576.0) +
                        " MiB, less than half of the units gathered: the peak was not measured");
   }
-  // One window: 2 micro-batches, each gathering every unit for its forward and for its backward,
-  // and reduce-scattering every unit's gradient.
-  if (gathers != 2 * 2 * units || scatters != 2 * units)
+  // One window: 2 micro-batches, each gathering every unit for its forward and for its backward
+  // but the one the forward ends with (kept into the backward), and reduce-scattering every
+  // unit's gradient.
+  if (gathers != 2 * (2 * units - 1) || scatters != 2 * units)
     failed.push_back(tag + "one window made " + std::to_string(gathers) + " all-gathers and " +
-                     std::to_string(scatters) + " reduce-scatters, not " + std::to_string(4 * units) + " and " +
-                     std::to_string(2 * units));
+                     std::to_string(scatters) + " reduce-scatters, not " + std::to_string(2 * (2 * units - 1)) +
+                     " and " + std::to_string(2 * units));
   // The set, loaded into a fresh trainer: windows 3-4 again, bit for bit.
   if (saved.empty()) {
     failed.push_back(tag + "the background save wrote nothing");

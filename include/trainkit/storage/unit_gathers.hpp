@@ -12,7 +12,8 @@
 ///                       then the next `prefetch` units of the forward's order launched ahead
 ///   after_forward(u)    the buffer released (its views stay; FSDP2's reshard_after_forward):
 ///                       the graph's saved parameters are those views, and see the values again
-///                       once the backward gathers them. Kept instead with reshard = false
+///                       once the backward gathers them. Kept instead with reshard = false, and
+///                       for the unit the previous forward ended with (the backward's first)
 ///   before_backward(u)  gathered again, when the gradient reaches one of the unit's outputs,
 ///                       then the next `prefetch` units of the backward's order launched ahead
 ///   ready(i, param)     parameter i's gradient accumulated (its post-accumulate-grad hook):
@@ -116,6 +117,7 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
                              "evaluate_by_unit(false) on every rank first");
     drop_pending();
     called_.assign(units_.size(), false);
+    kept_ = last_forward_;  // (the previous forward's last unit: its backward's first)
     last_forward_ = -1;
     backward_ = false;
   }
@@ -137,10 +139,16 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
     last_forward_ = u;
     prefetch_after(u, next_forward_, called_);
   }
-  // In the backward (tk::recompute around the unit) the unit stays: its backward follows.
+  // In the backward (tk::recompute around the unit) the unit stays: its backward follows. The
+  // unit the previous forward ended with stays too (FSDP2 keeps its root so): the backward
+  // starts with it, and its gather there would be exposed. Every rank keeps the same one (the
+  // order is shared); where the order changes, the kept unit is released by the backward.
   void after_forward(std::int64_t u) override {
-    if (evaluating_ && --inside_[static_cast<size_t>(u)] > 0) return;  // (called inside its own call: the outer's)
-    if ((reshard_ && !backward_) || evaluating_) release(u);
+    if (evaluating_) {
+      if (--inside_[static_cast<size_t>(u)] == 0) release(u);  // (called inside its own call: the outer's)
+      return;
+    }
+    if (reshard_ && !backward_ && u != kept_) release(u);
   }
   // The unit the backward reached before this one is done (a unit's backward ends before the
   // gradient leaves its inputs): its reduce-scatter starts here, before this gather. The
@@ -584,6 +592,7 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   std::vector<bool> called_, visited_;  // units called in this forward, reached in this backward
   std::vector<bool> wanted_;            // prefetch_after's: the units its chain names
   std::int64_t prefetch_ = 0, last_forward_ = -1, last_backward_ = -1, ahead_ = 0, ahead_backward_ = 0;
+  std::int64_t kept_ = -1;  // the unit after_forward keeps gathered into the backward (-1: none)
   bool reshard_ = true, backward_ = false;
   // An evaluation by unit is open (read by the replicas' all_reduce, from any thread that makes
   // one; joined only on the thread that opened it).
