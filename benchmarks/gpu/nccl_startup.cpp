@@ -44,22 +44,9 @@ namespace tk = trainkit;
 
 namespace {
 
-// Step 5's model: Linear(256, 256) layers with tanh between, each called through tk::unit.
-struct StackImpl : torch::nn::Module {
-  explicit StackImpl(int64_t n) {
-    layers = register_module("layers", torch::nn::ModuleList());
-    for (int64_t i = 0; i < n; ++i) layers->push_back(torch::nn::Linear(256, 256));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    for (const auto& m : *layers) {
-      auto* layer = m->as<torch::nn::LinearImpl>();
-      x = torch::tanh(tk::unit(layer, [&](const torch::Tensor& in) { return layer->forward(in); }, x));
-    }
-    return x;
-  }
-  torch::nn::ModuleList layers{nullptr};
-};
-TORCH_MODULE(Stack);
+// Step 5's model: bench::Stage3Stack (stage3_check.hpp), Linear(256, 256) layers with tanh
+// between, each called through tk::unit.
+using Stack = bench::Stage3Stack;
 
 }  // namespace
 
@@ -205,7 +192,7 @@ int main(int argc, char** argv) try {
     const auto x = torch::randn({32, 256}, torch::TensorOptions().device(device));
     auto losses = [&](bool stage3, std::string* said) {
       torch::manual_seed(5);
-      Stack model(kUnits);
+      Stack model(kUnits, 256);
       model->to(device);
       auto o = tk::TrainerOptions(options).accumulation_steps(2);
       if (stage3) o.sharding(tk::Sharding::parameters).units({"layers.*"}).unit_prefetch(1);
