@@ -70,9 +70,17 @@ struct Outcome {
   std::string error, fault;
 };
 
+// Where a rank runs out of memory (its buffer's reservation throws, before any collective):
+// at its call number `call`, or at its `owed`-th gather of units it owes the others (0: none).
+struct OutOfMemory {
+  std::int64_t call = -1, owed = 0;
+};
+
 // Every rank's evaluation run as UnitGathers runs it (before_forward, join_evaluation), `units`
 // units in all.
-std::vector<Outcome> evaluate(const std::vector<Batches>& ranks, std::int64_t units = 8) {
+std::vector<Outcome> evaluate(const std::vector<Batches>& ranks, std::int64_t units = 8,
+                              std::vector<OutOfMemory> oom = {}) {
+  oom.resize(ranks.size());
   const int world = static_cast<int>(ranks.size());
   Lockstep group(world);
   std::vector<Outcome> out(ranks.size());
@@ -106,11 +114,20 @@ std::vector<Outcome> evaluate(const std::vector<Batches>& ranks, std::int64_t un
           throw trainkit::detail::UnitsDiffer("units " + std::to_string(lowest) + " and " + std::to_string(said.unit));
         return said;
       };
+      std::int64_t calls = 0, owed = 0;
+      const auto reserve = [&] {
+        if (calls++ == oom[static_cast<size_t>(r)].call) throw std::runtime_error("out of memory");
+      };
+      const auto owe = [&](std::int64_t v) {
+        if (++owed == oom[static_cast<size_t>(r)].owed) throw std::runtime_error("out of memory");
+        gather(v);
+      };
       try {
         try {
           for (const auto& batch : ranks[static_cast<size_t>(r)])
             for (const auto u : batch) {
-              order.call(u, gather, announce);
+              reserve();
+              order.call(u, owe, announce);
               gather(u);
               o.called.push_back(u);
             }
@@ -210,6 +227,21 @@ TEST_CASE("an evaluation by unit in which the ranks call different units throws 
     CHECK(o.fault == "");
     CHECK(o.error.find("units 0 and 3") == 0);
   }
+}
+
+TEST_CASE("an evaluation by unit in which a rank runs out of memory, at a unit it follows or at one it owes the "
+          "others, stays paired: that rank joins the others") {
+  const std::vector<std::int64_t> forward{0, 1, 2, 3}, reversed{0, 3, 2, 1};
+  const auto check = [](const std::vector<Outcome>& out) {
+    CHECK(out[0].fault == "");
+    CHECK(out[1].fault == "");
+    CHECK(out[0].error == "");
+    CHECK(out[1].error == "out of memory");
+  };
+  // Rank 1's sixth call: the second unit of its second batch, followed.
+  check(evaluate({repeat(forward, 3), repeat(forward, 3)}, 8, {{}, {5, 0}}));
+  // Rank 1 leaves its third batch at its second unit, and its second owed gather fails.
+  check(evaluate({repeat(forward, 4), {forward, forward, reversed, forward}}, 8, {{}, {-1, 2}}));
 }
 
 TEST_CASE("an evaluation by unit never pairs different collectives, whatever units each rank's batches call") {

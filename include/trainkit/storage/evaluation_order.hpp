@@ -14,7 +14,7 @@
 ///               rest of the sequence: each of those units is gathered when called, unannounced.
 ///               A rank whose forwards are done (joining) gathers the rest with them.
 ///   deviation   a rank that calls another unit than the sequence's next one while following
-///               first gathers the rest of the sequence as the others will (rest(): their
+///               first gathers the rest of the sequence as the others will (settle_rest: their
 ///               all-gathers still pair), then announces its own unit. Its key is now "off":
 ///               at that announcement the keys differ, and every rank stops following for the
 ///               rest of the evaluation (one unit, one announcement, as before). When the ranks
@@ -66,7 +66,7 @@ class EvaluationOrder {
   template <class Owe, class Announce>
   void call(std::int64_t u, Owe&& owe, Announce&& announce) {
     if (follows(u)) return;
-    for (const auto v : rest()) owe(v);
+    settle_rest(owe);
     agreed(announce(u, key()));
   }
   /// This rank's forwards are done (or threw): `gather(v)` for the rest of a followed batch,
@@ -75,7 +75,7 @@ class EvaluationOrder {
   /// then join too), this rank goes on answering until every rank is done, and throws the same.
   template <class Gather, class Announce>
   void join(Gather&& gather, Announce&& announce) {
-    for (const auto v : rest()) gather(v);
+    settle_rest(gather);
     std::exception_ptr differed;
     for (;;) {
       Agreed said;
@@ -89,7 +89,7 @@ class EvaluationOrder {
       if (said.unit < 0) break;
       agreed(said);
       gather(said.unit);
-      for (const auto v : rest()) gather(v);
+      settle_rest(gather);
     }
     if (differed) std::rethrow_exception(differed);
   }
@@ -100,8 +100,9 @@ class EvaluationOrder {
   const std::vector<std::int64_t>& sequence() const { return sequence_; }
 
  private:
-  // Whether u is the followed batch's next unit (advanced past it). A call that is not, while
-  // following, is a deviation.
+  // Whether u is the followed batch's next unit (advanced past it: the caller has reserved its
+  // buffer, so that only a failed collective can keep it from gathering it). A call that is
+  // not, while following, is a deviation.
   bool follows(std::int64_t u) {
     if (!following_) return false;
     if (sequence_[next_] != u) {
@@ -111,14 +112,16 @@ class EvaluationOrder {
     following_ = ++next_ < sequence_.size();
     return true;
   }
-  // The units of the followed batch still to gather; following ends. After a deviation this
-  // rank's key is "off" from here.
-  std::vector<std::int64_t> rest() {
-    std::vector<std::int64_t> owed;
-    if (following_) owed.assign(sequence_.begin() + static_cast<std::ptrdiff_t>(next_), sequence_.end());
-    following_ = false;
+  // `gather(v)` for each unit of the followed batch still to gather, one at a time: a gather
+  // that throws (this rank out of memory) leaves it and the units after it owed, for the join
+  // to gather. Following ends; after a deviation this rank's key is "off" from here.
+  template <class Gather>
+  void settle_rest(Gather&& gather) {
+    while (following_) {
+      gather(sequence_[next_]);
+      following_ = ++next_ < sequence_.size();
+    }
     if (std::exchange(deviated_, false)) stop();
-    return owed;
   }
   // An announcement's outcome: the learning goes on, or the batch is followed from its unit.
   void agreed(const Agreed& said) {

@@ -123,11 +123,11 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   }
   void before_forward(std::int64_t u) override {
     if (evaluating_) {  // (outside the step: its buffer, announced unless followed, gathered; released after its call)
+      // (reserved first: a rank out of memory there has neither announced nor followed u, and
+      // joins the others)
+      reserve(u);
       order_.call(u, [&](std::int64_t owed) { gather_for_others(owed); },
-                  [&](std::int64_t unit, double key) {
-                    reserve(unit);
-                    return announce(unit, key);
-                  });
+                  [&](std::int64_t unit, double key) { return announce(unit, key); });
       gather(u, /*again=*/true);
       ++inside_[static_cast<size_t>(u)];
       return;
@@ -315,9 +315,20 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
   void end_evaluation() {
     if (!evaluating_) return;
     struct Ends {  // (closed even when the join fails: later micro-steps are not refused)
-      std::atomic<bool>& evaluating;
-      ~Ends() { evaluating = false; }
-    } ends{evaluating_};
+      UnitGathers& gathers;
+      ~Ends() {
+        gathers.evaluating_ = false;
+        // Every unit released, as every rank has it after a step: a unit this rank reserved
+        // for a call whose announcement threw (UnitsDiffer), or left by any other exception,
+        // would stay gathered on this rank alone, and its next gather make no collective here.
+        for (std::int64_t u = 0; u < static_cast<std::int64_t>(gathers.units_.size()); ++u) {
+          try {
+            if (!gathers.units_[static_cast<size_t>(u)].whole) gathers.drop_buffer(u);
+          } catch (const std::exception&) {  // (a device error: its next use says it)
+          }
+        }
+      }
+    } ends{*this};
     join_evaluation();
   }
   /// A rank whose forwards are done (at the evaluation's end, or before a collective of the
