@@ -214,8 +214,14 @@ TRAINKIT_INLINE void ShardSource::record_copy(const torch::Device& device) const
   auto& slot = slots_[next_slot_];
   next_slot_ = 1 - next_slot_;
   if (device.is_cpu()) return;  // (a host copy is done when copy_ returns)
+  const auto stream = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+  // (an event records on one device: one of another device, its last copy done, is replaced)
+  if (slot.copied && slot.copied->was_marked_for_recording() && slot.copied->device() != stream.device()) {
+    slot.copied->synchronize();
+    slot.copied.reset();
+  }
   if (!slot.copied) slot.copied.emplace(device.type());
-  slot.copied->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+  slot.copied->record(stream);
 }
 
 TRAINKIT_INLINE std::int64_t ShardSource::staging_bytes() const {
