@@ -8,7 +8,7 @@
 /// so that the operator reads memory, and remembered; check(), after the forward, releases it
 /// again and throws a std::logic_error naming the unit and the operator. Later forwards are not
 /// checked (the check costs an observer call per operator); a view of a released parameter is
-/// still named there (UnitGathers::released_use).
+/// still named there (released_use, below).
 ///
 /// The observer is ATen's (at::RecordFunction, thread-local, registered only while the guard
 /// lives); its function has no user data, so the guard it serves is this thread's
@@ -18,7 +18,10 @@
 
 #include <ATen/record_function.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -79,5 +82,41 @@ class ReleasedUseGuard {
   std::vector<std::int64_t> used_;
   std::string first_op_;
 };
+
+/// The forward failed with LibTorch's `error`. When it is the refusal to view a released
+/// parameter (a unit's module called without tk::unit, or one of its parameters used outside
+/// its unit's call: the weight's transpose in a Linear), what to say instead: the units
+/// released at this point, those holding a parameter of the error's sizes (in any order: the
+/// view may be the transpose) first. Empty for any other error.
+inline std::string released_use(const UnitGathers& gathers, const std::string& error) {
+  if (error.find("out of bounds for storage of size 0") == std::string::npos) return {};
+  std::vector<std::int64_t> wanted;  // "sizes [a, b, ...]" of the refused view, sorted
+  if (const auto at = error.find("sizes ["); at != std::string::npos) {
+    std::istringstream in(error.substr(at + 7, error.find(']', at) - at - 7));
+    for (std::string n; std::getline(in, n, ',');) wanted.push_back(std::stoll(n));
+    std::sort(wanted.begin(), wanted.end());
+  }
+  const auto sized = [&](std::int64_t u) {
+    for (size_t i = 0; i < gathers.params_.size(); ++i) {
+      if (gathers.member_of_[i] != u) continue;
+      auto sizes = gathers.params_[i].sizes().vec();
+      std::sort(sizes.begin(), sizes.end());
+      if (sizes == wanted) return true;
+    }
+    return false;
+  };
+  std::vector<std::int64_t> matching, released;
+  for (std::int64_t u = 0; u < static_cast<std::int64_t>(gathers.units_.size()); ++u)
+    if (!gathers.units_[static_cast<size_t>(u)].whole && !gathers.gathered(u))
+      (sized(u) ? matching : released).push_back(u);
+  if (matching.empty() && released.empty()) return {};
+  const std::string which =
+      !matching.empty() ? "unit " + gathers.units_text(matching, " or ") + " (a parameter of its sizes)"
+                        : "one of the units released at this point, " + gathers.units_text(released, " or ");
+  return "trainkit: the forward used a parameter of " + which +
+         " while the unit was released: at ZeRO stage 3 (TRAIN.ZERO_STAGE: 3) a unit's parameters exist only "
+         "inside its call through tk::unit. " + UnitGathers::call_through_unit() + ". LibTorch said: " +
+         error.substr(0, error.find('\n'));
+}
 
 }  // namespace trainkit::detail

@@ -59,7 +59,6 @@
 #include <exception>
 #include <functional>
 #include <stdexcept>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -415,39 +414,8 @@ class UnitGathers final : public UnitSchedule, public GradientListener, public J
            "only inside that call (a weight shared with another module belongs to the same unit)";
   }
 
-  /// The forward failed with LibTorch's `error`. When it is the refusal to view a released
-  /// parameter (a unit's module called without tk::unit, or one of its parameters used outside
-  /// its unit's call: the weight's transpose in a Linear), what to say instead: the units
-  /// released at this point, those holding a parameter of the error's sizes (in any order: the
-  /// view may be the transpose) first. Empty for any other error.
-  std::string released_use(const std::string& error) const {
-    if (error.find("out of bounds for storage of size 0") == std::string::npos) return {};
-    std::vector<std::int64_t> wanted;  // "sizes [a, b, ...]" of the refused view, sorted
-    if (const auto at = error.find("sizes ["); at != std::string::npos) {
-      std::istringstream in(error.substr(at + 7, error.find(']', at) - at - 7));
-      for (std::string n; std::getline(in, n, ',');) wanted.push_back(std::stoll(n));
-      std::sort(wanted.begin(), wanted.end());
-    }
-    const auto sized = [&](std::int64_t u) {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (member_of_[i] != u) continue;
-        auto sizes = params_[i].sizes().vec();
-        std::sort(sizes.begin(), sizes.end());
-        if (sizes == wanted) return true;
-      }
-      return false;
-    };
-    std::vector<std::int64_t> matching, released;
-    for (std::int64_t u = 0; u < static_cast<std::int64_t>(units_.size()); ++u)
-      if (!units_[static_cast<size_t>(u)].whole && !gathered(u)) (sized(u) ? matching : released).push_back(u);
-    if (matching.empty() && released.empty()) return {};
-    const std::string which = !matching.empty() ? "unit " + units_text(matching, " or ") + " (a parameter of its sizes)"
-                                                : "one of the units released at this point, " + units_text(released, " or ");
-    return "trainkit: the forward used a parameter of " + which +
-           " while the unit was released: at ZeRO stage 3 (TRAIN.ZERO_STAGE: 3) a unit's parameters exist only "
-           "inside its call through tk::unit. " + call_through_unit() + ". LibTorch said: " +
-           error.substr(0, error.find('\n'));
-  }
+  /// What to say for a refused view of a released parameter (storage/released_use.hpp).
+  friend std::string released_use(const UnitGathers& gathers, const std::string& error);
 
  private:
   // An evaluation by unit: this rank's next unit u (-1: its evaluation is done) said to every

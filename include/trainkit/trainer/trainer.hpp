@@ -387,7 +387,7 @@ class Trainer final : public detail::TrainerCore {
       try {
         loss = closure();
       } catch (const c10::Error& e) {  // (a unit called without tk::unit: said in the model's terms)
-        if (const std::string said = gathers ? gathers->released_use(e.what_without_backtrace()) : std::string();
+        if (const std::string said = gathers ? detail::released_use(*gathers, e.what_without_backtrace()) : std::string();
             !said.empty())
           throw std::logic_error(said);
         throw;
