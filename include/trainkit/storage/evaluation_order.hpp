@@ -96,9 +96,6 @@ class EvaluationOrder {
   /// What this rank says with its announcement: 0 while learning, 1 when off, else the
   /// sequence's hash (an integer below 2^53 + 2: exact as a double).
   double key() const { return off_ ? 1.0 : sequence_.empty() ? 0.0 : static_cast<double>(hash_); }
-  bool following() const { return following_; }
-  const std::vector<std::int64_t>& sequence() const { return sequence_; }
-
  private:
   // Whether u is the followed batch's next unit (advanced past it: the caller has reserved its
   // buffer, so that only a failed collective can keep it from gathering it). A call that is
